@@ -1,0 +1,45 @@
+"""The exceptions pitgen raises: one base class, one subclass per stage that can refuse."""
+from __future__ import annotations
+
+
+class PitgenError(Exception):
+    """Base of every error pitgen raises on purpose."""
+
+
+class ExpressionError(PitgenError, ValueError):
+    """A tensor expression that does not parse or does not make sense.
+
+    ``column`` is 1-based; ``str(err)`` shows the expression with a caret under it.
+    """
+
+    def __init__(self, message: str, text: str = "", column: int | None = None):
+        self.message = message
+        self.text = text
+        self.column = column
+        if text and column is not None:
+            caret = " " * (column - 1) + "^"
+            full = f"{message} (column {column})\n  {text}\n  {caret}"
+        else:
+            full = message
+        super().__init__(full)
+
+
+class RuleError(PitgenError, ValueError):
+    """A request that contradicts the PIT rules (e.g. a micro-tile along a non-invariant axis),
+    or a symbolic check that disagrees with the structural rule (a bug: fails loudly)."""
+
+
+class PlanError(PitgenError, ValueError):
+    """A plan that cannot be made: unknown operand, bad tile, mask of the wrong shape."""
+
+
+class ShapeError(PitgenError, ValueError):
+    """Arrays whose shapes, dtypes or layouts do not fit the operator or plan."""
+
+
+class CompileError(PitgenError, RuntimeError):
+    """nvcc (or the template renderer) failed; the message carries the compiler log."""
+
+
+class DeviceError(PitgenError, RuntimeError):
+    """No usable CUDA device, pycuda missing, or a tensor on the wrong device."""
