@@ -14,7 +14,7 @@ Index expressions become sympy expressions so that the rule engine can reason ab
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -54,6 +54,8 @@ class Access:
     tensor: str
     indices: tuple[sympy.Expr, ...]
     column: int
+    #: 1-based column where each index starts, so errors can point at the index itself.
+    index_columns: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -165,7 +167,7 @@ class Operator:
 
     def view(self, acc: Access, array: np.ndarray, extents: Mapping[str, int]) -> np.ndarray:
         """A strided view of ``array`` with one dimension per axis of ``acc`` (in ``acc.axes``
-        order): affine indices become strides, so ``I[n,c,y+r,x+s]`` reads as ``V[n,c,y,r,x,s]``.
+        order): affine indices become strides, so ``I[n,c,y+r,x+s]`` reads as ``V[n,c,r,y,s,x]``.
         Every index value is bounds-checked first."""
         if array.ndim != acc.rank:
             raise ShapeError(f"{acc.tensor} has rank {array.ndim}, expected {acc.rank}")
@@ -288,12 +290,14 @@ class _Parser:
             raise self.error(f"unknown function {t.text!r}" if t.text not in EPILOGUES
                              else f"function {t.text!r} is only allowed around the whole right-hand side", t)
         self.take("[")
+        cols = [self.peek().col]  # brackets are balanced: a token follows '['
         idx = [self.index()]
         while self.peek() is not None and self.peek().text == ",":
             self.i += 1
+            cols.append(self.peek().col)
             idx.append(self.index())
         self.take("]")
-        return Access(t.text, tuple(idx), t.col)
+        return Access(t.text, tuple(idx), t.col, tuple(cols))
 
     def index(self) -> sympy.Expr:
         start = self.peek()
@@ -351,20 +355,20 @@ class _Parser:
             raise self.error(f"output {out.tensor} is also read on the right-hand side",
                              _Tok("name", out.tensor, out.column))
         seen: list[str] = []
-        for e in out.indices:
+        at: dict[str, int] = {}
+        for e, col in zip(out.indices, out.index_columns):
             if not isinstance(e, sympy.Symbol):
-                raise self.error(f"output index {e} must be a single axis name",
-                                 _Tok("name", out.tensor, out.column))
+                raise self.error(f"output index {e} must be a single axis name", _Tok("index", str(e), col))
             if e.name in seen:
-                raise self.error(f"output axis {e.name} repeated", _Tok("name", out.tensor, out.column))
+                raise self.error(f"output axis {e.name} repeated", _Tok("index", str(e), col))
             seen.append(e.name)
+            at[e.name] = col
         rhs_axes: list[str] = []
         for a in inputs:
             rhs_axes += [x for x in a.axes if x not in rhs_axes]
         for ax in seen:
             if ax not in rhs_axes:
-                raise self.error(f"output axis {ax} appears on no input",
-                                 _Tok("name", out.tensor, out.column))
+                raise self.error(f"output axis {ax} appears on no input", _Tok("index", ax, at[ax]))
         reduction = [a for a in rhs_axes if a not in seen]
         if reducer == "none" and reduction:
             raise self.error(

@@ -1,0 +1,211 @@
+"""Lowering: a plan plus the operands' layouts -> the specification of one CUDA module.
+
+Every decision that shapes generated code is made here (which kernel mode, tile, warps, stages,
+vector widths, index strategy); the templates only spell the decisions out in CUDA. All GPU
+kernels compute the normalised product ``C'[M',N'] = A'[M',K] * B'[K,N']`` where ``A'`` is the
+sparse operand: dense × sparse (``B`` sparse) is lowered as ``C^T = B^T A^T``, and transposed
+operands are just other strides.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+import sympy
+
+from .errors import PitgenError, PlanError
+from .expr import Operator
+
+DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class GemmForm:
+    """Where M', N', K live in the user's tensors."""
+
+    sparse: str  # plays A'[M', K]
+    dense: str  # plays B'[K, N']
+    out: str
+    m_axis: str
+    n_axis: str
+    k_axis: str
+    a_dims: tuple[int, int]  # dims of `sparse` holding (m', k)
+    b_dims: tuple[int, int]  # dims of `dense` holding (k, n')
+    c_dims: tuple[int, int]  # dims of `out` holding (m', n')
+
+
+def gemm_form(op: Operator, sparse: str) -> GemmForm:
+    """Recognise a matrix product (any operand order or transposition) with ``sparse`` as A'."""
+    why = None
+    if op.reducer != "sum" or op.epilogue or len(op.inputs) != 2:
+        why = "it is not a sum of products of two tensors"
+    elif op.output.rank != 2 or len(op.reduction_axes) != 1 or any(a.rank != 2 for a in op.inputs):
+        why = "it is not a product of two matrices (2-D tensors, one reduction axis)"
+    elif any(not isinstance(e, sympy.Symbol) for a in op.inputs for e in a.indices):
+        why = "an index is not a bare axis"
+    elif len({a.tensor for a in op.inputs}) != 2:
+        why = "both operands are the same tensor"
+    if why:
+        raise PitgenError(f"no GPU kernel for {op.text!r} yet ({why}); pitgen.execute runs its "
+                          f"plan on the CPU")
+    names = [a.tensor for a in op.inputs]
+    if sparse not in names:
+        raise PlanError(f"sparse operand {sparse!r} is not an input of {op.text!r} "
+                        f"(inputs: {', '.join(names)})")
+    s = op.access(sparse)
+    d = next(a for a in op.inputs if a.tensor != sparse)
+    k = op.reduction_axes[0]
+    m = next((a for a in s.axes if a != k), None)
+    n = next((a for a in d.axes if a != k), None)
+    if m is None or n is None or m == n or {m, n} != set(op.output.axes):
+        raise PitgenError(f"no GPU kernel for {op.text!r} yet: each operand must hold the "
+                          f"reduction axis {k} and one output axis")
+    return GemmForm(sparse, d.tensor, op.output.tensor, m, n, k,
+                    (s.bare_dim(m), s.bare_dim(k)), (d.bare_dim(k), d.bare_dim(n)),
+                    (op.output.bare_dim(m), op.output.bare_dim(n)))
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    name: str
+    a_mode: str  # 'box' | 'packed' | 'rows'
+    block_list: bool  # box mode over the k-blocks listed per m-tile
+    c_mode: str  # 'direct' | 'atomic'
+    accumulate: bool
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    stages: int
+    a_vec: int
+    b_vec: int
+    a_smem_kcontig: bool
+    b_smem_ncontig: bool
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+    def smem_bytes(self, dtype: str) -> int:
+        pad = 16 // DTYPES[dtype]
+        a = self.bm * (self.bk + pad) if self.a_smem_kcontig else self.bk * (self.bm + pad)
+        b = self.bk * (self.bn + pad) if self.b_smem_ncontig else self.bn * (self.bk + pad)
+        return self.stages * (a + b) * DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    name: str
+    kind: str  # 'micro' | 'block'
+    strategy: str  # 'thread' | 'warp' (micro)
+    long_extent: int  # L: extent of a micro-tile along its long dim (micro)
+    pack: bool  # write the packed values (micro along k)
+    block_rows: int  # block extent along m' (block)
+    block_cols: int  # block extent along k (block)
+    id_contiguous: bool  # block: adjacent k adjacent in memory
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    dtype: str
+    expression: str
+    sparse: str
+    plan_kind: str
+    plan_axis: str | None
+    plan_shape: tuple[int, ...]
+    gemm: GemmSpec
+    index: IndexSpec | None
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(repr(asdict(self)).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Extents and element strides of the normalised problem, plus pointer alignment (bytes)."""
+
+    M: int
+    N: int
+    K: int
+    sa: tuple[int, int]  # A' (m', k)
+    sb: tuple[int, int]  # B' (k, n')
+    sc: tuple[int, int]  # C' (m', n')
+    align_a: int = 16
+    align_b: int = 16
+
+
+def _vec(dtype: str, extent: int, other_stride: int, align: int) -> int:
+    """Widest copy (elements, at most 16 bytes) that keeps every chunk inside one aligned run."""
+    size = DTYPES[dtype]
+    v = 16 // size
+    while v > 1 and (extent % v or other_stride % v or align % (v * size)):
+        v //= 2
+    return v
+
+
+def _schedule(bm: int, bn: int, dtype: str) -> tuple[int, int]:
+    """Warps along m and n: warp tiles of at most 64 rows, 8 warps at most, n-tiles of >= 16."""
+    wm = max(1, bm // 64)
+    wn = max(1, min(8 // wm, bn // 16))
+    return wm, wn
+
+
+def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[int, ...],
+          dtype: str, layout: Layout, bn: int = 128, bk: int | None = None,
+          accumulate: bool = False, stages: int = 3) -> ModuleSpec:
+    """The module that runs one plan choice (kind/axis/shape over ``sparse``) on ``layout``."""
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
+    f = gemm_form(op, sparse)
+    for what, n in (("M*K", layout.M * layout.K), ("K*N", layout.K * layout.N),
+                     ("M*N", layout.M * layout.N)):
+        if n > INT32_MAX:
+            raise PlanError(f"{what} = {n} elements would overflow the kernels' int32 indices")
+    kstep = 8 if dtype == "float32" else 16
+    sm, sk = f.a_dims
+    tm, tk = (shape[sm], shape[sk]) if shape else (0, 0)
+    index = None
+    block_list, c_mode, a_mode = False, "direct", "box"
+    if kind == "dense":
+        bm, bk_ = 128, bk or 32
+    elif kind == "block":
+        bm, bk_ = tm, tk
+        block_list = True
+        index = IndexSpec("pit_build_index", "block", "warp", 0, False, tm, tk, layout.sa[1] == 1)
+    elif kind == "micro" and axis == f.k_axis:
+        bm, bk_ = tm, bk or 32
+        a_mode = "packed"
+        strategy = "thread" if layout.sa[1] == 1 else "warp"
+        index = IndexSpec("pit_build_index", "micro", strategy, tm, True, 0, 0, False)
+    elif kind == "micro" and axis == f.m_axis:
+        bm, bk_ = 64, min(bk or 32, tk) if tk >= kstep else kstep
+        a_mode = "rows"
+        c_mode = "direct" if tk >= layout.K else "atomic"
+        strategy = "warp" if layout.sa[1] == 1 else "thread"
+        index = IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False)
+    else:
+        raise PlanError(f"plan {kind} along {axis} has no GPU kernel for {op.text!r}")
+    if bm not in (16, 32, 64, 128) or bk_ % kstep or bk_ <= 0:
+        raise PlanError(f"tile {bm}x{bk_} of {sparse} does not fit the {dtype} mma shape "
+                        f"(m in 16/32/64/128, k a multiple of {kstep})")
+    wm, wn = _schedule(bm, bn, dtype)
+    if a_mode == "packed":
+        a_kc, a_vec = False, 16 // DTYPES[dtype]
+    elif layout.sa[1] == 1:
+        a_kc, a_vec = True, _vec(dtype, layout.K, layout.sa[0], layout.align_a)
+    elif layout.sa[0] == 1 and a_mode == "box":
+        a_kc, a_vec = False, _vec(dtype, layout.M, layout.sa[1], layout.align_a)
+    else:
+        a_kc, a_vec = True, 1
+    if layout.sb[1] == 1:
+        b_nc, b_vec = True, _vec(dtype, layout.N, layout.sb[0], layout.align_b)
+    elif layout.sb[0] == 1 and a_mode != "packed":
+        b_nc, b_vec = False, _vec(dtype, layout.K, layout.sb[1], layout.align_b)
+    else:
+        b_nc, b_vec = True, 1
+    gemm = GemmSpec("pit_gemm", a_mode, block_list, c_mode, accumulate, bm, bn, bk_, wm, wn,
+                    stages, a_vec, b_vec, a_kc, b_nc)
+    return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)

@@ -1,0 +1,394 @@
+"""Choosing how a kernel exploits a sparse operand S: micro-tiles along an invariant axis,
+blocks, or dense. The :class:`Plan` is the contract between the rule engine and the CUDA
+generator, which reads ``operator``, ``sparse``, ``choice`` (kind, axis, shape) and
+``compute_tile``.
+
+Candidates are costed from S's mask with a per-device profile (see ``profiles/``): a dense
+tile costs ``fixed_ns + elements * ns_per_element``, and every sparse kind also pays for the
+online index (one pass over S).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import sympy
+
+from .errors import PlanError, RuleError
+from .expr import Access, Operator, parse
+from .index import as_mask, sparse_access, tile_extents, tile_grid
+from .rules import Rules, analyse
+
+#: Extents tried along each non-batch dimension of S for micro-tiles and blocks.
+TILE_SIZES = (16, 32, 64, 128)
+#: Tie-break on equal cost: the simpler kernel wins.
+KIND_RANK = {"dense": 0, "block": 1, "micro": 2}
+PROFILE_KINDS = ("dense", "block", "micro-reduction", "micro-spatial")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to tile S. ``shape`` is in S's dimension order (1 along ``axis`` for a
+    micro-tile); ``nonzero`` counts micro-tiles/blocks holding a non-zero (dense: compute tiles
+    holding one); ``waste`` is computed-but-zero elements per true non-zero (None: infinite);
+    ``dense_tiles`` is the number of dense tiles left after packing."""
+
+    kind: str  # 'micro' | 'block' | 'dense'
+    axis: str | None
+    shape: tuple[int, ...]
+    nonzero: int
+    waste: float | None
+    dense_tiles: int
+    cost: float
+
+    @property
+    def label(self) -> str:
+        shape = "x".join(map(str, self.shape))
+        return f"micro {shape} along {self.axis}" if self.kind == "micro" else f"{self.kind} {shape}"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "axis": self.axis, "shape": list(self.shape),
+                "nonzero": self.nonzero, "waste": self.waste, "dense_tiles": self.dense_tiles,
+                "cost": self.cost}
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The chosen candidate with everything it was chosen from. ``shape`` is S's shape (from the
+    mask, or nominal when planned without one: ``masked`` False)."""
+
+    operator: Operator
+    rules: Rules
+    sparse: str
+    tile: dict[str, int]
+    choice: Candidate
+    candidates: tuple[Candidate, ...]
+    profile: dict
+    shape: tuple[int, ...]
+    masked: bool
+
+    @property
+    def compute_tile(self) -> dict[str, int]:
+        """The compute tile with the choice's extents on S's bare dims other than the micro
+        axis (the micro axis keeps the tile's extent: that many gathered ids per dense tile).
+        Dims of S indexed by an affine expression (conv's ``y+r``) keep the given tile."""
+        tile = dict(self.tile)
+        if self.choice.kind == "dense":
+            return tile
+        acc = self.operator.access(self.sparse)
+        for e, t in zip(acc.indices, self.choice.shape):
+            if isinstance(e, sympy.Symbol) and e.name != self.choice.axis:
+                tile[e.name] = t
+        return tile
+
+    def to_json(self) -> dict:
+        return {"expression": self.operator.text, "sparse": self.sparse,
+                "shape": list(self.shape), "masked": self.masked, "tile": dict(self.tile),
+                "compute_tile": self.compute_tile, "profile": self.profile["device"],
+                "choice": self.choice.to_json(),
+                "candidates": [c.to_json() for c in self.candidates]}
+
+    def table(self) -> str:
+        """Candidates by cost, the choice marked with '*'."""
+        acc = self.operator.access(self.sparse)
+        tile = " ".join(f"{a}={t}" for a, t in self.tile.items())
+        ct = " ".join(f"{a}={t}" for a, t in self.compute_tile.items())
+        src = "mask" if self.masked else "nominal, no mask: density 1"
+        lines = [f"plan for {self.operator.text}",
+                 f"  sparse {acc} of shape {list(self.shape)} ({src}); tile {tile}",
+                 f"  profile: {self.profile['device']}",
+                 f"  choice: {self.choice.label}; compute tile {ct}", ""]
+        head = ("", "kind", "axis", "shape", "nonzero", "waste", "dense tiles", "cost (ns)")
+        rows = [head] + [("*" if c is self.choice else "", c.kind, c.axis or "-",
+                          "x".join(map(str, c.shape)), str(c.nonzero),
+                          "inf" if c.waste is None else f"{c.waste:.3f}", str(c.dense_tiles),
+                          f"{c.cost:.1f}") for c in self.candidates]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines += ["  ".join(v.ljust(w) if i < 4 else v.rjust(w)
+                            for i, (v, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+        return "\n".join(lines)
+
+
+# -- profiles ---------------------------------------------------------------------------------
+
+def load_profile(path_or_name: str | os.PathLike | Mapping | None = None) -> dict:
+    """A cost profile: a dict, a JSON file path, or the name of one in ``pitgen/profiles``.
+    ``None`` prefers ``measured.json`` (written by the GPU calibration script) over
+    ``analytic.json`` (a placeholder)."""
+    pkg = resources.files("pitgen.profiles")
+    if isinstance(path_or_name, Mapping):
+        prof, src = json.loads(json.dumps(path_or_name)), "profile dict"
+    else:
+        if path_or_name is None:
+            res = pkg / "measured.json"
+            src = res if res.is_file() else pkg / "analytic.json"
+        elif os.sep in str(path_or_name) or str(path_or_name).endswith(".json"):
+            src = Path(path_or_name)
+        else:
+            src = pkg / f"{path_or_name}.json"
+        try:
+            prof = json.loads(src.read_text())
+        except (OSError, ValueError) as e:
+            raise PlanError(f"cannot read profile {str(src)!r}: {e}") from None
+    _check_profile(prof, str(src))
+    return prof
+
+
+def _check_profile(prof: dict, src: str) -> None:
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+    problems = [k for k in ("device", "measured", "kinds") if k not in prof]
+    if not number(prof.get("index_ns_per_element")):
+        problems.append("index_ns_per_element")
+    for k in PROFILE_KINDS:
+        entry = prof.get("kinds", {}).get(k, {})
+        problems += [f"kinds.{k}.{f}" for f in ("fixed_ns", "ns_per_element")
+                     if not number(entry.get(f))]
+    if problems:
+        raise PlanError(f"profile {src} lacks or has invalid: {', '.join(problems)}")
+
+
+# -- tiles ------------------------------------------------------------------------------------
+
+def batch_axes(op: Operator) -> tuple[str, ...]:
+    """Axes in every access (output included) of a product of several inputs: independent
+    problems (batched matmul's b, MoE's e), never worth tiling. With a single input every axis
+    is in every access, so none is a batch axis."""
+    if len(op.inputs) < 2:
+        return ()
+    accs = (op.output, *op.inputs)
+    return tuple(a for a in op.axes if all(a in acc.axes for acc in accs))
+
+
+def parse_tile(op: Operator, tile: str | Sequence[int] | Mapping[str, int] | None) -> dict[str, int]:
+    """The compute tile as {axis: extent}: defaults 1 on batch axes, 64 on other spatial axes,
+    32 on reduction axes; ``tile`` as "64x64x32" or a sequence (both in ``op.axes`` order) or a
+    dict overriding some axes."""
+    batch = batch_axes(op)
+    out = {a: 1 if a in batch else 64 if a in op.spatial_axes else 32 for a in op.axes}
+    if tile is None:
+        return out
+    order = f"{len(op.axes)} extents in axis order {'x'.join(op.axes)}"
+    if isinstance(tile, str):
+        parts = [p for p in re.split(r"[x,\s]+", tile.strip()) if p]
+        if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
+            raise PlanError(f"tile {tile!r}: expected {order}, e.g. {'x'.join(map(str, out.values()))}")
+        tile = [int(p) for p in parts]
+    if isinstance(tile, Mapping):
+        unknown = [a for a in tile if a not in out]
+        if unknown:
+            raise PlanError(f"tile names {unknown}, which are not axes of {op.text!r} "
+                            f"(axes: {', '.join(op.axes)})")
+        given = dict(tile)
+    else:
+        values = list(tile)
+        if len(values) != len(op.axes):
+            raise PlanError(f"tile has {len(values)} extents, expected {order}")
+        given = dict(zip(op.axes, values))
+    for a, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise PlanError(f"tile extent of {a} must be a positive integer, got {v!r}")
+        out[a] = int(v)
+    return out
+
+
+def _span(e: sympy.Expr, tile: Mapping[str, int]) -> int:
+    """Extent along a dimension indexed by ``e`` covered by one compute tile (with halo)."""
+    return 1 + sum(abs(int(e.coeff(s))) * (tile[s.name] - 1) for s in e.free_symbols)
+
+
+def _dense_shape(acc: Access, tile: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(_span(e, tile) for e in acc.indices)
+
+
+def _micro_axes(op: Operator, acc: Access, rules: Rules) -> list[str]:
+    """Axes a micro-tile of S can be 1 along: invariant, a bare index of a single dim of S, and
+    not a batch axis (a batch axis is already tiled by 1)."""
+    batch = batch_axes(op)
+    return [a for a in acc.axes if rules.axes[a].invariant and a not in batch
+            and acc.bare_dim(a) is not None and len(acc.dims_of(a)) == 1]
+
+
+def _batch_dims(op: Operator, acc: Access) -> set[int]:
+    return {d for a in batch_axes(op) if (d := acc.bare_dim(a)) is not None}
+
+
+def _shapes(op: Operator, acc: Access, rules: Rules) -> list[tuple[str, str | None, tuple[int, ...]]]:
+    """(kind, axis, shape) of every micro-tile and block of S, before clipping to S's shape."""
+    batch = _batch_dims(op, acc)
+    sizes = [(1,) if d in batch else TILE_SIZES for d in range(acc.rank)]
+    out = []
+    for a in _micro_axes(op, acc, rules):
+        d = acc.bare_dim(a)
+        out += [("micro", a, s) for s in itertools.product(*(sizes[:d] + [(1,)] + sizes[d + 1:]))]
+    out += [("block", None, s) for s in itertools.product(*sizes)]
+    return out
+
+
+# -- costing ----------------------------------------------------------------------------------
+
+class _Stats:
+    """Counts of one S (mask, or nominal all-ones shape) shared by all its candidates."""
+
+    def __init__(self, mask: np.ndarray | None, shape: tuple[int, ...]):
+        self.mask, self.shape = mask, shape
+        self.size = math.prod(shape)
+        self.nnz = int(np.count_nonzero(mask)) if mask is not None else self.size
+        self.cache: dict = {}
+
+    def grid(self, tile: tuple[int, ...]) -> np.ndarray:
+        if self.mask is None:
+            return np.ones(tuple(-(-n // t) for n, t in zip(self.shape, tile)), bool)
+        return tile_grid(self.mask, tile, self.cache)
+
+    def covered(self, grid: np.ndarray, tile: tuple[int, ...]) -> int:
+        """Elements of S inside the True tiles of ``grid`` (edge tiles clipped)."""
+        x = grid.astype(np.int64)
+        for n, t in zip(self.shape, tile):
+            x = np.tensordot(tile_extents(n, t), x, axes=([0], [0]))
+        return int(x)
+
+    def waste(self, covered: int) -> float | None:
+        if self.nnz:
+            return (covered - self.nnz) / self.nnz
+        return 0.0 if covered == 0 else None
+
+
+def _candidate(kind: str, axis: str | None, shape: tuple[int, ...], acc: Access, rules: Rules,
+               tile: Mapping[str, int], stats: _Stats, profile: Mapping) -> Candidate:
+    grid = stats.grid(shape)
+    nonzero = int(np.count_nonzero(grid))
+    elements = math.prod(shape)
+    if kind == "dense":
+        dense_tiles, covered, key = grid.size, stats.size, "dense"
+    elif kind == "block":
+        dense_tiles, covered, key = nonzero, stats.covered(grid, shape), "block"
+    else:
+        d = acc.bare_dim(axis)
+        chunk = min(tile[axis], stats.shape[d])
+        counts = grid.sum(axis=d)
+        dense_tiles = int(np.sum(-(-counts // chunk)))
+        covered = stats.covered(grid, shape)
+        elements = elements * chunk
+        key = f"micro-{rules.axes[axis].role}"
+    k = profile["kinds"][key]
+    cost = dense_tiles * (k["fixed_ns"] + elements * k["ns_per_element"])
+    if kind != "dense":
+        cost += stats.size * profile["index_ns_per_element"]
+    return Candidate(kind, axis, shape, nonzero, stats.waste(covered), dense_tiles, float(cost))
+
+
+def _nominal_shape(op: Operator, acc: Access, tile: Mapping[str, int]) -> tuple[int, ...]:
+    """Without a mask: batch dims 1, others a multiple of every tile extent tried."""
+    batch = _batch_dims(op, acc)
+    return tuple(1 if d in batch else math.lcm(TILE_SIZES[-1], t)
+                 for d, t in enumerate(_dense_shape(acc, tile)))
+
+
+def _clip(shape: Sequence[int], size: Sequence[int]) -> tuple[int, ...]:
+    return tuple(min(int(t), n) for t, n in zip(shape, size))
+
+
+def list_candidates(op: Operator | str, sparse: str, tile=None, *, mask: np.ndarray | None = None,
+                    shape: Sequence[int] | None = None, profile=None) -> list[Candidate]:
+    """Every micro-tile, block and the dense candidate of ``sparse``, costed on ``mask`` (or
+    at density 1 on ``shape``, or on a nominal shape), cheapest first."""
+    return list(make_plan(op, sparse, mask=mask, tile=tile, profile=profile, shape=shape).candidates)
+
+
+def _parse_micro_tile(micro_tile) -> str | tuple[int, ...]:
+    if micro_tile is None or (isinstance(micro_tile, str) and micro_tile.strip() == "auto"):
+        return "auto"
+    if isinstance(micro_tile, str):
+        if micro_tile.strip() == "dense":
+            return "dense"
+        parts = [p for p in re.split(r"[x,\s]+", micro_tile.strip()) if p]
+        if not parts or not all(re.fullmatch(r"[0-9]+", p) for p in parts):
+            raise PlanError(f"micro_tile {micro_tile!r}: expected 'auto', 'dense' or a shape like 32x1")
+        micro_tile = [int(p) for p in parts]
+    values = tuple(micro_tile)
+    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in values):
+        raise PlanError(f"micro_tile {micro_tile!r}: extents must be positive integers")
+    return tuple(int(v) for v in values)
+
+
+def _requested(op: Operator, acc: Access, rules: Rules, shape: tuple[int, ...],
+               size: tuple[int, ...]) -> tuple[str, str | None]:
+    """(kind, axis) of an explicitly requested shape; RuleError if its 1 is along a
+    non-invariant axis, PlanError if it is no micro-tile or block of S."""
+    if len(shape) != acc.rank:
+        raise PlanError(f"micro_tile {list(shape)} has {len(shape)} extents but {acc} has rank "
+                        f"{acc.rank}: neither a micro-tile nor a block of {acc.tensor}")
+    batch = _batch_dims(op, acc)
+    ones = [d for d, t in enumerate(shape) if t == 1 and d not in batch and size[d] > 1]
+    if not ones:
+        return "block", None
+    if len(ones) > 1:
+        usable = _micro_axes(op, acc, rules)
+        ones = [d for d in ones if str(acc.indices[d]) in usable] or ones
+        if len(ones) > 1:
+            raise PlanError(f"micro_tile {list(shape)} is 1 along several dims of {acc} "
+                            f"({', '.join(str(acc.indices[d]) for d in ones)}): ambiguous")
+    e = acc.indices[ones[0]]
+    for s in sorted(e.free_symbols, key=lambda s: s.name):
+        rules.require_invariant(s.name)
+    if not isinstance(e, sympy.Symbol):
+        raise RuleError(f"dimension {ones[0]} of {acc} is indexed by {e}, not a single axis: a "
+                        f"micro-tile needs a bare index to permute")
+    if len(acc.dims_of(e.name)) != 1:
+        raise RuleError(f"{e.name} indexes several dimensions of {acc}: a micro-tile along it "
+                        f"would not be a slice")
+    return "micro", e.name
+
+
+def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
+              tile: str | Sequence[int] | Mapping[str, int] | None = None,
+              micro_tile: str | Sequence[int] | None = None,
+              profile: str | os.PathLike | Mapping | None = None,
+              shape: Sequence[int] | None = None) -> Plan:
+    """Cost every candidate of ``sparse`` on ``mask`` and choose the cheapest (ties: dense, then
+    block, then micro). Without a mask the plan is dense (nothing known to skip) unless
+    ``micro_tile`` names a shape. ``shape`` is S's shape when known without a mask (or to check
+    the mask against)."""
+    if isinstance(op, str):
+        op = parse(op)
+    rules = analyse(op)
+    acc = sparse_access(op, sparse)
+    tile = parse_tile(op, tile)
+    prof = load_profile(profile)
+    want = _parse_micro_tile(micro_tile)
+    if mask is not None:
+        mask = as_mask(mask, acc)
+        if shape is not None and tuple(shape) != mask.shape:
+            raise PlanError(f"mask has shape {mask.shape} but {acc.tensor} has shape {tuple(shape)}")
+        size = tuple(int(n) for n in mask.shape)
+    elif shape is not None:
+        size = tuple(int(n) for n in shape)
+        if len(size) != acc.rank or min(size, default=1) < 1:
+            raise PlanError(f"shape {size} does not fit {acc} (rank {acc.rank})")
+    else:
+        size = _nominal_shape(op, acc, tile)
+    stats = _Stats(mask, size)
+
+    dense = ("dense", None, _clip(_dense_shape(acc, tile), size))
+    specs = [(k, a, _clip(s, size)) for k, a, s in _shapes(op, acc, rules)] + [dense]
+    chosen = dense
+    if isinstance(want, tuple):
+        chosen = (*_requested(op, acc, rules, want, size), _clip(want, size))
+        specs.append(chosen)
+    cands: dict[tuple, Candidate] = {}
+    for spec in specs:
+        if spec not in cands:
+            cands[spec] = _candidate(*spec, acc, rules, tile, stats, prof)
+    ordered = sorted(cands.values(), key=lambda c: (c.cost, KIND_RANK[c.kind]))
+    choice = ordered[0] if want == "auto" and mask is not None else cands[chosen]
+    return Plan(op, rules, sparse, tile, choice, tuple(ordered), prof, size, mask is not None)

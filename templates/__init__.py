@@ -1,0 +1,1 @@
+"""Jinja2 CUDA templates, shipped inside the package as ``pitgen.templates``."""
