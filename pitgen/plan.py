@@ -161,12 +161,11 @@ def _check_profile(prof: dict, src: str) -> None:
 
 def batch_axes(op: Operator) -> tuple[str, ...]:
     """Axes in every access (output included) of a product of several inputs: independent
-    problems (batched matmul's b, MoE's e), never worth tiling. With a single input every axis
-    is in every access, so none is a batch axis."""
-    if len(op.inputs) < 2:
-        return ()
+    problems (batched matmul's b, MoE's e), never worth tiling. None for a single input or a
+    pure elementwise product, where every axis would qualify and nothing would be left to tile."""
     accs = (op.output, *op.inputs)
-    return tuple(a for a in op.axes if all(a in acc.axes for acc in accs))
+    batch = tuple(a for a in op.axes if all(a in acc.axes for acc in accs))
+    return batch if len(op.inputs) > 1 and len(batch) < len(op.axes) else ()
 
 
 def parse_tile(op: Operator, tile: str | Sequence[int] | Mapping[str, int] | None) -> dict[str, int]:
@@ -288,9 +287,11 @@ def _candidate(kind: str, axis: str | None, shape: tuple[int, ...], acc: Access,
 
 
 def _nominal_shape(op: Operator, acc: Access, tile: Mapping[str, int]) -> tuple[int, ...]:
-    """Without a mask: batch dims 1, others a multiple of every tile extent tried."""
+    """Without a mask: batch dims 1, others the compute tile's span rounded up to a multiple of
+    the largest tile tried (so that every tried extent divides it)."""
     batch = _batch_dims(op, acc)
-    return tuple(1 if d in batch else math.lcm(TILE_SIZES[-1], t)
+    top = TILE_SIZES[-1]
+    return tuple(1 if d in batch else -(-t // top) * top
                  for d, t in enumerate(_dense_shape(acc, tile)))
 
 
@@ -305,7 +306,9 @@ def list_candidates(op: Operator | str, sparse: str, tile=None, *, mask: np.ndar
     return list(make_plan(op, sparse, mask=mask, tile=tile, profile=profile, shape=shape).candidates)
 
 
-def _parse_micro_tile(micro_tile) -> str | tuple[int, ...]:
+def _parse_micro_tile(micro_tile) -> str | tuple[int, ...] | Candidate:
+    if isinstance(micro_tile, Candidate):
+        return micro_tile
     if micro_tile is None or (isinstance(micro_tile, str) and micro_tile.strip() == "auto"):
         return "auto"
     if isinstance(micro_tile, str):
@@ -321,43 +324,60 @@ def _parse_micro_tile(micro_tile) -> str | tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def _requested(op: Operator, acc: Access, rules: Rules, shape: tuple[int, ...],
-               size: tuple[int, ...]) -> tuple[str, str | None]:
-    """(kind, axis) of an explicitly requested shape; RuleError if its 1 is along a
-    non-invariant axis, PlanError if it is no micro-tile or block of S."""
+def _requested(op: Operator, acc: Access, rules: Rules, want: tuple[int, ...] | Candidate,
+               size: tuple[int, ...]) -> tuple[str, str | None, tuple[int, ...]]:
+    """(kind, axis, shape) of an explicit request (a shape, or a Candidate naming its axis);
+    RuleError if its 1 is along a non-invariant axis, PlanError if it is no micro-tile or block
+    of S."""
+    shape = tuple(want.shape) if isinstance(want, Candidate) else want
     if len(shape) != acc.rank:
         raise PlanError(f"micro_tile {list(shape)} has {len(shape)} extents but {acc} has rank "
                         f"{acc.rank}: neither a micro-tile nor a block of {acc.tensor}")
-    batch = _batch_dims(op, acc)
-    ones = [d for d, t in enumerate(shape) if t == 1 and d not in batch and size[d] > 1]
-    if not ones:
-        return "block", None
+    if isinstance(want, Candidate) and want.kind != "micro":
+        if want.kind not in KIND_RANK:
+            raise PlanError(f"unknown candidate kind {want.kind!r}")
+        return want.kind, None, shape
+    if isinstance(want, Candidate):
+        rules.require_invariant(want.axis)
+        ones = [d for d in acc.dims_of(want.axis) if shape[d] == 1]
+        if not ones:
+            raise PlanError(f"micro-tile {list(shape)} is not 1 along {want.axis} in {acc}")
+    else:
+        batch = _batch_dims(op, acc)
+        ones = [d for d, t in enumerate(shape) if t == 1 and d not in batch and size[d] > 1]
+        if not ones:
+            return "block", None, shape
     if len(ones) > 1:
         usable = _micro_axes(op, acc, rules)
         ones = [d for d in ones if str(acc.indices[d]) in usable] or ones
         if len(ones) > 1:
             raise PlanError(f"micro_tile {list(shape)} is 1 along several dims of {acc} "
-                            f"({', '.join(str(acc.indices[d]) for d in ones)}): ambiguous")
+                            f"({', '.join(str(acc.indices[d]) for d in ones)}): ambiguous; pass "
+                            f"a Candidate to name the axis")
     e = acc.indices[ones[0]]
-    for s in sorted(e.free_symbols, key=lambda s: s.name):
-        rules.require_invariant(s.name)
     if not isinstance(e, sympy.Symbol):
-        raise RuleError(f"dimension {ones[0]} of {acc} is indexed by {e}, not a single axis: a "
-                        f"micro-tile needs a bare index to permute")
+        names = {s.name for s in e.free_symbols}
+        why = "; ".join(f"{a}: {rules.axes[a].reason}" for a in op.axes
+                        if a in names and not rules.axes[a].invariant)
+        raise RuleError(f"micro_tile {list(shape)} is 1 along dimension {ones[0]} of {acc}, "
+                        f"indexed by {e}: not a single permutation invariant axis"
+                        + (f" ({why})" if why else ""))
+    rules.require_invariant(e.name)
     if len(acc.dims_of(e.name)) != 1:
         raise RuleError(f"{e.name} indexes several dimensions of {acc}: a micro-tile along it "
                         f"would not be a slice")
-    return "micro", e.name
+    return "micro", e.name, shape
 
 
 def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
               tile: str | Sequence[int] | Mapping[str, int] | None = None,
-              micro_tile: str | Sequence[int] | None = None,
+              micro_tile: str | Sequence[int] | Candidate | None = None,
               profile: str | os.PathLike | Mapping | None = None,
               shape: Sequence[int] | None = None) -> Plan:
     """Cost every candidate of ``sparse`` on ``mask`` and choose the cheapest (ties: dense, then
     block, then micro). Without a mask the plan is dense (nothing known to skip) unless
-    ``micro_tile`` names a shape. ``shape`` is S's shape when known without a mask (or to check
+    ``micro_tile`` asks otherwise: 'auto' (default), 'dense', a shape in S's dim order such as
+    (32, 1) or "32x1", or a :class:`Candidate` (its kind, axis and shape are used). ``shape`` is S's shape when known without a mask (or to check
     the mask against)."""
     if isinstance(op, str):
         op = parse(op)
@@ -382,8 +402,9 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
     dense = ("dense", None, _clip(_dense_shape(acc, tile), size))
     specs = [(k, a, _clip(s, size)) for k, a, s in _shapes(op, acc, rules)] + [dense]
     chosen = dense
-    if isinstance(want, tuple):
-        chosen = (*_requested(op, acc, rules, want, size), _clip(want, size))
+    if not isinstance(want, str):
+        kind, axis, req_shape = _requested(op, acc, rules, want, size)
+        chosen = dense if kind == "dense" else (kind, axis, _clip(req_shape, size))
         specs.append(chosen)
     cands: dict[tuple, Candidate] = {}
     for spec in specs:

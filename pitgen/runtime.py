@@ -178,108 +178,124 @@ class Workspace:
         return x.data_ptr() if hasattr(x, "data_ptr") else int(x.gpudata)
 
 
-def run_gemm(op: Operator, form: GemmForm, kind: str, axis: str | None, shape: tuple[int, ...],
-             dtype: str, ops: dict[str, Operand], out: Any | None, accumulate: bool,
-             bn: int = 128, bk: int | None = None) -> Any:
-    """Index build -> tile kernel -> SWrite passes for one call; returns the output array."""
-    drv = _drv()
-    A, B = ops[form.sparse], ops[form.dense]
-    for o in (A, B):
-        if o.dtype != dtype:
-            raise ShapeError(f"{o.name} has dtype {o.dtype}, the kernel was compiled for {dtype}")
-        if any(s < 0 for s in o.strides):
-            raise ShapeError(f"{o.name} has a negative stride {o.strides}")
-    ext = op.extents({o.name: o.shape for o in ops.values()})
-    M, N, K = ext[form.m_axis], ext[form.n_axis], ext[form.k_axis]
-    out_shape = tuple(ext[a] for a in op.output.axes)
-    ws = Workspace(A)
-    if out is None:
-        if accumulate:
-            raise ShapeError("accumulate=True needs out= (the array to add to)")
-        out = ws.alloc(out_shape, dtype)
-    C = as_operand(op.output.tensor, out)
-    if C.shape != out_shape or C.dtype != dtype:
-        raise ShapeError(f"out has shape {C.shape} and dtype {C.dtype}; expected {out_shape} {dtype}")
-    if C.obj is not out or (C.is_torch != A.is_torch):
-        raise ShapeError("out must be the same kind of array as the operands")
-    sc = (C.strides[form.c_dims[0]], C.strides[form.c_dims[1]])
-    if M * N and not _distinct_strides(C.shape, C.strides):
-        raise ShapeError(f"out has overlapping strides {C.strides}: every element needs its own place")
-    if M * N == 0:
-        return out
-    al = lambda p: p & -p if p else 16  # noqa: E731  (largest power of two dividing the pointer)
-    layout = Layout(M, N, K, (A.strides[form.a_dims[0]], A.strides[form.a_dims[1]]),
-                    (B.strides[form.b_dims[0]], B.strides[form.b_dims[1]]), sc,
-                    min(16, al(A.ptr)), min(16, al(B.ptr)))
-    spec = lower(op, form.sparse, kind, axis, shape, dtype, layout, bn=bn, bk=bk,
-                 accumulate=accumulate)
-    mod = load_module(spec)
-    g = spec.gemm
-    stream, token = _STREAMS.enter(A.is_torch)
-    try:
-        if K == 0:
-            if not accumulate:
-                mod.zero.prepared_async_call(((M * N + 255) // 256, 1), (256, 1, 1), stream,
-                                             C.ptr, M, N, *sc)
-            return out
-        counts = ids = pack = f32 = None
-        ix = spec.index
-        grid_m = (M + g.bm - 1) // g.bm
-        if ix is not None:
-            if g.a_mode == "packed":
-                groups, n_id, n_long, s_long, s_id = grid_m, K, M, layout.sa[0], layout.sa[1]
-                cap = K
-            elif g.a_mode == "rows":
-                tk = shape[form.a_dims[1]]
-                groups, n_id, n_long, s_long, s_id = (K + tk - 1) // tk, M, K, layout.sa[1], layout.sa[0]
-                cap = M
-            else:
-                groups, n_id, n_long, s_long, s_id = grid_m, K, M, layout.sa[0], layout.sa[1]
-                cap = (K + g.bk - 1) // g.bk
-            if groups > GRID_Y_MAX:
-                raise PlanError(f"{groups} tile groups exceed the grid limit {GRID_Y_MAX}")
-            counts = ws.alloc((groups,), "int32")
-            ids = ws.alloc((groups * cap,), "int32")
-            if ix.pack:
-                pack = ws.alloc((groups * cap * ix.long_extent,), dtype)
-            drv.memset_d32_async(Workspace.ptr(counts), 0, groups, stream)
-            per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles
-            mod.index.prepared_async_call(
-                ((cap + per_block - 1) // per_block, groups), (256, 1, 1), stream,
-                A.ptr, s_long, s_id, n_long, n_id, Workspace.ptr(counts), Workspace.ptr(ids),
-                Workspace.ptr(pack) if pack is not None else 0)
-        grid = ((N + g.bn - 1) // g.bn, grid_m)
-        tk_arg = 0
+class GemmCall:
+    """One call of a GEMM-form plan: validated operands, the module, and its launches.
+
+    ``build_index()`` then ``compute()``: both only enqueue work on the stream; nothing waits.
+    """
+
+    def __init__(self, op: Operator, form: GemmForm, kind: str, axis: str | None,
+                 shape: tuple[int, ...], dtype: str, ops: dict[str, Operand], out: Any | None,
+                 accumulate: bool, bn: int = 128, bk: int | None = None):
+        A, B = ops[form.sparse], ops[form.dense]
+        for o in (A, B):
+            if o.dtype != dtype:
+                raise ShapeError(f"{o.name} has dtype {o.dtype}, the kernel was compiled for {dtype}")
+            if any(s < 0 for s in o.strides):
+                raise ShapeError(f"{o.name} has a negative stride {o.strides}")
+        if A.is_torch != B.is_torch:
+            raise ShapeError("mixing torch tensors and GPUArrays in one call is not supported")
+        ext = op.extents({o.name: o.shape for o in ops.values()})
+        self.M, self.N, self.K = M, N, K = ext[form.m_axis], ext[form.n_axis], ext[form.k_axis]
+        out_shape = tuple(ext[a] for a in op.output.axes)
+        self.ws = Workspace(A)
+        if out is None:
+            if accumulate:
+                raise ShapeError("accumulate=True needs out= (the array to add to)")
+            out = self.ws.alloc(out_shape, dtype)
+        C = as_operand(op.output.tensor, out)
+        if C.shape != out_shape or C.dtype != dtype:
+            raise ShapeError(f"out has shape {C.shape} and dtype {C.dtype}; expected {out_shape} {dtype}")
+        if C.is_torch != A.is_torch:
+            raise ShapeError("out must be the same kind of array as the operands")
+        if not _distinct_strides(C.shape, C.strides):
+            raise ShapeError(f"out has overlapping strides {C.strides}: every element needs its own place")
+        sc = (C.strides[form.c_dims[0]], C.strides[form.c_dims[1]])
+        align = lambda p: min(16, p & -p) if p else 16  # noqa: E731  (pointer alignment, bytes)
+        self.layout = Layout(M, N, K, (A.strides[form.a_dims[0]], A.strides[form.a_dims[1]]),
+                             (B.strides[form.b_dims[0]], B.strides[form.b_dims[1]]), sc,
+                             align(A.ptr), align(B.ptr))
+        self.spec = lower(op, form.sparse, kind, axis, shape, dtype, self.layout, bn=bn, bk=bk,
+                          accumulate=accumulate)
+        self.A, self.B, self.C, self.out = A, B, C, out
+        self.accumulate = accumulate
+        self.tk = shape[form.a_dims[1]] if self.spec.gemm.a_mode == "rows" else 0
+        self.counts = self.ids = self.pack = None
+        self.mod = load_module(self.spec) if M * N else None
+
+    @property
+    def grid_m(self) -> int:
+        return (self.M + self.spec.gemm.bm - 1) // self.spec.gemm.bm
+
+    def build_index(self, stream) -> None:
+        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block)."""
+        ix, g, lay = self.spec.index, self.spec.gemm, self.layout
+        if ix is None or self.M * self.N * self.K == 0:
+            return
         if g.a_mode == "rows":
-            tk_arg = shape[form.a_dims[1]]
-            grid = grid + ((K + tk_arg - 1) // tk_arg,)
+            groups, n_id, n_long, s_long, s_id = (self.K + self.tk - 1) // self.tk, self.M, self.K, lay.sa[1], lay.sa[0]
+            cap = self.M
+        else:
+            groups, n_id, n_long, s_long, s_id = self.grid_m, self.K, self.M, lay.sa[0], lay.sa[1]
+            cap = self.K if g.a_mode == "packed" else (self.K + g.bk - 1) // g.bk
+        if groups > GRID_Y_MAX:
+            raise PlanError(f"{groups} tile groups exceed the grid limit {GRID_Y_MAX}")
+        self.counts = self.ws.alloc((groups,), "int32")
+        self.ids = self.ws.alloc((groups, cap), "int32")
+        if ix.pack:
+            self.pack = self.ws.alloc((groups * cap * ix.long_extent,), self.spec.dtype)
+        _drv().memset_d32_async(Workspace.ptr(self.counts), 0, groups, stream)
+        per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
+        self.mod.index.prepared_async_call(
+            ((cap + per_block - 1) // per_block, groups), (256, 1, 1), stream,
+            self.A.ptr, s_long, s_id, n_long, n_id, Workspace.ptr(self.counts),
+            Workspace.ptr(self.ids), Workspace.ptr(self.pack) if self.pack is not None else 0)
+
+    def compute(self, stream) -> None:
+        """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
+        M, N, K, g, mod, sc = self.M, self.N, self.K, self.spec.gemm, self.mod, self.layout.sc
+        if M * N == 0:
+            return
+        flat = (min((M * N + 255) // 256, 65535), 1)
+        if K == 0:
+            if not self.accumulate:
+                mod.zero.prepared_async_call(flat, (256, 1, 1), stream, self.C.ptr, M, N, *sc)
+            return
+        grid = ((N + g.bn - 1) // g.bn, self.grid_m)
+        f32 = None
+        if g.a_mode == "rows":
+            grid = grid + ((K + self.tk - 1) // self.tk,)
             if g.c_mode == "atomic":
-                f32 = ws.alloc((M * N,), "float32")
-                drv.memset_d32_async(Workspace.ptr(f32), 0, M * N, stream)
-            elif not accumulate:
-                mod.zero.prepared_async_call((min((M * N + 255) // 256, 65535), 1), (256, 1, 1),
-                                             stream, C.ptr, M, N, *sc)
+                f32 = self.ws.alloc((M * N,), "float32")
+                _drv().memset_d32_async(Workspace.ptr(f32), 0, M * N, stream)
+            elif not self.accumulate:
+                mod.zero.prepared_async_call(flat, (256, 1, 1), stream, self.C.ptr, M, N, *sc)
         if grid[1] > GRID_Y_MAX:
             raise PlanError(f"{grid[1]} m-tiles exceed the grid limit {GRID_Y_MAX}")
+        ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
+        lay = self.layout
         mod.gemm.prepared_async_call(
             grid, (g.threads, 1, 1), stream,
-            Workspace.ptr(pack) if pack is not None else A.ptr, B.ptr, C.ptr,
-            Workspace.ptr(f32) if f32 is not None else 0,
-            Workspace.ptr(counts) if counts is not None else 0,
-            Workspace.ptr(ids) if ids is not None else 0,
-            M, N, K, layout.sa[0], layout.sa[1], layout.sb[0], layout.sb[1], sc[0], sc[1], tk_arg,
+            ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr, self.C.ptr,
+            ptr(f32), ptr(self.counts), ptr(self.ids),
+            M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], self.tk,
             shared_size=mod.smem)
         if f32 is not None:
-            mod.finish.prepared_async_call((min((M * N + 255) // 256, 65535), 1), (256, 1, 1),
-                                           stream, C.ptr, Workspace.ptr(f32), M, N, *sc,
-                                           int(accumulate))
-    finally:
-        _STREAMS.leave(token)
-        if A.is_torch and token is not None:
-            import torch
-            for t in ws.keep:  # buffers were used on the twin stream: keep them until it is done
-                t.record_stream(token[1])
-    return out
+            mod.finish.prepared_async_call(flat, (256, 1, 1), stream, self.C.ptr,
+                                           Workspace.ptr(f32), M, N, *sc, int(self.accumulate))
+
+    def run(self) -> Any:
+        """build_index + compute on the caller's stream; returns the output array."""
+        stream, token = _STREAMS.enter(self.A.is_torch)
+        try:
+            self.build_index(stream)
+            self.compute(stream)
+        finally:
+            _STREAMS.leave(token)
+            if token is not None:  # buffers used on the twin stream live until it is done
+                for t in self.ws.keep:
+                    t.record_stream(token[1])
+        return self.out
 
 
 def _distinct_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

@@ -1,0 +1,62 @@
+"""Planning from data that lives on the GPU: every candidate's coverage counts (non-zero
+micro-tiles, dense tiles after packing, covered elements) are reduced on the device and come
+back in one small copy, so ``micro_tile='auto'`` never moves the operand to the host."""
+from __future__ import annotations
+
+from typing import Any
+
+from .expr import Operator
+from .plan import Plan, candidate_specs, make_plan, parse_tile
+from .runtime import Operand
+
+
+def _tile_counts_torch(mask, specs, chunks):
+    """[len(specs), 3] int64 tensor of (nonzero tiles, dense tiles, covered elements)."""
+    import torch
+
+    rows = []
+    for (kind, axis_dim, shape), chunk in zip(specs, chunks):
+        t = [min(s, n) for s, n in zip(shape, mask.shape)]
+        grid_shape = [-(-n // s) for n, s in zip(mask.shape, t)]
+        padded = torch.zeros([g * s for g, s in zip(grid_shape, t)], dtype=torch.uint8,
+                             device=mask.device)
+        padded[tuple(slice(0, n) for n in mask.shape)] = mask
+        view = padded.reshape([v for g, s in zip(grid_shape, t) for v in (g, s)])
+        grid = view.amax(dim=tuple(range(1, 2 * len(t), 2)))
+        sizes = None
+        for d, (n, s) in enumerate(zip(mask.shape, t)):
+            ext = torch.full((grid_shape[d],), s, dtype=torch.int64, device=mask.device)
+            ext[-1] = n - s * (grid_shape[d] - 1)
+            ext = ext.reshape([-1 if i == d else 1 for i in range(len(t))])
+            sizes = ext if sizes is None else sizes * ext
+        g64 = grid.to(torch.int64)
+        nonzero = g64.sum()
+        covered = (g64 * sizes).sum()
+        if kind == "micro":
+            dense = ((g64.sum(dim=axis_dim) + chunk - 1) // chunk).sum()
+        elif kind == "block":
+            dense = nonzero
+        else:
+            dense = torch.tensor(g64.numel(), device=mask.device)
+        rows.append(torch.stack([nonzero, dense, covered]))
+    return torch.stack(rows)
+
+
+def plan_on_device(op: Operator, sparse: str, operand: Operand, tile: Any = None) -> Plan:
+    """Plan for ``operand``'s actual sparsity: counts reduced on the GPU, one copy back."""
+    tile_map = parse_tile(op, tile)
+    specs = candidate_specs(op, sparse, operand.shape, tile_map)
+    acc = op.access(sparse)
+    chunks = [min(tile_map[a], operand.shape[acc.bare_dim(a)]) if k == "micro" else 1
+              for k, a, _ in specs]
+    dims = [(k, acc.bare_dim(a) if a else None, s) for k, a, s in specs]
+    if operand.is_torch:
+        import torch
+        mask = operand.obj != 0
+        table = torch.cat([_tile_counts_torch(mask, dims, chunks).reshape(-1),
+                           mask.sum().reshape(1).to(torch.int64)]).cpu().numpy()
+    else:  # a GPUArray: without torch's reductions, plan from one host copy of its mask
+        return make_plan(op, sparse, mask=operand.obj.get() != 0, tile=tile)
+    counts = {spec: tuple(int(v) for v in table[3 * i: 3 * i + 3]) for i, spec in enumerate(specs)}
+    return make_plan(op, sparse, tile=tile, shape=operand.shape,
+                     coverage={"counts": counts, "nnz": int(table[-1])})

@@ -1,0 +1,110 @@
+"""The user-facing JIT API: ``pitgen.compile(expr, sparse=..., dtype=..., micro_tile=...)``
+returns a :class:`SparseKernel`; calling it on device arrays builds the micro-tile index on the
+GPU and runs the tile kernel over it, every call, with no host round-trip."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .errors import PlanError, ShapeError
+from .expr import Operator, parse
+from .lower import DTYPES, gemm_form
+from .plan import Plan, make_plan
+from .runtime import GemmCall, as_operand, _STREAMS
+
+
+class SparseKernel:
+    """A compiled dynamic-sparse operator. ``micro_tile='auto'`` plans on the first call from
+    coverage counts computed on the GPU (one small device-to-host copy) and keeps that choice;
+    :meth:`replan` forgets it so the next call plans again (e.g. when the sparsity *kind* of the
+    data changes; the index itself is rebuilt on every call regardless)."""
+
+    def __init__(self, expr: str | Operator, sparse: str, dtype: str = "float16",
+                 micro_tile: str | Sequence[int] = "auto",
+                 tile: str | Sequence[int] | Mapping[str, int] | None = None):
+        self.operator = parse(expr) if isinstance(expr, str) else expr
+        if dtype not in DTYPES:
+            raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
+        self.dtype = dtype
+        self.sparse = sparse
+        self.form = gemm_form(self.operator, sparse)
+        self.tile = tile
+        self.micro_tile = micro_tile
+        self._plan: Plan | None = None
+        if not (isinstance(micro_tile, str) and micro_tile == "auto"):
+            self._plan = make_plan(self.operator, sparse, micro_tile=micro_tile, tile=tile)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in use (None for 'auto' before the first call)."""
+        return self._plan
+
+    def replan(self) -> None:
+        """Forget an 'auto' choice; the next call plans again from its operand."""
+        if isinstance(self.micro_tile, str) and self.micro_tile == "auto":
+            self._plan = None
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        names = self.operator.input_names
+        if len(args) > len(names):
+            raise ShapeError(f"{self.operator.text!r} takes {len(names)} operands "
+                             f"({', '.join(names)}), got {len(args)}")
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise ShapeError(f"unknown operand {k!r} (operands: {', '.join(names)})")
+            if k in bound:
+                raise ShapeError(f"operand {k!r} given twice")
+            bound[k] = v
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise ShapeError(f"missing operand(s) {', '.join(missing)}")
+        return {n: as_operand(n, bound[n]) for n in names}
+
+    def _gemm_tile(self, plan: Plan) -> tuple[int, int | None]:
+        """(BN', BK) for the tile kernel: the plan's compute tile where the user gave one."""
+        if self.tile is None:
+            return 128, None
+        ct = plan.compute_tile
+        return ct[self.form.n_axis], ct[self.form.k_axis]
+
+    def prepare(self, *args: Any, out: Any = None, accumulate: bool = False, **kwargs: Any) -> GemmCall:
+        """Validate the operands and compile (or load) the module for them; launches nothing."""
+        ops = self._bind(args, kwargs)
+        if self._plan is None:
+            from .coverage import plan_on_device
+            self._plan = plan_on_device(self.operator, self.sparse, ops[self.sparse], self.tile)
+        c = self._plan.choice
+        bn, bk = self._gemm_tile(self._plan)
+        return GemmCall(self.operator, self.form, c.kind, c.axis, c.shape, self.dtype, ops, out,
+                        accumulate, bn=bn, bk=bk)
+
+    def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, **kwargs: Any) -> Any:
+        """Compute the operator; ``out`` receives the result (``accumulate=True`` adds to it)."""
+        return self.prepare(*args, out=out, accumulate=accumulate, **kwargs).run()
+
+    def index(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Build only the micro-tile index of the sparse operand; returns device arrays
+        ``(counts, ids)`` (``ids`` rows padded past ``counts``; order within a row is free)."""
+        call = self.prepare(*args, **kwargs)
+        stream, token = _STREAMS.enter(call.A.is_torch)
+        try:
+            call.build_index(stream)
+        finally:
+            _STREAMS.leave(token)
+        return call.counts, call.ids
+
+    def source(self, *args: Any, **kwargs: Any) -> str:
+        """The CUDA source this kernel runs for these operands."""
+        return self.prepare(*args, **kwargs).mod.source
+
+
+def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
+            micro_tile: str | Sequence[int] = "auto",
+            tile: str | Sequence[int] | Mapping[str, int] | None = None) -> SparseKernel:
+    """JIT kernel for ``expr`` with operand ``sparse`` dynamically sparse.
+
+    ``micro_tile``: 'auto', 'dense', or a shape in the operand's dimension order ('32x1' is
+    32 rows by 1 column of ``A[m,k]``: a micro-tile along k). A micro-tile along an axis that is
+    not permutation invariant is refused with the rule's reason.
+    """
+    return SparseKernel(expr, sparse, dtype, micro_tile, tile)

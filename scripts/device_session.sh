@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything one lent-GPU call does, in order: install pitgen (offline), GPU tests, sanitizers,
+# benchmarks. Usage: scripts/device_session.sh [tests] [sanitize] [bench] [profile]; logs go to
+# $OUT (or ./device-logs).
+set -u
+OUT=${OUT:-$PWD/device-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PITGEN_CACHE=${PITGEN_CACHE:-/tmp/pitgen-cache}
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+rc=0
+for step in "$@"; do
+  case $step in
+    tests)
+      python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+      rc=$((rc | ${PIPESTATUS[0]})) ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_launches.py \
+          >"$OUT/sanitize-$tool.log" 2>&1; r=$?
+        echo "compute-sanitizer $tool: exit $r"; tail -4 "$OUT/sanitize-$tool.log"; rc=$((rc | r))
+      done ;;
+    bench)
+      python3 scripts/bench_matmul.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    profile)
+      python3 scripts/measure_profile.py --out "$OUT" 2>&1 | tail -20 ;;
+    *) python3 - <<<"$step" 2>&1 | tail -40 ;;
+  esac
+done
+exit $rc

@@ -1,0 +1,208 @@
+"""GPU tests of the JIT kernels against float64 NumPy references (marker ``gpu``; skipped with
+the reason where no CUDA device, torch or pycuda is present)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pitgen
+from pitgen.index import build_index
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+
+TOL = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 5e-4}
+FORMS = {  # expression, sparse operand
+    "A": ("C[m,n] += A[m,k] * B[k,n]", "A"),
+    "At": ("C[m,n] += A[k,m] * B[k,n]", "A"),
+    "Bt": ("C[m,n] += A[m,k] * B[n,k]", "A"),
+    "sparseB": ("C[m,n] += A[m,k] * B[k,n]", "B"),
+    "sparseBt": ("C[m,n] += A[m,k] * B[n,k]", "B"),
+}
+GRANULARITIES = ("element", "row", "col", "micro", "block", "empty", "full")
+
+
+def _tdt(dtype: str):
+    return getattr(torch, dtype)
+
+
+def make_mask(rng: np.random.Generator, shape, gran: str, tile, density: float) -> np.ndarray:
+    """A mask of S's shape whose non-zeros come in ``gran`` units (``tile`` for micro/block)."""
+    if gran == "empty":
+        return np.zeros(shape, bool)
+    if gran == "full":
+        return np.ones(shape, bool)
+    unit = {"element": (1, 1), "row": (1, shape[1]), "col": (shape[0], 1)}.get(gran, tile)
+    unit = tuple(max(1, min(u, n)) for u, n in zip(unit, shape))
+    grid = rng.random(tuple(-(-n // u) for n, u in zip(shape, unit))) < density
+    big = np.kron(grid, np.ones(unit, bool))
+    return big[: shape[0], : shape[1]]
+
+
+def operands(rng, form: str, M: int, N: int, K: int, dtype: str, mask_of_s):
+    """Device tensors laid out as the form says, S multiplied by its mask; float64 copies."""
+    expr, sparse = FORMS[form]
+    op = pitgen.parse(expr)
+    shapes = {"A": (M, K) if op.access("A").axes[0] == "m" else (K, M),
+              "B": (K, N) if op.access("B").axes[0] == "k" else (N, K)}
+    arrays = {}
+    for name, shp in shapes.items():
+        x = rng.standard_normal(shp).astype(np.float32)
+        if name == sparse:
+            x = x * mask_of_s(shp)
+        t = torch.from_numpy(x).to("cuda", _tdt(dtype))
+        arrays[name] = t
+    ref = pitgen.evaluate(op, {n: t.double().cpu().numpy() for n, t in arrays.items()})
+    return op, sparse, arrays, ref
+
+
+def check(out, ref: np.ndarray, dtype: str) -> None:
+    got = out.double().cpu().numpy()
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any(), "NaN in the output (unwritten element or bad read)"
+    norm = np.linalg.norm(ref)
+    if norm == 0:
+        assert np.count_nonzero(got) == 0
+        return
+    err = np.linalg.norm(got - ref) / norm
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+
+def _shape_for(kind: str, form: str, t_m: int, t_k: int) -> tuple[int, int] | str:
+    """A micro-tile/block shape in S's dim order for the kernel kind, or 'dense'."""
+    expr, sparse = FORMS[form]
+    acc = pitgen.parse(expr).access(sparse)
+    k_first = acc.axes[0] == "k"
+    if kind == "dense":
+        return "dense"
+    mk = {"micro_k": (t_m, 1), "micro_m": (1, t_k), "block": (t_m, t_k)}[kind]
+    return (mk[1], mk[0]) if k_first else mk
+
+
+sizes = st.integers(1, 200)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(sorted(TOL)), form=st.sampled_from(sorted(FORMS)),
+       kind=st.sampled_from(["dense", "micro_k", "micro_m", "block"]),
+       M=sizes, N=sizes, K=sizes, t_m=st.sampled_from([16, 32, 64, 128]),
+       t_k=st.sampled_from([16, 32, 64, 128]), gran=st.sampled_from(GRANULARITIES),
+       density=st.sampled_from([0.05, 0.3, 0.7]), seed=st.integers(0, 2**31 - 1))
+def test_kernel_matches_float64_reference(dtype, form, kind, M, N, K, t_m, t_k, gran, density, seed):
+    rng = np.random.default_rng(seed)
+    micro = _shape_for(kind, form, t_m, t_k)
+    tile = micro if micro != "dense" else (32, 1)
+    op, sparse, arrays, ref = operands(
+        rng, form, M, N, K, dtype, lambda shp: make_mask(rng, shp, gran, tile, density))
+    kern = pitgen.compile(op, sparse=sparse, dtype=dtype, micro_tile=micro)
+    out = torch.full(ref.shape, float("nan"), dtype=_tdt(dtype), device="cuda")
+    res = kern(**arrays, out=out)
+    assert res is out
+    check(out, ref, dtype)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(form=st.sampled_from(sorted(FORMS)), kind=st.sampled_from(["micro_k", "micro_m", "block"]),
+       M=sizes, N=st.integers(1, 40), K=sizes, t=st.sampled_from([16, 32, 64]),
+       gran=st.sampled_from(GRANULARITIES), seed=st.integers(0, 2**31 - 1))
+def test_gpu_index_equals_reference_as_sets(form, kind, M, N, K, t, gran, seed):
+    rng = np.random.default_rng(seed)
+    micro = _shape_for(kind, form, t, t)
+    op, sparse, arrays, _ = operands(
+        rng, form, M, N, K, "float16", lambda shp: make_mask(rng, shp, gran, micro, 0.2))
+    kern = pitgen.compile(op, sparse=sparse, dtype="float16", micro_tile=micro)
+    counts, ids = kern.index(**arrays)
+    counts, ids = counts.cpu().numpy(), ids.cpu().numpy()
+    ref = build_index(arrays[sparse].float().cpu().numpy() != 0, op, sparse, kern.plan).sets()
+    got = {(g,): frozenset(int(i) for i in ids[g, : counts[g]]) for g in range(len(counts))}
+    assert got == ref
+    assert all(len(set(ids[g, : counts[g]])) == counts[g] for g in range(len(counts)))
+
+
+@pytest.mark.parametrize("kind", ["dense", "micro_k", "micro_m", "block"])
+def test_accumulate_adds_to_out(kind):
+    rng = np.random.default_rng(1)
+    micro = _shape_for(kind, "A", 32, 64)
+    op, sparse, arrays, ref = operands(rng, "A", 150, 70, 300, "float32",
+                                       lambda s: make_mask(rng, s, "element", (1, 1), 0.3))
+    kern = pitgen.compile(op, sparse=sparse, dtype="float32", micro_tile=micro)
+    base = torch.randn(150, 70, device="cuda")
+    out = base.clone()
+    kern(**arrays, out=out, accumulate=True)
+    check(out, ref + base.double().cpu().numpy(), "float32")
+
+
+def test_rows_outside_the_index_are_zero_and_multi_k_tiles_accumulate():
+    rng = np.random.default_rng(2)
+    op, sparse, arrays, ref = operands(rng, "A", 257, 130, 333, "float16",
+                                       lambda s: make_mask(rng, s, "row", (1, 1), 0.1))
+    for micro in ((1, 64), (1, 512)):  # several k-tiles (atomics) / one (direct SWrite)
+        out = torch.full((257, 130), float("nan"), dtype=torch.float16, device="cuda")
+        pitgen.compile(op, sparse=sparse, dtype="float16", micro_tile=micro)(**arrays, out=out)
+        check(out, ref, "float16")
+
+
+def test_auto_picks_the_micro_tile_of_the_pattern_and_dense_when_full():
+    rng = np.random.default_rng(3)
+    mask = make_mask(rng, (1024, 1024), "micro", (32, 1), 0.05)
+    op, sparse, arrays, ref = operands(rng, "A", 1024, 256, 1024, "float16", lambda s: mask)
+    kern = pitgen.compile(op, sparse=sparse, dtype="float16")
+    check(kern(**arrays), ref, "float16")
+    assert kern.plan.choice.kind == "micro" and kern.plan.choice.axis == "k"
+    assert kern.plan.choice.waste == 0
+    kern.replan()
+    full = {n: torch.randn_like(t.float()).to(t.dtype) for n, t in arrays.items()}
+    kern(**full)
+    assert kern.plan.choice.kind == "dense"
+
+
+def test_noncontiguous_views_and_a_side_stream():
+    rng = np.random.default_rng(4)
+    A = torch.randn(300, 200, device="cuda", dtype=torch.float16)[:, ::2]  # stride (200, 2)
+    A = A * (torch.rand_like(A.float()) < 0.2).to(A.dtype)
+    B = torch.randn(100, 90, device="cuda", dtype=torch.float16).t().contiguous().t()  # (1, 100)
+    ref = A.double().cpu().numpy() @ B.double().cpu().numpy()
+    s = torch.cuda.Stream()
+    kern = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype="float16", micro_tile="32x1")
+    with torch.cuda.stream(s):
+        out = kern(A, B)
+    torch.cuda.current_stream().wait_stream(s)
+    check(out, ref, "float16")
+    del rng
+
+
+def test_pycuda_gpuarrays():
+    import pycuda.gpuarray as ga
+
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((100, 80)) * (rng.random((100, 80)) < 0.3)).astype(np.float32)
+    b = rng.standard_normal((80, 60)).astype(np.float32)
+    kern = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype="float32", micro_tile="16x1")
+    out = kern(ga.to_gpu(a), ga.to_gpu(b))
+    ref = a.astype(np.float64) @ b
+    assert np.linalg.norm(out.get() - ref) / np.linalg.norm(ref) < TOL["float32"]
+
+
+def test_bad_input_is_refused_with_a_pitgen_error():
+    kern = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype="float16", micro_tile="32x1")
+    a = torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    b = torch.randn(32, 16, device="cuda", dtype=torch.float16)
+    with pytest.raises(pitgen.DeviceError, match="cpu"):
+        kern(a.cpu(), b)
+    with pytest.raises(pitgen.ShapeError, match="dtype"):
+        kern(a.float(), b)
+    with pytest.raises(pitgen.ShapeError, match="extent"):
+        kern(a, torch.randn(31, 16, device="cuda", dtype=torch.float16))
+    with pytest.raises(pitgen.ShapeError, match="overlapping"):
+        kern(a, b, out=torch.empty(1, device="cuda", dtype=torch.float16).expand(64, 16))
+    with pytest.raises(pitgen.ShapeError, match="missing"):
+        kern(a)
+    big = torch.empty(1, device="cuda", dtype=torch.float16).expand(70000, 40000)
+    with pytest.raises(pitgen.PlanError, match="overflow"):
+        kern(big, torch.empty(1, device="cuda", dtype=torch.float16).expand(40000, 8))
+    with pytest.raises(pitgen.PlanError):
+        pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", micro_tile="1x1x1")
+    with pytest.raises(pitgen.PitgenError, match="no GPU kernel"):
+        pitgen.compile("O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]", sparse="W")
