@@ -16,7 +16,7 @@ import sympy
 
 from .errors import ShapeError
 from .expr import EPILOGUES, Access, Operator
-from .index import TileIndex, build_index, sparse_access, tile_extents
+from .index import TileIndex, build_index, sparse_access
 from .plan import Plan
 
 _LETTERS = string.ascii_letters
@@ -58,14 +58,12 @@ def _compute(op: Operator, views: Sequence[np.ndarray], inds: Sequence[Indicator
     for axes, ind in inds:
         b = _broadcast(op, axes, ind)
         keep = b if keep is None else keep & b
-    red = tuple(range(len(op.spatial_axes), len(op.axes)))
-    if op.reducer == "none":
-        value = np.broadcast_to(prod, tuple(v for v in _extents_of(op, views).values()))
-        if op.epilogue:
-            value = EPILOGUES[op.epilogue](value)
-        return value, None if keep is None else np.broadcast_to(keep, value.shape)
-    ident = -np.inf if op.reducer == "max" else np.inf
     full = np.broadcast_to(prod, tuple(_extents_of(op, views).values()))
+    if op.reducer == "none":
+        value = EPILOGUES[op.epilogue](full) if op.epilogue else full
+        return value, None if keep is None else np.broadcast_to(keep, value.shape)
+    red = tuple(range(len(op.spatial_axes), len(op.axes)))
+    ident = -np.inf if op.reducer == "max" else np.inf
     if keep is not None:
         full = np.where(keep, full, ident)
     value = full.max(axis=red) if op.reducer == "max" else full.min(axis=red)
@@ -84,7 +82,9 @@ def _extents_of(op: Operator, views: Sequence[np.ndarray]) -> dict[str, int]:
     return {a: ext[a] for a in op.axes}
 
 
-def _views(op: Operator, arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, int], list[np.ndarray]]:
+def _views(op: Operator,
+           arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, int], list[np.ndarray]]:
+    """Axis extents and one strided view per input access."""
     missing = [t for t in op.input_names if t not in arrays]
     if missing:
         raise ShapeError(f"missing input arrays {missing} for {op.text!r}")
@@ -142,7 +142,8 @@ def _affine(e: sympy.Expr) -> tuple[int, dict[str, int]]:
 
 
 def _select(acc: Access, ext: Mapping[str, int], box: Sequence[tuple[int, int]],
-            ids: tuple[str, np.ndarray] | None) -> tuple[dict[str, Selection], list[Indicator]] | None:
+            ids: tuple[str, np.ndarray] | None
+            ) -> tuple[dict[str, Selection], list[Indicator]] | None:
     """Per-axis selections for S's element box (and gathered ``ids`` on one axis), plus
     indicators for dims of S indexed by affine expressions; None if the tile is empty."""
     lo = {a: 0 for a in ext}
@@ -184,16 +185,16 @@ def _tile(op: Operator, views: Sequence[np.ndarray], sel: Mapping[str, Selection
 def _boxes(index: TileIndex, tile: Sequence[int]):
     """Element boxes over all of S's dims: the index's non-zero blocks (dense: every tile)."""
     if index.kind == "dense":
-        starts = [range(0, n, t) for n, t in zip(index.shape, tile)]
-        for corner in np.ndindex(*(len(r) for r in starts)):
-            yield [(s[c], min(s[c] + t, n)) for s, c, t, n in zip(starts, corner, tile, index.shape)]
+        grid = [-(-n // t) for n, t in zip(index.shape, tile)]
+        for corner in np.ndindex(*grid):
+            yield [(c * t, min(c * t + t, n)) for c, t, n in zip(corner, tile, index.shape)]
         return
+    d, t, n = index.dim, index.tile[index.dim], index.shape[index.dim]
     for g, ids in index.groups():
         box = index.group_box(g)
         for i in ids:
-            lo = int(i) * index.tile[index.dim]
-            yield box[:index.dim] + [(lo, min(lo + index.tile[index.dim], index.shape[index.dim]))] \
-                + box[index.dim + 1:]
+            box[d] = (int(i) * t, min(int(i) * t + t, n))
+            yield list(box)
 
 
 def execute(plan: Plan, **arrays: np.ndarray) -> np.ndarray:

@@ -68,7 +68,8 @@ def _any_groups(grid: np.ndarray, d: int, f: int) -> np.ndarray:
     parts = []
     if full:
         head = grid[(slice(None),) * d + (slice(0, full),)]
-        parts.append(head.reshape(grid.shape[:d] + (n // f, f) + grid.shape[d + 1:]).any(axis=d + 1))
+        split = grid.shape[:d] + (n // f, f) + grid.shape[d + 1:]
+        parts.append(head.reshape(split).any(axis=d + 1))
     if full < n:
         parts.append(grid[(slice(None),) * d + (slice(full, n),)].any(axis=d, keepdims=True))
     return np.concatenate(parts, axis=d) if len(parts) > 1 else parts[0]

@@ -9,7 +9,7 @@ operands are just other strides.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import sympy
 
@@ -18,6 +18,8 @@ from .expr import Operator
 
 DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 INT32_MAX = 2**31 - 1
+#: Shared memory one block may use: leaves room for two blocks per SM on sm_80 and sm_90.
+SMEM_BUDGET = 80 * 1024
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class GemmSpec:
     name: str
     a_mode: str  # 'box' | 'packed' | 'rows'
     block_list: bool  # box mode over the k-blocks listed per m-tile
+    ksub: int  # k-iterations per listed block (block width / BK)
     c_mode: str  # 'direct' | 'atomic'
     accumulate: bool
     bm: int
@@ -172,7 +175,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     if kind == "dense":
         bm, bk_ = 128, bk or 32
     elif kind == "block":
-        bm, bk_ = tm, tk
+        bm, bk_ = tm, min(tk, 32 if dtype == "float32" else 64)
         block_list = True
         index = IndexSpec("pit_build_index", "block", "warp", 0, False, tm, tk, layout.sa[1] == 1)
     elif kind == "micro" and axis == f.k_axis:
@@ -188,7 +191,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         index = IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False)
     else:
         raise PlanError(f"plan {kind} along {axis} has no GPU kernel for {op.text!r}")
-    if bm not in (16, 32, 64, 128) or bk_ % kstep or bk_ <= 0:
+    if bm not in (16, 32, 64, 128) or bk_ % kstep or bk_ <= 0 or (block_list and tk % bk_):
         raise PlanError(f"tile {bm}x{bk_} of {sparse} does not fit the {dtype} mma shape "
                         f"(m in 16/32/64/128, k a multiple of {kstep})")
     wm, wn = _schedule(bm, bn, dtype)
@@ -206,6 +209,12 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         b_nc, b_vec = False, _vec(dtype, layout.K, layout.sb[1], layout.align_b)
     else:
         b_nc, b_vec = True, 1
-    gemm = GemmSpec("pit_gemm", a_mode, block_list, c_mode, accumulate, bm, bn, bk_, wm, wn,
+    gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk_ if block_list else 1, c_mode, accumulate, bm, bn, bk_, wm, wn,
                     stages, a_vec, b_vec, a_kc, b_nc)
+    while gemm.smem_bytes(dtype) > SMEM_BUDGET and (gemm.stages > 2 or gemm.bn > 32):
+        if gemm.stages > 2:
+            gemm = replace(gemm, stages=gemm.stages - 1)
+        else:
+            bn = gemm.bn // 2
+            gemm = replace(gemm, bn=bn, wn=_schedule(bm, bn, dtype)[1])
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)

@@ -52,7 +52,9 @@ class Candidate:
     @property
     def label(self) -> str:
         shape = "x".join(map(str, self.shape))
-        return f"micro {shape} along {self.axis}" if self.kind == "micro" else f"{self.kind} {shape}"
+        if self.kind == "micro":
+            return f"micro {shape} along {self.axis}"
+        return f"{self.kind} {shape}"
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "axis": self.axis, "shape": list(self.shape),
@@ -168,7 +170,10 @@ def batch_axes(op: Operator) -> tuple[str, ...]:
     return batch if len(op.inputs) > 1 and len(batch) < len(op.axes) else ()
 
 
-def parse_tile(op: Operator, tile: str | Sequence[int] | Mapping[str, int] | None) -> dict[str, int]:
+TileSpec = str | Sequence[int] | Mapping[str, int] | None
+
+
+def parse_tile(op: Operator, tile: TileSpec) -> dict[str, int]:
     """The compute tile as {axis: extent}: defaults 1 on batch axes, 64 on other spatial axes,
     32 on reduction axes; ``tile`` as "64x64x32" or a sequence (both in ``op.axes`` order) or a
     dict overriding some axes."""
@@ -180,7 +185,8 @@ def parse_tile(op: Operator, tile: str | Sequence[int] | Mapping[str, int] | Non
     if isinstance(tile, str):
         parts = [p for p in re.split(r"[x,\s]+", tile.strip()) if p]
         if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
-            raise PlanError(f"tile {tile!r}: expected {order}, e.g. {'x'.join(map(str, out.values()))}")
+            example = "x".join(map(str, out.values()))
+            raise PlanError(f"tile {tile!r}: expected {order}, e.g. {example}")
         tile = [int(p) for p in parts]
     if isinstance(tile, Mapping):
         unknown = [a for a in tile if a not in out]
@@ -221,7 +227,10 @@ def _batch_dims(op: Operator, acc: Access) -> set[int]:
     return {d for a in batch_axes(op) if (d := acc.bare_dim(a)) is not None}
 
 
-def _shapes(op: Operator, acc: Access, rules: Rules) -> list[tuple[str, str | None, tuple[int, ...]]]:
+Spec = tuple[str, str | None, tuple[int, ...]]  # (kind, axis, shape)
+
+
+def _shapes(op: Operator, acc: Access, rules: Rules) -> list[Spec]:
     """(kind, axis, shape) of every micro-tile and block of S, before clipping to S's shape."""
     batch = _batch_dims(op, acc)
     sizes = [(1,) if d in batch else TILE_SIZES for d in range(acc.rank)]
@@ -235,55 +244,61 @@ def _shapes(op: Operator, acc: Access, rules: Rules) -> list[tuple[str, str | No
 
 # -- costing ----------------------------------------------------------------------------------
 
+#: What a candidate's cost depends on: (non-zero micro-tiles/blocks, dense tiles after packing,
+#: elements of S inside the non-zero tiles, edge tiles clipped). The GPU planner
+#: (``coverage.py``) reduces the same three numbers on the device.
+Counts = tuple[int, int, int]
+
+
 class _Stats:
-    """Counts of one S (mask, or nominal all-ones shape) shared by all its candidates."""
+    """Counts on one S (its mask, or all ones of a shape) shared by all its candidates."""
 
     def __init__(self, mask: np.ndarray | None, shape: tuple[int, ...]):
         self.mask, self.shape = mask, shape
-        self.size = math.prod(shape)
-        self.nnz = int(np.count_nonzero(mask)) if mask is not None else self.size
         self.cache: dict = {}
 
-    def grid(self, tile: tuple[int, ...]) -> np.ndarray:
+    def counts(self, spec: Spec, chunk: int, acc: Access) -> Counts:
+        kind, axis, tile = spec
         if self.mask is None:
-            return np.ones(tuple(-(-n // t) for n, t in zip(self.shape, tile)), bool)
-        return tile_grid(self.mask, tile, self.cache)
-
-    def covered(self, grid: np.ndarray, tile: tuple[int, ...]) -> int:
-        """Elements of S inside the True tiles of ``grid`` (edge tiles clipped)."""
-        x = grid.astype(np.int64)
+            grid = np.ones(tuple(-(-n // t) for n, t in zip(self.shape, tile)), bool)
+        else:
+            grid = tile_grid(self.mask, tile, self.cache)
+        nonzero = int(np.count_nonzero(grid))
+        covered = grid.astype(np.int64)
         for n, t in zip(self.shape, tile):
-            x = np.tensordot(tile_extents(n, t), x, axes=([0], [0]))
-        return int(x)
+            covered = np.tensordot(tile_extents(n, t), covered, axes=([0], [0]))
+        if kind == "micro":
+            dense_tiles = int(np.sum(-(-grid.sum(axis=acc.bare_dim(axis)) // chunk)))
+        else:
+            dense_tiles = grid.size if kind == "dense" else nonzero
+        return nonzero, dense_tiles, int(covered)
 
-    def waste(self, covered: int) -> float | None:
-        if self.nnz:
-            return (covered - self.nnz) / self.nnz
-        return 0.0 if covered == 0 else None
+
+def _chunk(spec: Spec, acc: Access, tile: Mapping[str, int], size: Sequence[int]) -> int:
+    """Micro-tiles packed per dense tile: the compute tile's extent along the micro axis."""
+    kind, axis, _ = spec
+    return min(tile[axis], size[acc.bare_dim(axis)]) if kind == "micro" else 1
 
 
-def _candidate(kind: str, axis: str | None, shape: tuple[int, ...], acc: Access, rules: Rules,
-               tile: Mapping[str, int], stats: _Stats, profile: Mapping) -> Candidate:
-    grid = stats.grid(shape)
-    nonzero = int(np.count_nonzero(grid))
-    elements = math.prod(shape)
-    if kind == "dense":
-        dense_tiles, covered, key = grid.size, stats.size, "dense"
-    elif kind == "block":
-        dense_tiles, covered, key = nonzero, stats.covered(grid, shape), "block"
-    else:
-        d = acc.bare_dim(axis)
-        chunk = min(tile[axis], stats.shape[d])
-        counts = grid.sum(axis=d)
-        dense_tiles = int(np.sum(-(-counts // chunk)))
-        covered = stats.covered(grid, shape)
-        elements = elements * chunk
+def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: int,
+            rules: Rules, profile: Mapping) -> Candidate:
+    """A candidate from its counts. Work is counted in elements of S computed: dense and block
+    tiles clipped at S's edges; a micro candidate's dense tile always counts its full extent
+    (the last chunk of a group is padded with unused slots)."""
+    kind, axis, shape = spec
+    nonzero, dense_tiles, covered = counts
+    total = math.prod(size)
+    if kind == "micro":
         key = f"micro-{rules.axes[axis].role}"
+        elements = dense_tiles * math.prod(shape) * chunk
+    else:
+        key, elements = kind, covered
     k = profile["kinds"][key]
-    cost = dense_tiles * (k["fixed_ns"] + elements * k["ns_per_element"])
+    cost = dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"]
     if kind != "dense":
-        cost += stats.size * profile["index_ns_per_element"]
-    return Candidate(kind, axis, shape, nonzero, stats.waste(covered), dense_tiles, float(cost))
+        cost += total * profile["index_ns_per_element"]
+    waste = (covered - nnz) / nnz if nnz else (0.0 if covered == 0 else None)
+    return Candidate(kind, axis, shape, nonzero, waste, dense_tiles, float(cost))
 
 
 def _nominal_shape(op: Operator, acc: Access, tile: Mapping[str, int]) -> tuple[int, ...]:
@@ -295,15 +310,34 @@ def _nominal_shape(op: Operator, acc: Access, tile: Mapping[str, int]) -> tuple[
                  for d, t in enumerate(_dense_shape(acc, tile)))
 
 
-def _clip(shape: Sequence[int], size: Sequence[int]) -> tuple[int, ...]:
-    return tuple(min(int(t), n) for t, n in zip(shape, size))
+def _specs(op: Operator, acc: Access, rules: Rules, tile: Mapping[str, int],
+           size: Sequence[int] | None) -> list[Spec]:
+    """Micro-tiles, blocks, then the dense compute tile; clipped to ``size`` when S's real
+    shape is known (deduplicated: extents past the edge change nothing)."""
+    clip = (lambda s: tuple(min(t, n) for t, n in zip(s, size))) if size else tuple
+    specs = [(k, a, clip(s)) for k, a, s in _shapes(op, acc, rules)]
+    specs.append(("dense", None, clip(_dense_shape(acc, tile))))
+    return list(dict.fromkeys(specs))
 
 
-def list_candidates(op: Operator | str, sparse: str, tile=None, *, mask: np.ndarray | None = None,
-                    shape: Sequence[int] | None = None, profile=None) -> list[Candidate]:
+def candidate_specs(op: Operator | str, sparse: str, shape: Sequence[int],
+                    tile: TileSpec = None) -> list[Spec]:
+    """The (kind, axis, shape) of every candidate :func:`make_plan` costs for ``sparse`` of
+    ``shape``: what a planner that counts elsewhere (on the GPU) must count, keyed the same
+    way in ``make_plan(coverage=...)``."""
+    if isinstance(op, str):
+        op = parse(op)
+    acc = sparse_access(op, sparse)
+    return _specs(op, acc, analyse(op), parse_tile(op, tile), tuple(int(n) for n in shape))
+
+
+def list_candidates(op: Operator | str, sparse: str, tile: TileSpec = None, *,
+                    mask: np.ndarray | None = None, shape: Sequence[int] | None = None,
+                    profile: str | os.PathLike | Mapping | None = None) -> list[Candidate]:
     """Every micro-tile, block and the dense candidate of ``sparse``, costed on ``mask`` (or
     at density 1 on ``shape``, or on a nominal shape), cheapest first."""
-    return list(make_plan(op, sparse, mask=mask, tile=tile, profile=profile, shape=shape).candidates)
+    plan = make_plan(op, sparse, mask=mask, tile=tile, profile=profile, shape=shape)
+    return list(plan.candidates)
 
 
 def _parse_micro_tile(micro_tile) -> str | tuple[int, ...] | Candidate:
@@ -316,7 +350,8 @@ def _parse_micro_tile(micro_tile) -> str | tuple[int, ...] | Candidate:
             return "dense"
         parts = [p for p in re.split(r"[x,\s]+", micro_tile.strip()) if p]
         if not parts or not all(re.fullmatch(r"[0-9]+", p) for p in parts):
-            raise PlanError(f"micro_tile {micro_tile!r}: expected 'auto', 'dense' or a shape like 32x1")
+            raise PlanError(f"micro_tile {micro_tile!r}: expected 'auto', 'dense' or a shape "
+                            f"like 32x1")
         micro_tile = [int(p) for p in parts]
     values = tuple(micro_tile)
     if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in values):
@@ -370,15 +405,20 @@ def _requested(op: Operator, acc: Access, rules: Rules, want: tuple[int, ...] | 
 
 
 def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
-              tile: str | Sequence[int] | Mapping[str, int] | None = None,
+              tile: TileSpec = None,
               micro_tile: str | Sequence[int] | Candidate | None = None,
               profile: str | os.PathLike | Mapping | None = None,
-              shape: Sequence[int] | None = None) -> Plan:
+              shape: Sequence[int] | None = None,
+              coverage: Mapping | None = None) -> Plan:
     """Cost every candidate of ``sparse`` on ``mask`` and choose the cheapest (ties: dense, then
     block, then micro). Without a mask the plan is dense (nothing known to skip) unless
     ``micro_tile`` asks otherwise: 'auto' (default), 'dense', a shape in S's dim order such as
-    (32, 1) or "32x1", or a :class:`Candidate` (its kind, axis and shape are used). ``shape`` is S's shape when known without a mask (or to check
-    the mask against)."""
+    (32, 1) or "32x1", or a :class:`Candidate` (its kind, axis and shape are used).
+
+    ``shape`` is S's shape when known without a mask (or to check the mask against);
+    ``coverage`` replaces the mask by counts made elsewhere (on the GPU):
+    ``{"counts": {spec: (nonzero, dense_tiles, covered)}, "nnz": int}`` for every spec of
+    :func:`candidate_specs`, with ``shape`` given."""
     if isinstance(op, str):
         op = parse(op)
     rules = analyse(op)
@@ -387,29 +427,41 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
     prof = load_profile(profile)
     want = _parse_micro_tile(micro_tile)
     if mask is not None:
+        if coverage is not None:
+            raise PlanError("give a mask or coverage counts, not both")
         mask = as_mask(mask, acc)
         if shape is not None and tuple(shape) != mask.shape:
-            raise PlanError(f"mask has shape {mask.shape} but {acc.tensor} has shape {tuple(shape)}")
+            raise PlanError(f"mask has shape {mask.shape} but {acc.tensor} has shape "
+                            f"{tuple(shape)}")
         size = tuple(int(n) for n in mask.shape)
     elif shape is not None:
         size = tuple(int(n) for n in shape)
         if len(size) != acc.rank or min(size, default=1) < 1:
             raise PlanError(f"shape {size} does not fit {acc} (rank {acc.rank})")
+    elif coverage is not None:
+        raise PlanError("coverage counts need the operand's shape")
     else:
         size = _nominal_shape(op, acc, tile)
-    stats = _Stats(mask, size)
-
-    dense = ("dense", None, _clip(_dense_shape(acc, tile), size))
-    specs = [(k, a, _clip(s, size)) for k, a, s in _shapes(op, acc, rules)] + [dense]
-    chosen = dense
+    real = mask is not None or shape is not None
+    measured = mask is not None or coverage is not None
+    specs = _specs(op, acc, rules, tile, size if real else None)
+    chosen = specs[-1]
     if not isinstance(want, str):
-        kind, axis, req_shape = _requested(op, acc, rules, want, size)
-        chosen = dense if kind == "dense" else (kind, axis, _clip(req_shape, size))
-        specs.append(chosen)
-    cands: dict[tuple, Candidate] = {}
-    for spec in specs:
-        if spec not in cands:
-            cands[spec] = _candidate(*spec, acc, rules, tile, stats, prof)
+        kind, axis, req = _requested(op, acc, rules, want, size)
+        if kind != "dense":
+            chosen = (kind, axis, tuple(min(t, n) for t, n in zip(req, size)) if real else req)
+            specs += [chosen] if chosen not in specs else []
+    if coverage is not None:
+        missing = [s for s in specs if s not in coverage["counts"]]
+        if missing:
+            raise PlanError(f"coverage counts lack candidates {missing[:3]}")
+        nnz, counts = int(coverage["nnz"]), {s: coverage["counts"][s] for s in specs}
+    else:
+        stats = _Stats(mask, size)
+        nnz = int(np.count_nonzero(mask)) if mask is not None else math.prod(size)
+        counts = {s: stats.counts(s, _chunk(s, acc, tile, size), acc) for s in specs}
+    cands = {s: _costed(s, tuple(int(v) for v in counts[s]), nnz, size,
+                        _chunk(s, acc, tile, size), rules, prof) for s in specs}
     ordered = sorted(cands.values(), key=lambda c: (c.cost, KIND_RANK[c.kind]))
-    choice = ordered[0] if want == "auto" and mask is not None else cands[chosen]
-    return Plan(op, rules, sparse, tile, choice, tuple(ordered), prof, size, mask is not None)
+    choice = ordered[0] if want == "auto" and measured else cands[chosen]
+    return Plan(op, rules, sparse, tile, choice, tuple(ordered), prof, size, measured)

@@ -237,7 +237,7 @@ class GemmCall:
             cap = self.M
         else:
             groups, n_id, n_long, s_long, s_id = self.grid_m, self.K, self.M, lay.sa[0], lay.sa[1]
-            cap = self.K if g.a_mode == "packed" else (self.K + g.bk - 1) // g.bk
+            cap = self.K if g.a_mode == "packed" else (self.K + g.bk * g.ksub - 1) // (g.bk * g.ksub)
         if groups > GRID_Y_MAX:
             raise PlanError(f"{groups} tile groups exceed the grid limit {GRID_Y_MAX}")
         self.counts = self.ws.alloc((groups,), "int32")

@@ -49,3 +49,54 @@ def test_rules_bad_expression_exits_2(capsys):
     assert out == ""
     assert err.startswith("pitgen: error: relu(...) under '+=' is not a valid sum")
     assert "(column 11)" in err
+
+
+# -- pitgen plan -----------------------------------------------------------------------------------
+
+def micro_32x1_mask(tmp_path, density=0.05, shape=(1024, 1024)):
+    import numpy as np
+
+    grid = np.random.default_rng(0).random((shape[0] // 32, shape[1])) < density
+    path = tmp_path / "mask.npy"
+    np.save(path, np.repeat(grid, 32, axis=0))
+    return str(path)
+
+
+def test_plan_json_finds_the_32x1_micro_tile(capsys, tmp_path):
+    mask = micro_32x1_mask(tmp_path)
+    assert main(["plan", "--expr", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A", "--mask", mask,
+                 "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    doc = json.loads(out)
+    assert {"expression", "sparse", "tile", "profile", "choice", "candidates"} <= set(doc)
+    assert (doc["sparse"], doc["shape"]) == ("A", [1024, 1024])
+    assert doc["choice"]["kind"] == "micro" and doc["choice"]["axis"] == "k"
+    assert doc["choice"]["shape"] == [32, 1] and doc["choice"]["waste"] == 0.0
+    assert any(c["kind"] == "dense" for c in doc["candidates"])
+
+
+def test_plan_table_and_tile(capsys, tmp_path):
+    import numpy as np
+
+    path = tmp_path / "ones.npy"
+    np.save(path, np.ones((256, 128), np.float32))
+    assert main(["plan", "--expr", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A",
+                 "--mask", str(path), "--tile", "128x64x64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for C[m,n] += A[m,k] * B[k,n]\n")
+    assert "tile m=128 n=64 k=64" in out and "choice: dense 128x64" in out
+
+
+def test_plan_errors_exit_2(capsys, tmp_path):
+    mask = micro_32x1_mask(tmp_path, shape=(64, 64))
+    expr = "C[m,n] += A[m,k] * B[k,n]"
+    assert main(["plan", "--expr", expr, "--sparse", "D", "--mask", mask]) == 2
+    assert "operands: A, B" in capsys.readouterr().err
+    assert main(["plan", "--expr", expr, "--sparse", "A", "--mask", mask, "--tile", "64x64"]) == 2
+    assert "tile has 2 extents" in capsys.readouterr().err
+    assert main(["plan", "--expr", CONV, "--sparse", "I", "--mask", mask]) == 2
+    err = capsys.readouterr().err
+    assert "mask has shape (64, 64) (rank 2) but I[" in err and "has rank 4" in err
+    assert main(["plan", "--expr", expr, "--sparse", "A", "--mask", str(tmp_path / "no.npy")]) == 2
+    assert "cannot read mask" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""CPU tests of lowering, rendering and compilation: every template variant renders and compiles
+with nvcc for sm_80 and sm_90 (no GPU or driver needed); the compile cache behaves."""
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import pitgen
+from pitgen import compiler
+from pitgen.lower import Layout, gemm_form, lower
+from pitgen.render import render
+
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None and not compiler.os.path.exists("/usr/local/cuda/bin/nvcc"),
+    reason="nvcc is not installed")
+
+FORMS = {"AB": ("C[m,n] += A[m,k] * B[k,n]", "A"), "AtB": ("C[m,n] += A[k,m] * B[k,n]", "A"),
+         "ABt": ("C[m,n] += A[m,k] * B[n,k]", "A"), "sparseB": ("C[m,n] += A[m,k] * B[k,n]", "B")}
+KINDS = ("dense", "block", "micro_k", "micro_m", "micro_m_atomic")
+
+
+def _layout(op, form, M, N, K) -> Layout:
+    """Row-major user tensors of the given extents, seen in the normalised problem."""
+    ext = {form.m_axis: M, form.n_axis: N, form.k_axis: K}
+    strides = {}
+    for acc in (op.output, *op.inputs):
+        shape = [ext[a] for a in acc.axes]
+        strides[acc.tensor] = (shape[1], 1)
+    a, b, c = strides[form.sparse], strides[form.dense], strides[form.out]
+    return Layout(ext[form.m_axis], ext[form.n_axis], ext[form.k_axis],
+                  (a[form.a_dims[0]], a[form.a_dims[1]]), (b[form.b_dims[0]], b[form.b_dims[1]]),
+                  (c[form.c_dims[0]], c[form.c_dims[1]]))
+
+
+def variant(dtype: str, form_name: str, kind: str, odd: bool, accumulate: bool = False):
+    expr, sparse = FORMS[form_name]
+    op = pitgen.parse(expr)
+    f = gemm_form(op, sparse)
+    M, N, K = (203, 101, 333) if odd else (256, 128, 512)
+    shape = [0, 0]
+    axis = None
+    if kind == "block":
+        shape[f.a_dims[0]], shape[f.a_dims[1]] = 32, 64
+    elif kind == "micro_k":
+        shape[f.a_dims[0]], shape[f.a_dims[1]], axis = 64, 1, f.k_axis
+    elif kind.startswith("micro_m"):
+        shape[f.a_dims[0]], axis = 1, f.m_axis
+        shape[f.a_dims[1]] = 64 if kind == "micro_m_atomic" else 1024
+    mk = kind.split("_")[0] if kind != "micro_k" and not kind.startswith("micro_m") else "micro"
+    spec = lower(op, sparse, mk, axis, tuple(shape) if mk != "dense" else (), dtype,
+                 _layout(op, f, M, N, K), accumulate=accumulate)
+    return spec
+
+
+VARIANTS = [(d, f, k, odd) for d in ("float16", "bfloat16", "float32") for k in KINDS
+            for f, odd in (("AB", False), ("AtB", True), ("ABt", False), ("sparseB", True))]
+
+
+def test_variants_cover_every_mode_and_copy_width():
+    specs = [variant(*v) for v in VARIANTS]
+    g = [s.gemm for s in specs]
+    assert {x.a_mode for x in g} == {"box", "packed", "rows"}
+    assert {x.c_mode for x in g} == {"direct", "atomic"}
+    assert {x.a_vec for x in g} >= {1, 4, 8} and {x.b_vec for x in g} >= {1, 4, 8}
+    assert {x.a_smem_kcontig for x in g} == {True, False} == {x.b_smem_ncontig for x in g}
+    assert {s.index.strategy for s in specs if s.index and s.index.kind == "micro"} == {"thread", "warp"}
+
+
+def test_render_is_deterministic_and_names_the_plan():
+    spec = variant("float16", "AB", "micro_k", False)
+    src = render(spec)
+    assert src == render(spec)
+    assert "C[m,n] += A[m,k] * B[k,n]" in src and "micro along k" in src
+    assert 'extern "C" __global__' in src and "pit_build_index" in src
+
+
+def test_lowering_refuses_what_it_cannot_run():
+    op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
+    lay = Layout(64, 64, 64, (64, 1), (64, 1), (64, 1))
+    with pytest.raises(pitgen.PlanError, match="mma"):
+        lower(op, "A", "block", None, (48, 32), "float16", lay)
+    with pytest.raises(pitgen.PlanError, match="dtype"):
+        lower(op, "A", "dense", None, (), "float64", lay)
+    with pytest.raises(pitgen.PlanError, match="overflow"):
+        lower(op, "A", "dense", None, (), "float16", Layout(70000, 8, 40000, (40000, 1), (8, 1), (8, 1)))
+    with pytest.raises(pitgen.PitgenError, match="no GPU kernel"):
+        gemm_form(pitgen.parse("C[b,m,n] += A[b,m,k] * B[b,k,n]"), "A")
+    with pytest.raises(pitgen.PlanError, match="not an input"):
+        gemm_form(op, "Z")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_variant_compiles(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
+    sources = {render(variant(*v, accumulate=(i % 3 == 0))) for i, v in enumerate(VARIANTS)}
+    with ThreadPoolExecutor(2) as pool:
+        cubins = list(pool.map(lambda s: compiler.compile_source(s, arch), sorted(sources)))
+    assert all(c[:4] == b"\x7fELF" for c in cubins)
+
+
+@needs_nvcc
+def test_cache_hit_needs_no_nvcc(tmp_path, monkeypatch):
+    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
+    src = render(variant("float16", "AB", "dense", False))
+    first = compiler.compile_source(src, "sm_90")
+
+    def no_nvcc(*a, **k):
+        raise AssertionError(f"nvcc ran on a cache hit: {a}")
+
+    monkeypatch.setattr(subprocess, "run", no_nvcc)
+    assert compiler.compile_source(src, "sm_90") == first
+
+
+def _compile_in_child(args):
+    cache, src = args
+    import os
+    os.environ["PITGEN_CACHE"] = cache
+    from pitgen import compiler as c
+    return c.compile_source(src, "sm_90")
+
+
+@needs_nvcc
+def test_concurrent_compiles_of_one_kernel_agree(tmp_path):
+    src = render(variant("bfloat16", "AB", "block", False))
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        a, b = pool.map(_compile_in_child, [(str(tmp_path), src)] * 2)
+    assert a == b
+    assert len(list(tmp_path.glob("*.cubin"))) == 1
+    assert not [p for p in tmp_path.iterdir() if ".cubin." in p.name]  # no temp files left
+
+
+@needs_nvcc
+def test_compile_error_is_a_pitgen_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
+    with pytest.raises(pitgen.CompileError, match="nvcc failed"):
+        compiler.compile_source("this is not CUDA", "sm_90")

@@ -1,0 +1,284 @@
+"""make_plan: candidates, their mask statistics and cost, the choice, and the plan's JSON."""
+import importlib
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pitgen import parse
+from pitgen.errors import PlanError, RuleError
+from pitgen.plan import (Candidate, Plan, batch_axes, list_candidates, load_profile, make_plan,
+                         parse_tile)
+
+MATMUL = "C[m,n] += A[m,k] * B[k,n]"
+CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"
+
+
+def micro_mask(shape=(1024, 1024), tile=(32, 1), density=0.05, seed=0):
+    grid = np.random.default_rng(seed).random(tuple(n // t for n, t in zip(shape, tile))) < density
+    for d, t in enumerate(tile):
+        grid = np.repeat(grid, t, axis=d)
+    return grid
+
+
+def find(plan, kind, shape, axis=None):
+    return next(c for c in plan.candidates
+                if c.kind == kind and c.shape == tuple(shape) and c.axis == axis)
+
+
+def test_done_when_32x1_micro_tiles_at_95_percent_sparsity():
+    mask = micro_mask()
+    plan = make_plan(parse(MATMUL), "A", mask=mask)
+    assert find(plan, "micro", (32, 1), "k").waste == 0.0
+    assert plan.choice.kind != "dense"
+    assert (plan.choice.kind, plan.choice.axis, plan.choice.shape) == ("micro", "k", (32, 1))
+    assert plan.compute_tile == {"m": 32, "n": 64, "k": 32}
+    assert find(plan, "dense", (64, 32)).waste == pytest.approx(1 / mask.mean() - 1)
+
+
+def test_all_ones_chooses_dense_and_no_mask_is_dense():
+    assert make_plan(MATMUL, "A", mask=np.ones((1024, 1024), bool)).choice.kind == "dense"
+    assert make_plan(MATMUL, "A", mask=np.ones((100, 300), np.float32)).choice.kind == "dense"
+    plan = make_plan(MATMUL, "A")
+    assert (plan.choice.kind, plan.masked) == ("dense", False)
+    assert all(c.waste == 0.0 for c in plan.candidates)
+
+
+@settings(max_examples=25, deadline=None)
+@given(expr_sparse=st.sampled_from([(MATMUL, "A"), (MATMUL, "B"), ("C[m] max= A[m,k]", "A"),
+                                    ("C[m,n] = relu(A[m,n])", "A"), ("S[i,j] += Q[i,d] * K[j,d]", "K")]),
+       rows=st.integers(32, 600), cols=st.integers(32, 600), data=st.data())
+def test_all_ones_is_dense_for_tensor_core_tiles(expr_sparse, rows, cols, data):
+    op = parse(expr_sparse[0])
+    tile = {a: data.draw(st.sampled_from([16, 32, 64, 128])) for a in op.axes}
+    plan = make_plan(op, expr_sparse[1], mask=np.ones((rows, cols), bool), tile=tile)
+    assert plan.choice.kind == "dense", plan.table()
+
+
+def test_all_zero_mask():
+    plan = make_plan(MATMUL, "A", mask=np.zeros((256, 256)))
+    dense = find(plan, "dense", (64, 32))
+    assert dense.waste is None and dense.dense_tiles == 32
+    assert plan.choice.kind != "dense" and plan.choice.dense_tiles == 0
+    assert plan.choice.waste == 0.0 and dense.to_json()["waste"] is None
+
+
+def test_candidates_of_each_operator():
+    kinds = lambda cs: sorted({(c.kind, c.axis) for c in cs}, key=str)  # noqa: E731
+    assert kinds(list_candidates(MATMUL, "A")) == [
+        ("block", None), ("dense", None), ("micro", "k"), ("micro", "m")]
+    cs = list_candidates(MATMUL, "A")
+    assert len(cs) == 4 + 4 + 16 + 1
+    assert find_in(cs, "micro", "k", (32, 1)) and find_in(cs, "micro", "m", (1, 64))
+    # batch axes (in every access) get extent 1 and are never a micro axis
+    assert batch_axes(parse("C[b,m,n] += A[b,m,k] * B[b,k,n]")) == ("b",)
+    cs = list_candidates("C[b,m,n] += A[b,m,k] * B[b,k,n]", "A")
+    assert all(c.shape[0] == 1 for c in cs) and {c.axis for c in cs} == {None, "m", "k"}
+    assert find_in(cs, "micro", "k", (1, 32, 1))
+    cs = list_candidates("Y[e,t,n] += X[e,t,k] * W[e,k,n]", "W")
+    assert {c.axis for c in cs} == {None, "k", "n"} and all(c.shape[0] == 1 for c in cs)
+    # conv: y, x, r, s are coupled, so only n, c (I) and f, c (W) can be micro axes
+    assert {c.axis for c in list_candidates(CONV, "I")} == {None, "n", "c"}
+    assert {c.axis for c in list_candidates(CONV, "W")} == {None, "f", "c"}
+    # a single input has no batch axis; a reduction over k can still tile m
+    assert batch_axes(parse("C[m] max= A[m,k]")) == ()
+    assert find_in(list_candidates("C[m,n] = sigmoid(A[m,n])", "A"), "block", None, (64, 16))
+
+
+def find_in(cands, kind, axis, shape):
+    return any(c.kind == kind and c.axis == axis and c.shape == shape for c in cands)
+
+
+def test_shapes_are_clipped_and_deduplicated():
+    plan = make_plan(CONV, "W", mask=np.ones((8, 6, 3, 3)))
+    shapes = [(c.kind, c.axis, c.shape) for c in plan.candidates]
+    assert len(shapes) == len(set(shapes))
+    assert all(c.shape[2:] == (3, 3) for c in plan.candidates)
+    assert find(plan, "micro", (8, 1, 3, 3), "c")
+
+
+def test_compute_tile_follows_the_choice():
+    op, mask = parse(MATMUL), micro_mask((256, 256))
+    tile = {"m": 64, "n": 64, "k": 32}
+    assert make_plan(op, "A", mask=mask, micro_tile="32x1").compute_tile == {**tile, "m": 32}
+    assert make_plan(op, "A", mask=mask, micro_tile=(1, 64)).compute_tile == {**tile, "k": 64}
+    plan = make_plan(op, "A", mask=mask, micro_tile=[64, 32])
+    assert plan.choice.kind == "block" and plan.compute_tile == {**tile, "m": 64, "k": 32}
+    assert make_plan(op, "A", mask=mask, micro_tile="dense").compute_tile == tile
+    plan = make_plan(op, "A", mask=mask, micro_tile=(48, 1), tile="16x16x8")
+    assert plan.choice.shape == (48, 1) and plan.compute_tile == {"m": 48, "n": 16, "k": 8}
+    assert plan.choice in plan.candidates
+
+
+def test_micro_tile_along_non_invariant_axis_is_a_rule_error():
+    with pytest.raises(RuleError, match=r"indexed by r \+ y.*y: I indexes dimension 2"):
+        make_plan(CONV, "I", mask=np.ones((2, 16, 20, 20)), micro_tile=(2, 16, 1, 16))
+    with pytest.raises(RuleError, match="axis y of .* is not permutation invariant"):
+        make_plan(CONV, "I", micro_tile=Candidate("micro", "y", (2, 16, 1, 16), 0, None, 0, 0.0))
+    with pytest.raises(RuleError, match="axis r"):
+        make_plan(CONV, "W", micro_tile="16x16x1x3")
+
+
+def test_micro_tile_that_is_no_candidate():
+    with pytest.raises(PlanError, match="has 3 extents but A\\[m,k\\] has rank 2"):
+        make_plan(MATMUL, "A", micro_tile=(32, 1, 1))
+    with pytest.raises(PlanError, match="ambiguous"):
+        make_plan(MATMUL, "A", micro_tile=(1, 1))
+    with pytest.raises(PlanError, match="expected 'auto', 'dense' or a shape"):
+        make_plan(MATMUL, "A", micro_tile="thin")
+    with pytest.raises(PlanError, match="positive"):
+        make_plan(MATMUL, "A", micro_tile=(0, 1))
+    plan = make_plan(MATMUL, "A", micro_tile=Candidate("micro", "m", (1, 1), 0, None, 0, 0.0))
+    assert (plan.choice.kind, plan.choice.axis) == ("micro", "m")
+
+
+def test_mask_and_operand_errors():
+    with pytest.raises(PlanError, match=r"mask has shape \(32,\) \(rank 1\) but A\[m,k\] has rank 2"):
+        make_plan(MATMUL, "A", mask=np.ones(32))
+    with pytest.raises(PlanError, match=r"mask has shape \(32, 16\) but A has shape \(32, 32\)"):
+        make_plan(MATMUL, "A", mask=np.ones((32, 16)), shape=(32, 32))
+    with pytest.raises(PlanError, match="'D' is not an input .*operands: A, B"):
+        make_plan(MATMUL, "D", mask=np.ones((4, 4)))
+    with pytest.raises(PlanError, match="operands: A, B"):
+        make_plan(MATMUL, "C")
+    with pytest.raises(PlanError, match="read 2 times"):
+        make_plan("C[m,n] += A[m,k] * A[k,n]", "A")
+    with pytest.raises(PlanError, match="empty dimension"):
+        make_plan(MATMUL, "A", mask=np.ones((0, 4)))
+
+
+@pytest.mark.parametrize("tile,msg", [
+    ("64x64", "tile has 2 extents, expected 3 extents in axis order mxnxk"),
+    ("64x0x32", "tile extent of n must be a positive integer"),
+    ("axbxc", "expected 3 extents"),
+    ([64, -1, 32], "tile extent of n"),
+    ([64, 32.0, 32], "tile extent of n"),
+    ({"q": 3}, "not axes of"),
+])
+def test_bad_tiles(tile, msg):
+    with pytest.raises(PlanError, match=msg):
+        make_plan(MATMUL, "A", tile=tile)
+
+
+def test_tile_forms():
+    op = parse(MATMUL)
+    assert parse_tile(op, None) == {"m": 64, "n": 64, "k": 32}
+    assert parse_tile(op, "16x32x8") == parse_tile(op, (16, 32, 8)) == {"m": 16, "n": 32, "k": 8}
+    assert parse_tile(op, {"k": 64}) == {"m": 64, "n": 64, "k": 64}
+    assert parse_tile(parse("C[b,m,n] += A[b,m,k] * B[b,k,n]"), None) == {
+        "b": 1, "m": 64, "n": 64, "k": 32}
+    assert make_plan(op, "A", tile="16x32x8").tile == {"m": 16, "n": 32, "k": 8}
+
+
+def brute_stats(mask, cand, chunk):
+    """nonzero, covered elements, dense tiles and elements computed in them by looping over
+    tiles (of a matmul's A)."""
+    d = {"m": 0, "k": 1, None: None}[cand.axis]
+    shape = mask.shape
+    grid = [range(0, n, t) for n, t in zip(shape, cand.shape)]
+    nonzero = covered = 0
+    per_group = {}
+    for corner in np.ndindex(*(len(g) for g in grid)):
+        box = tuple(slice(g[c], g[c] + t) for g, c, t in zip(grid, corner, cand.shape))
+        if mask[box].any():
+            nonzero += 1
+            covered += mask[box].size
+            group = tuple(c for i, c in enumerate(corner) if i != d)
+            n, _ = per_group.get(group, (0, 0))
+            per_group[group] = (n + 1, mask[box].size)
+    if cand.kind != "micro":
+        return nonzero, covered, nonzero, covered
+    tiles = sum(-(-n // chunk) for n, _ in per_group.values())
+    elements = sum(-(-n // chunk) * chunk * size for n, size in per_group.values())
+    return nonzero, covered, tiles, elements
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(1, 70), p=st.sampled_from([0.0, 0.02, 0.2, 1.0]),
+       seed=st.integers(0, 2**32 - 1), tk=st.integers(1, 40))
+def test_statistics_match_brute_force(m, k, p, seed, tk):
+    mask = np.random.default_rng(seed).random((m, k)) < p
+    plan = make_plan(MATMUL, "A", mask=mask, tile={"k": tk})
+    nnz = int(mask.sum())
+    prof = plan.profile
+    for c in plan.candidates:
+        if c.kind == "dense":
+            tiles = math.ceil(m / c.shape[0]) * math.ceil(k / c.shape[1])
+            assert c.dense_tiles == tiles
+            dense = prof["kinds"]["dense"]
+            assert c.cost == pytest.approx(tiles * dense["fixed_ns"] + m * k * dense["ns_per_element"])
+            assert c.waste == ((m * k - nnz) / nnz if nnz else None)
+            continue
+        chunk = min(tk, k) if c.axis == "k" else min(64, m)
+        nonzero, covered, tiles, elements = brute_stats(mask, c, chunk)
+        assert (c.nonzero, c.dense_tiles) == (nonzero, tiles), c
+        assert c.waste == pytest.approx((covered - nnz) / nnz if nnz else 0.0)
+        key = {"block": "block", "k": "micro-reduction", "m": "micro-spatial"}[c.axis or c.kind]
+        kind = prof["kinds"][key]
+        want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
+            + m * k * prof["index_ns_per_element"]
+        assert c.cost == pytest.approx(want)
+    costs = [c.cost for c in plan.candidates]
+    assert costs == sorted(costs) and plan.choice is plan.candidates[0]
+
+
+def test_profile_loading(tmp_path, monkeypatch):
+    prof = load_profile()
+    assert prof["device"] == "analytic placeholder (no GPU measured)" and prof["measured"] is False
+    k = prof["kinds"]
+    assert k["dense"]["ns_per_element"] < k["block"]["ns_per_element"] \
+        < k["micro-reduction"]["ns_per_element"] < k["micro-spatial"]["ns_per_element"]
+    assert load_profile("analytic") == prof
+    # a profile that makes dense nearly free must choose dense even at 95% sparsity
+    cheap = json.loads(json.dumps(prof))
+    cheap["kinds"]["dense"] = {"fixed_ns": 0, "ns_per_element": 1e-9}
+    path = tmp_path / "cheap.json"
+    path.write_text(json.dumps(cheap))
+    assert make_plan(MATMUL, "A", mask=micro_mask((256, 256)), profile=str(path)).choice.kind == "dense"
+    assert make_plan(MATMUL, "A", mask=micro_mask((256, 256)), profile=cheap).choice.kind == "dense"
+    with pytest.raises(PlanError, match="kinds.block.fixed_ns"):
+        load_profile({**prof, "kinds": {**prof["kinds"], "block": {"ns_per_element": 1}}})
+    with pytest.raises(PlanError, match="cannot read profile"):
+        load_profile(tmp_path / "missing.json")
+    # a measured profile next to the analytic one is preferred
+    plan_mod = importlib.import_module("pitgen.plan")  # `pitgen.plan` is also make_plan
+    measured = {**prof, "device": "NVIDIA H100 80GB HBM3", "measured": True}
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    monkeypatch.setattr(plan_mod.resources, "files", lambda pkg: tmp_path)
+    assert load_profile()["device"] == "NVIDIA H100 80GB HBM3"
+    assert make_plan(MATMUL, "A").to_json()["profile"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_to_json_schema_and_table():
+    plan = make_plan(MATMUL, "A", mask=micro_mask((256, 512)))
+    assert isinstance(plan, Plan)
+    doc = json.loads(json.dumps(plan.to_json()))
+    assert set(doc) == {"expression", "sparse", "shape", "masked", "tile", "compute_tile",
+                        "profile", "choice", "candidates"}
+    assert (doc["expression"], doc["sparse"], doc["shape"], doc["masked"]) == (MATMUL, "A", [256, 512], True)
+    assert doc["tile"] == {"m": 64, "n": 64, "k": 32}
+    assert doc["profile"] == "analytic placeholder (no GPU measured)"
+    for c in [doc["choice"], *doc["candidates"]]:
+        assert set(c) == {"kind", "axis", "shape", "nonzero", "waste", "cost", "dense_tiles"}
+        assert c["kind"] in ("micro", "block", "dense")
+        assert (c["axis"] is None) == (c["kind"] != "micro")
+        assert isinstance(c["shape"], list) and isinstance(c["nonzero"], int)
+    assert doc["choice"] == doc["candidates"][0] == {**doc["choice"], "kind": "micro", "axis": "k",
+                                                      "shape": [32, 1], "waste": 0.0}
+    table = plan.table()
+    assert table.startswith(f"plan for {MATMUL}\n")
+    assert "choice: micro 32x1 along k; compute tile m=32 n=64 k=32" in table
+    star = [line for line in table.splitlines() if line.startswith("*")]
+    assert len(star) == 1 and "micro  k" in star[0] and "32x1" in star[0]
+    assert len(table.splitlines()) == 6 + len(plan.candidates)
+
+
+def test_large_mask_plans_fast():
+    import time
+    mask = micro_mask((4096, 4096))
+    start = time.perf_counter()
+    plan = make_plan(MATMUL, "A", mask=mask)
+    assert time.perf_counter() - start < 3.0
+    assert (plan.choice.kind, plan.choice.shape) == ("micro", (32, 1))
