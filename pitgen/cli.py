@@ -25,7 +25,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     try:
         mask = np.load(args.mask)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         raise PitgenError(f"cannot read mask {args.mask!r}: {e}") from None
     plan = make_plan(parse(args.expr), args.sparse, mask=mask, tile=args.tile)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())

@@ -64,8 +64,9 @@ class Candidate:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """The chosen candidate with everything it was chosen from. ``shape`` is S's shape (from the
-    mask, or nominal when planned without one: ``masked`` False)."""
+    """The chosen candidate with everything it was chosen from. ``shape`` is S's shape (nominal
+    when planned without mask or shape); ``masked``: costed on S's measured sparsity (a mask or
+    device counts) rather than at density 1."""
 
     operator: Operator
     rules: Rules
@@ -103,7 +104,7 @@ class Plan:
         acc = self.operator.access(self.sparse)
         tile = " ".join(f"{a}={t}" for a, t in self.tile.items())
         ct = " ".join(f"{a}={t}" for a, t in self.compute_tile.items())
-        src = "mask" if self.masked else "nominal, no mask: density 1"
+        src = "measured sparsity" if self.masked else "no mask: density 1"
         lines = [f"plan for {self.operator.text}",
                  f"  sparse {acc} of shape {list(self.shape)} ({src}); tile {tile}",
                  f"  profile: {self.profile['device']}",
@@ -132,7 +133,8 @@ def load_profile(path_or_name: str | os.PathLike | Mapping | None = None) -> dic
         if path_or_name is None:
             res = pkg / "measured.json"
             src = res if res.is_file() else pkg / "analytic.json"
-        elif os.sep in str(path_or_name) or str(path_or_name).endswith(".json"):
+        elif (isinstance(path_or_name, os.PathLike) or os.sep in path_or_name
+              or path_or_name.endswith(".json")):
             src = Path(path_or_name)
         else:
             src = pkg / f"{path_or_name}.json"
@@ -291,8 +293,11 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
     if kind == "micro":
         key = f"micro-{rules.axes[axis].role}"
         elements = dense_tiles * math.prod(shape) * chunk
-    else:
+    elif kind == "block":
         key, elements = kind, covered
+    else:  # dense computes (and wastes) all of S, zero tiles included
+        key, elements = kind, total
+        covered = total
     k = profile["kinds"][key]
     cost = dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"]
     if kind != "dense":

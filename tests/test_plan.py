@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from pitgen import parse
 from pitgen.errors import PlanError, RuleError
-from pitgen.plan import (Candidate, Plan, batch_axes, list_candidates, load_profile, make_plan,
-                         parse_tile)
+from pitgen.plan import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
+                         load_profile, make_plan, parse_tile)
 
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
 CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"
@@ -186,13 +186,11 @@ def brute_stats(mask, cand, chunk):
             nonzero += 1
             covered += mask[box].size
             group = tuple(c for i, c in enumerate(corner) if i != d)
-            n, _ = per_group.get(group, (0, 0))
-            per_group[group] = (n + 1, mask[box].size)
+            per_group[group] = per_group.get(group, 0) + 1
     if cand.kind != "micro":
         return nonzero, covered, nonzero, covered
-    tiles = sum(-(-n // chunk) for n, _ in per_group.values())
-    elements = sum(-(-n // chunk) * chunk * size for n, size in per_group.values())
-    return nonzero, covered, tiles, elements
+    tiles = sum(-(-n // chunk) for n in per_group.values())
+    return nonzero, covered, tiles, tiles * math.prod(cand.shape) * chunk
 
 
 @settings(max_examples=25, deadline=None)
@@ -222,6 +220,29 @@ def test_statistics_match_brute_force(m, k, p, seed, tk):
         assert c.cost == pytest.approx(want)
     costs = [c.cost for c in plan.candidates]
     assert costs == sorted(costs) and plan.choice is plan.candidates[0]
+
+
+def test_coverage_counts_plan_like_the_mask():
+    """Counts made elsewhere (the GPU planner) give the same plan as the mask itself."""
+    mask = micro_mask((96, 160), (32, 1), 0.1) | (np.random.default_rng(1).random((96, 160)) < 0.002)
+    tile = {"m": 64, "n": 64, "k": 16}
+    specs = candidate_specs(MATMUL, "A", mask.shape, tile)
+    assert specs[-1] == ("dense", None, (64, 16)) and len(specs) == len(set(specs))
+    counts = {}
+    for kind, axis, shape in specs:
+        c = Candidate(kind, axis, shape, 0, None, 0, 0.0)
+        chunk = 16 if axis == "k" else 64
+        nonzero, covered, tiles, _ = brute_stats(mask, c, chunk)
+        counts[(kind, axis, shape)] = (nonzero, tiles if kind != "dense" else 2 * 10, covered)
+    from_counts = make_plan(MATMUL, "A", tile=tile, shape=mask.shape,
+                            coverage={"counts": counts, "nnz": int(mask.sum())})
+    from_mask = make_plan(MATMUL, "A", mask=mask, tile=tile)
+    assert from_counts.masked and from_counts.choice == from_mask.choice
+    assert from_counts.candidates == from_mask.candidates
+    with pytest.raises(PlanError, match="lack candidates"):
+        make_plan(MATMUL, "A", shape=mask.shape, coverage={"counts": {}, "nnz": 0})
+    with pytest.raises(PlanError, match="need the operand's shape"):
+        make_plan(MATMUL, "A", coverage={"counts": counts, "nnz": 0})
 
 
 def test_profile_loading(tmp_path, monkeypatch):

@@ -1,0 +1,114 @@
+"""Measure the planner's cost profile on this GPU and write it (pitgen/profiles/measured.json by
+default; ``load_profile()`` prefers it over the analytic placeholder).
+
+For every kernel kind the tile kernel is timed (CUDA events, median, L2 flushed) on A[m,k] of
+--size^2 (fp16, B --size wide) at several micro-tile/block shapes and densities; the planner's
+own counts (dense tiles, elements of S computed) for each run are fitted by least squares to
+``time = fixed_ns * dense_tiles + ns_per_element * elements``. The index pass is fitted per
+element of S. The file names the device it was measured on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from importlib import resources
+
+import numpy as np
+import torch
+
+import pitgen
+from pitgen.plan import make_plan
+
+EXPR = "C[m,n] += A[m,k] * B[k,n]"
+KINDS = {  # profile key -> [(micro_tile, S shape)]
+    "dense": ["dense"],
+    "block": ["32x32", "64x64", "128x128"],
+    "micro-reduction": ["16x1", "32x1", "64x1", "128x1"],
+    "micro-spatial": ["1x16", "1x32", "1x64", "1x128"],
+}
+
+
+UNIT_PROFILE = {"device": "unit costs (counts work)", "measured": False, "index_ns_per_element": 0.0,
+                "kinds": {k: {"fixed_ns": 0.0, "ns_per_element": 1.0} for k in KINDS}}
+
+
+def timed(fn, repeats: int, flush: torch.Tensor) -> float:
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(repeats):
+        flush.zero_()
+        torch.cuda._sleep(200_000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e) * 1e6)  # ns
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--write", default=str(resources.files("pitgen.profiles") / "measured.json"))
+    ap.add_argument("--out", default=None, help="also copy the profile into this folder")
+    args = ap.parse_args()
+    n = args.size
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
+    A0 = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
+    kinds, index_pts = {}, []
+    for key, micros in KINDS.items():
+        rows, times = [], []
+        for micro in micros:
+            unit = (1, 1) if micro == "dense" else tuple(int(v) for v in micro.split("x"))
+            for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1)):
+                grid = torch.rand(-(-n // unit[0]), -(-n // unit[1]), device="cuda", generator=gen) < density
+                mask = grid.repeat_interleave(unit[0], 0).repeat_interleave(unit[1], 1)[:n, :n]
+                A = A0 * mask.to(A0.dtype)
+                kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro)
+                call = kern.prepare(A, B)
+                # the planner's own work count: with unit per-element costs, cost == elements
+                cand = make_plan(EXPR, "A", mask=mask.cpu().numpy(), micro_tile=micro,
+                                 profile=UNIT_PROFILE).choice
+                elements = cand.cost
+                call.build_index(None)
+                t = timed(lambda: call.compute(None), args.repeats, flush)
+                rows.append((cand.dense_tiles, elements))
+                times.append(t)
+                if key != "dense":
+                    index_pts.append(timed(lambda: call.build_index(None), args.repeats, flush) / A.numel())
+                print(f"{key:16} {micro:>7} density {density:.2f}: {t / 1e3:8.1f} us, "
+                      f"{cand.dense_tiles} dense tiles", flush=True)
+        X, y = np.asarray(rows, float), np.asarray(times)
+        if len(set(map(tuple, rows))) < 2:  # dense: one point, all per element
+            fixed, per = 0.0, float(y[0] / X[0, 1])
+        else:
+            (fixed, per), *_ = np.linalg.lstsq(X, y, rcond=None)
+            if fixed < 0 or per < 0:  # keep the model monotone
+                fixed, per = 0.0, float(np.median(y / X[:, 1]))
+        kinds[key] = {"fixed_ns": float(fixed), "ns_per_element": float(per)}
+    profile = {
+        "device": torch.cuda.get_device_name(), "measured": True, "dtype": "float16",
+        "note": f"measured by scripts/measure_profile.py: A {n}x{n}, B {n} wide, fp16, "
+                f"median of {args.repeats}, L2 flushed; torch {torch.__version__}, pitgen {pitgen.__version__}",
+        "units": {"fixed_ns": "ns per dense tile", "ns_per_element": "ns per element of S computed",
+                  "index_ns_per_element": "ns per element of S, paid once by every non-dense kind"},
+        "kinds": kinds, "index_ns_per_element": float(np.median(index_pts)),
+    }
+    text = json.dumps(profile, indent=2) + "\n"
+    with open(args.write, "w") as f:
+        f.write(text)
+    if args.out:
+        with open(os.path.join(args.out, "measured.json"), "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
