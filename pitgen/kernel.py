@@ -9,7 +9,9 @@ from .errors import PlanError, ShapeError
 from .expr import Operator, parse
 from .lower import DTYPES, gemm_form
 from .plan import Plan, make_plan
-from .runtime import GemmCall, as_operand, _STREAMS
+from .render import render
+from .lower import Schedule
+from .runtime import _STREAMS, GemmCall, Launcher, as_operand, signature
 
 
 class SparseKernel:
@@ -20,7 +22,9 @@ class SparseKernel:
 
     def __init__(self, expr: str | Operator, sparse: str, dtype: str = "float16",
                  micro_tile: str | Sequence[int] = "auto",
-                 tile: str | Sequence[int] | Mapping[str, int] | None = None):
+                 tile: str | Sequence[int] | Mapping[str, int] | None = None,
+                 vendor_dense: bool = True):
+        self.vendor_dense = vendor_dense
         self.operator = parse(expr) if isinstance(expr, str) else expr
         if dtype not in DTYPES:
             raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
@@ -30,6 +34,7 @@ class SparseKernel:
         self.tile = tile
         self.micro_tile = micro_tile
         self._plan: Plan | None = None
+        self._launchers: dict[tuple, Launcher] = {}
         if not (isinstance(micro_tile, str) and micro_tile == "auto"):
             self._plan = make_plan(self.operator, sparse, micro_tile=micro_tile, tile=tile)
 
@@ -42,6 +47,7 @@ class SparseKernel:
         """Forget an 'auto' choice; the next call plans again from its operand."""
         if isinstance(self.micro_tile, str) and self.micro_tile == "auto":
             self._plan = None
+            self._launchers.clear()
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         names = self.operator.input_names
@@ -60,23 +66,31 @@ class SparseKernel:
             raise ShapeError(f"missing operand(s) {', '.join(missing)}")
         return {n: as_operand(n, bound[n]) for n in names}
 
-    def _gemm_tile(self, plan: Plan) -> tuple[int, int | None]:
-        """(BN', BK) for the tile kernel: the plan's compute tile where the user gave one."""
+    def _schedule(self, plan: Plan) -> Schedule:
+        """The tile kernel's BN' and BK from the plan's compute tile where the user gave a tile."""
         if self.tile is None:
-            return 128, None
+            return Schedule()
         ct = plan.compute_tile
-        return ct[self.form.n_axis], ct[self.form.k_axis]
+        return Schedule(bn=ct[self.form.n_axis], bk=ct[self.form.k_axis])
 
     def prepare(self, *args: Any, out: Any = None, accumulate: bool = False, **kwargs: Any) -> GemmCall:
-        """Validate the operands and compile (or load) the module for them; launches nothing."""
+        """Validate the operands and compile (or load) the module for them; launches nothing.
+        Everything but buffer allocation is cached per call signature (shapes, strides, dtypes,
+        alignment), so repeated calls cost only their launches."""
         ops = self._bind(args, kwargs)
         if self._plan is None:
             from .coverage import plan_on_device
             self._plan = plan_on_device(self.operator, self.sparse, ops[self.sparse], self.tile)
-        c = self._plan.choice
-        bn, bk = self._gemm_tile(self._plan)
-        return GemmCall(self.operator, self.form, c.kind, c.axis, c.shape, self.dtype, ops, out,
-                        accumulate, bn=bn, bk=bk)
+        c_op = as_operand("out", out) if out is not None else None
+        key = signature(ops, c_op, accumulate)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            c = self._plan.choice
+            launcher = Launcher(self.operator, self.form, c.kind, c.axis, c.shape, self.dtype,
+                                ops, c_op, accumulate, self._schedule(self._plan),
+                                vendor_dense=self.vendor_dense)
+            self._launchers[key] = launcher
+        return GemmCall(launcher, ops, out)
 
     def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, **kwargs: Any) -> Any:
         """Compute the operator; ``out`` receives the result (``accumulate=True`` adds to it)."""
@@ -84,8 +98,11 @@ class SparseKernel:
 
     def index(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Build only the micro-tile index of the sparse operand; returns device arrays
-        ``(counts, ids)`` (``ids`` rows padded past ``counts``; order within a row is free)."""
+        ``(counts, ids)`` (``ids`` rows padded past ``counts``; order within a row is free),
+        or ``(None, None)`` for a dense plan."""
         call = self.prepare(*args, **kwargs)
+        if call.L.vendor:
+            return None, None
         stream, token = _STREAMS.enter(call.A.is_torch)
         try:
             call.build_index(stream)
@@ -95,16 +112,19 @@ class SparseKernel:
 
     def source(self, *args: Any, **kwargs: Any) -> str:
         """The CUDA source this kernel runs for these operands."""
-        return self.prepare(*args, **kwargs).mod.source
+        launcher = self.prepare(*args, **kwargs).L
+        return render(launcher.spec)
 
 
 def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
             micro_tile: str | Sequence[int] = "auto",
-            tile: str | Sequence[int] | Mapping[str, int] | None = None) -> SparseKernel:
+            tile: str | Sequence[int] | Mapping[str, int] | None = None,
+            vendor_dense: bool = True) -> SparseKernel:
     """JIT kernel for ``expr`` with operand ``sparse`` dynamically sparse.
 
     ``micro_tile``: 'auto', 'dense', or a shape in the operand's dimension order ('32x1' is
     32 rows by 1 column of ``A[m,k]``: a micro-tile along k). A micro-tile along an axis that is
-    not permutation invariant is refused with the rule's reason.
+    not permutation invariant is refused with the rule's reason. A dense plan on torch tensors
+    runs cuBLAS (through torch) unless ``vendor_dense=False`` asks for pitgen's own tile kernel.
     """
-    return SparseKernel(expr, sparse, dtype, micro_tile, tile)
+    return SparseKernel(expr, sparse, dtype, micro_tile, tile, vendor_dense)

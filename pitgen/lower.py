@@ -75,6 +75,7 @@ class GemmSpec:
     block_list: bool  # box mode over the k-blocks listed per m-tile
     ksub: int  # k-iterations per listed block (block width / BK)
     c_mode: str  # 'direct' | 'atomic'
+    c_pair: bool  # store two adjacent outputs at once (n contiguous, N even, aligned)
     accumulate: bool
     bm: int
     bn: int
@@ -138,6 +139,18 @@ class Layout:
     sc: tuple[int, int]  # C' (m', n')
     align_a: int = 16
     align_b: int = 16
+    align_c: int = 16
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Optional overrides of the tile kernel's schedule (None: the heuristic's choice)."""
+
+    bn: int | None = None
+    bk: int | None = None
+    wm: int | None = None
+    wn: int | None = None
+    stages: int | None = None
 
 
 def _vec(dtype: str, extent: int, other_stride: int, align: int) -> int:
@@ -157,8 +170,8 @@ def _schedule(bm: int, bn: int, dtype: str) -> tuple[int, int]:
 
 
 def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[int, ...],
-          dtype: str, layout: Layout, bn: int = 128, bk: int | None = None,
-          accumulate: bool = False, stages: int = 3) -> ModuleSpec:
+          dtype: str, layout: Layout, accumulate: bool = False,
+          schedule: Schedule = Schedule()) -> ModuleSpec:
     """The module that runs one plan choice (kind/axis/shape over ``sparse``) on ``layout``."""
     if dtype not in DTYPES:
         raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
@@ -168,6 +181,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         if n > INT32_MAX:
             raise PlanError(f"{what} = {n} elements would overflow the kernels' int32 indices")
     kstep = 8 if dtype == "float32" else 16
+    bn, bk, stages = schedule.bn or 128, schedule.bk, schedule.stages or 3
     sm, sk = f.a_dims
     tm, tk = (shape[sm], shape[sk]) if shape else (0, 0)
     index = None
@@ -195,6 +209,9 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         raise PlanError(f"tile {bm}x{bk_} of {sparse} does not fit the {dtype} mma shape "
                         f"(m in 16/32/64/128, k a multiple of {kstep})")
     wm, wn = _schedule(bm, bn, dtype)
+    wm, wn = schedule.wm or wm, schedule.wn or wn
+    if bm % (16 * wm) or bn % (16 * wn if dtype != "float32" else 8 * wn):
+        raise PlanError(f"{wm}x{wn} warps do not divide the {bm}x{bn} tile into mma tiles")
     if a_mode == "packed":
         a_kc, a_vec = False, 16 // DTYPES[dtype]
     elif layout.sa[1] == 1:
@@ -209,9 +226,13 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         b_nc, b_vec = False, _vec(dtype, layout.K, layout.sb[1], layout.align_b)
     else:
         b_nc, b_vec = True, 1
-    gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk_ if block_list else 1, c_mode, accumulate, bm, bn, bk_, wm, wn,
-                    stages, a_vec, b_vec, a_kc, b_nc)
-    while gemm.smem_bytes(dtype) > SMEM_BUDGET and (gemm.stages > 2 or gemm.bn > 32):
+    pair = 2 * DTYPES[dtype]
+    c_pair = layout.N % 2 == 0 and (c_mode == "atomic" or (
+        layout.sc[1] == 1 and layout.sc[0] % 2 == 0 and layout.align_c % pair == 0))
+    gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk_ if block_list else 1, c_mode,
+                    c_pair, accumulate, bm, bn, bk_, wm, wn, stages, a_vec, b_vec, a_kc, b_nc)
+    while (schedule == Schedule() and gemm.smem_bytes(dtype) > SMEM_BUDGET
+           and (gemm.stages > 2 or gemm.bn > 32)):
         if gemm.stages > 2:
             gemm = replace(gemm, stages=gemm.stages - 1)
         else:

@@ -15,7 +15,7 @@ import numpy as np
 from .compiler import compile_source
 from .errors import DeviceError, PlanError, ShapeError
 from .expr import Operator
-from .lower import DTYPES, GemmForm, Layout, ModuleSpec, lower
+from .lower import GemmForm, Layout, ModuleSpec, Schedule, lower
 from .render import render
 
 GRID_Y_MAX = 65535
@@ -59,9 +59,6 @@ class Operand:
     is_torch: bool
 
 
-_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
-
-
 def as_operand(name: str, x: Any) -> Operand:
     """Accept a CUDA torch tensor or a PyCUDA GPUArray; refuse anything else with the reason."""
     mod = type(x).__module__
@@ -75,9 +72,8 @@ def as_operand(name: str, x: Any) -> Operand:
         if x.device.index != torch.cuda.current_device():
             raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:"
                               f"{torch.cuda.current_device()} (the current device)")
-        dt = str(x.dtype).replace("torch.", "")
         return Operand(name, x, x.data_ptr(), tuple(x.shape), tuple(x.stride()),
-                       _TORCH_DTYPES.get(dt, dt), True)
+                       str(x.dtype).replace("torch.", ""), True)
     gpudata = getattr(x, "gpudata", None)
     if gpudata is not None:
         item = x.dtype.itemsize
@@ -178,15 +174,31 @@ class Workspace:
         return x.data_ptr() if hasattr(x, "data_ptr") else int(x.gpudata)
 
 
-class GemmCall:
-    """One call of a GEMM-form plan: validated operands, the module, and its launches.
+def _align(ptr: int) -> int:
+    """Largest power-of-two alignment of a device pointer, capped at 16 bytes."""
+    return min(16, ptr & -ptr) if ptr else 16
 
-    ``build_index()`` then ``compute()``: both only enqueue work on the stream; nothing waits.
+
+def signature(ops: dict[str, Operand], out: Operand | None, accumulate: bool) -> tuple:
+    """Everything a launch plan depends on besides the data: shapes, strides, dtypes, array
+    kinds and pointer alignment. Calls with equal signatures reuse one :class:`Launcher`."""
+    parts = [(o.name, o.shape, o.strides, o.dtype, o.is_torch, _align(o.ptr)) for o in ops.values()]
+    if out is not None:
+        parts.append(("out", out.shape, out.strides, out.dtype, out.is_torch, _align(out.ptr)))
+    return tuple(parts), accumulate
+
+
+class Launcher:
+    """The validated, compiled launch plan of one call signature: problem sizes, module, grids.
+
+    Built once per signature (validation, sympy extents, lowering and the module load are
+    all here), so that a call itself only allocates buffers and enqueues launches.
     """
 
     def __init__(self, op: Operator, form: GemmForm, kind: str, axis: str | None,
-                 shape: tuple[int, ...], dtype: str, ops: dict[str, Operand], out: Any | None,
-                 accumulate: bool, bn: int = 128, bk: int | None = None):
+                 shape: tuple[int, ...], dtype: str, ops: dict[str, Operand],
+                 out: Operand | None, accumulate: bool, schedule: Schedule = Schedule(),
+                 vendor_dense: bool = True):
         A, B = ops[form.sparse], ops[form.dense]
         for o in (A, B):
             if o.dtype != dtype:
@@ -197,95 +209,136 @@ class GemmCall:
             raise ShapeError("mixing torch tensors and GPUArrays in one call is not supported")
         ext = op.extents({o.name: o.shape for o in ops.values()})
         self.M, self.N, self.K = M, N, K = ext[form.m_axis], ext[form.n_axis], ext[form.k_axis]
-        out_shape = tuple(ext[a] for a in op.output.axes)
-        self.ws = Workspace(A)
+        self.out_shape = tuple(ext[a] for a in op.output.axes)
+        self.form, self.dtype, self.accumulate, self.is_torch = form, dtype, accumulate, A.is_torch
         if out is None:
             if accumulate:
                 raise ShapeError("accumulate=True needs out= (the array to add to)")
-            out = self.ws.alloc(out_shape, dtype)
-        C = as_operand(op.output.tensor, out)
-        if C.shape != out_shape or C.dtype != dtype:
-            raise ShapeError(f"out has shape {C.shape} and dtype {C.dtype}; expected {out_shape} {dtype}")
-        if C.is_torch != A.is_torch:
-            raise ShapeError("out must be the same kind of array as the operands")
-        if not _distinct_strides(C.shape, C.strides):
-            raise ShapeError(f"out has overlapping strides {C.strides}: every element needs its own place")
-        sc = (C.strides[form.c_dims[0]], C.strides[form.c_dims[1]])
-        align = lambda p: min(16, p & -p) if p else 16  # noqa: E731  (pointer alignment, bytes)
+            sc_out = _contiguous_strides(self.out_shape)
+            align_c = 16
+        else:
+            if out.shape != self.out_shape or out.dtype != dtype:
+                raise ShapeError(f"out has shape {out.shape} and dtype {out.dtype}; expected "
+                                 f"{self.out_shape} {dtype}")
+            if out.is_torch != A.is_torch:
+                raise ShapeError("out must be the same kind of array as the operands")
+            if not _distinct_strides(out.shape, out.strides):
+                raise ShapeError(f"out has overlapping strides {out.strides}: every element "
+                                 f"needs its own place")
+            sc_out, align_c = out.strides, _align(out.ptr)
+        sc = (sc_out[form.c_dims[0]], sc_out[form.c_dims[1]])
         self.layout = Layout(M, N, K, (A.strides[form.a_dims[0]], A.strides[form.a_dims[1]]),
                              (B.strides[form.b_dims[0]], B.strides[form.b_dims[1]]), sc,
-                             align(A.ptr), align(B.ptr))
-        self.spec = lower(op, form.sparse, kind, axis, shape, dtype, self.layout, bn=bn, bk=bk,
-                          accumulate=accumulate)
-        self.A, self.B, self.C, self.out = A, B, C, out
-        self.accumulate = accumulate
-        self.tk = shape[form.a_dims[1]] if self.spec.gemm.a_mode == "rows" else 0
-        self.counts = self.ids = self.pack = None
-        self.mod = load_module(self.spec) if M * N else None
+                             _align(A.ptr), _align(B.ptr), align_c)
+        self.spec = lower(op, form.sparse, kind, axis, shape, dtype, self.layout,
+                          accumulate=accumulate, schedule=schedule)
+        #: a dense plan on torch tensors runs the vendor GEMM (cuBLAS through torch)
+        self.vendor = kind == "dense" and A.is_torch and vendor_dense
+        self.mod = load_module(self.spec) if M * N and not self.vendor else None
+        g = self.spec.gemm
+        self.tk = shape[form.a_dims[1]] if g.a_mode == "rows" else 0
+        self.grid_m = (M + g.bm - 1) // g.bm
+        ix, lay = self.spec.index, self.layout
+        if ix is not None:
+            if g.a_mode == "rows":
+                self.groups, n_id, n_long = (K + self.tk - 1) // self.tk, M, K
+                s_long, s_id, self.cap = lay.sa[1], lay.sa[0], M
+            else:
+                self.groups, n_id, n_long, s_long, s_id = self.grid_m, K, M, lay.sa[0], lay.sa[1]
+                self.cap = K if g.a_mode == "packed" else (K + g.bk * g.ksub - 1) // (g.bk * g.ksub)
+            if self.groups > GRID_Y_MAX:
+                raise PlanError(f"{self.groups} tile groups exceed the grid limit {GRID_Y_MAX}")
+            per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
+            self.index_grid = ((self.cap + per_block - 1) // per_block, self.groups)
+            self.index_args = (s_long, s_id, n_long, n_id)
+        self.grid = ((N + g.bn - 1) // g.bn, self.grid_m)
+        if g.a_mode == "rows":
+            self.grid += ((K + self.tk - 1) // self.tk,)
+        if self.grid[1] > GRID_Y_MAX:
+            raise PlanError(f"{self.grid[1]} m-tiles exceed the grid limit {GRID_Y_MAX}")
+        self.flat = (min((M * N + 255) // 256, 65535), 1)
 
-    @property
-    def grid_m(self) -> int:
-        return (self.M + self.spec.gemm.bm - 1) // self.spec.gemm.bm
+
+class GemmCall:
+    """One call: the launcher's plan applied to this call's arrays and fresh buffers.
+
+    ``build_index()`` then ``compute()``: both only enqueue work on the stream; nothing waits.
+    """
+
+    def __init__(self, launcher: Launcher, ops: dict[str, Operand], out: Any | None):
+        self.L = L = launcher
+        self.A, self.B = ops[L.form.sparse], ops[L.form.dense]
+        self.ws = Workspace(self.A)
+        self.out = out if out is not None else self.ws.alloc(L.out_shape, L.dtype)
+        self.c_ptr = Workspace.ptr(self.out)
+        self.counts = self.ids = self.pack = None
 
     def build_index(self, stream) -> None:
         """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block)."""
-        ix, g, lay = self.spec.index, self.spec.gemm, self.layout
-        if ix is None or self.M * self.N * self.K == 0:
+        L = self.L
+        ix = L.spec.index
+        if ix is None or L.vendor or L.M * L.N * L.K == 0:
             return
-        if g.a_mode == "rows":
-            groups, n_id, n_long, s_long, s_id = (self.K + self.tk - 1) // self.tk, self.M, self.K, lay.sa[1], lay.sa[0]
-            cap = self.M
-        else:
-            groups, n_id, n_long, s_long, s_id = self.grid_m, self.K, self.M, lay.sa[0], lay.sa[1]
-            cap = self.K if g.a_mode == "packed" else (self.K + g.bk * g.ksub - 1) // (g.bk * g.ksub)
-        if groups > GRID_Y_MAX:
-            raise PlanError(f"{groups} tile groups exceed the grid limit {GRID_Y_MAX}")
-        self.counts = self.ws.alloc((groups,), "int32")
-        self.ids = self.ws.alloc((groups, cap), "int32")
+        self.counts = self.ws.alloc((L.groups,), "int32")
+        self.ids = self.ws.alloc((L.groups, L.cap), "int32")
         if ix.pack:
-            self.pack = self.ws.alloc((groups * cap * ix.long_extent,), self.spec.dtype)
-        _drv().memset_d32_async(Workspace.ptr(self.counts), 0, groups, stream)
-        per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
-        self.mod.index.prepared_async_call(
-            ((cap + per_block - 1) // per_block, groups), (256, 1, 1), stream,
-            self.A.ptr, s_long, s_id, n_long, n_id, Workspace.ptr(self.counts),
-            Workspace.ptr(self.ids), Workspace.ptr(self.pack) if self.pack is not None else 0)
+            self.pack = self.ws.alloc((L.groups * L.cap * ix.long_extent,), L.dtype)
+        _drv().memset_d32_async(Workspace.ptr(self.counts), 0, L.groups, stream)
+        L.mod.index.prepared_async_call(
+            L.index_grid, (256, 1, 1), stream, self.A.ptr, *L.index_args,
+            Workspace.ptr(self.counts), Workspace.ptr(self.ids),
+            Workspace.ptr(self.pack) if self.pack is not None else 0)
 
     def compute(self, stream) -> None:
         """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
-        M, N, K, g, mod, sc = self.M, self.N, self.K, self.spec.gemm, self.mod, self.layout.sc
+        L = self.L
+        M, N, K, g, mod, sc = L.M, L.N, L.K, L.spec.gemm, L.mod, L.layout.sc
         if M * N == 0:
             return
-        flat = (min((M * N + 255) // 256, 65535), 1)
+        if L.vendor:
+            return self._vendor()
         if K == 0:
-            if not self.accumulate:
-                mod.zero.prepared_async_call(flat, (256, 1, 1), stream, self.C.ptr, M, N, *sc)
+            if not L.accumulate:
+                mod.zero.prepared_async_call(L.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
             return
-        grid = ((N + g.bn - 1) // g.bn, self.grid_m)
         f32 = None
         if g.a_mode == "rows":
-            grid = grid + ((K + self.tk - 1) // self.tk,)
             if g.c_mode == "atomic":
                 f32 = self.ws.alloc((M * N,), "float32")
                 _drv().memset_d32_async(Workspace.ptr(f32), 0, M * N, stream)
-            elif not self.accumulate:
-                mod.zero.prepared_async_call(flat, (256, 1, 1), stream, self.C.ptr, M, N, *sc)
-        if grid[1] > GRID_Y_MAX:
-            raise PlanError(f"{grid[1]} m-tiles exceed the grid limit {GRID_Y_MAX}")
+            elif not L.accumulate:
+                mod.zero.prepared_async_call(L.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
         ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
-        lay = self.layout
+        lay = L.layout
         mod.gemm.prepared_async_call(
-            grid, (g.threads, 1, 1), stream,
-            ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr, self.C.ptr,
+            L.grid, (g.threads, 1, 1), stream,
+            ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr, self.c_ptr,
             ptr(f32), ptr(self.counts), ptr(self.ids),
-            M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], self.tk,
+            M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.tk,
             shared_size=mod.smem)
         if f32 is not None:
-            mod.finish.prepared_async_call(flat, (256, 1, 1), stream, self.C.ptr,
-                                           Workspace.ptr(f32), M, N, *sc, int(self.accumulate))
+            mod.finish.prepared_async_call(L.flat, (256, 1, 1), stream, self.c_ptr,
+                                           Workspace.ptr(f32), M, N, *sc, int(L.accumulate))
+
+    def _vendor(self) -> None:
+        """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""
+        f = self.L.form
+        a = self.A.obj.permute(*f.a_dims)
+        b = self.B.obj.permute(*f.b_dims)
+        c = self.out.permute(*f.c_dims)
+        if self.L.accumulate:
+            c.addmm_(a, b)
+        elif c.is_contiguous():
+            import torch
+            torch.mm(a, b, out=c)
+        else:
+            c.copy_(a @ b)
 
     def run(self) -> Any:
         """build_index + compute on the caller's stream; returns the output array."""
+        if self.L.vendor:
+            self.compute(None)
+            return self.out
         stream, token = _STREAMS.enter(self.A.is_torch)
         try:
             self.build_index(stream)
@@ -296,6 +349,14 @@ class GemmCall:
                 for t in self.ws.keep:
                     t.record_stream(token[1])
         return self.out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _distinct_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

@@ -97,7 +97,7 @@ def test_kernel_matches_float64_reference(dtype, form, kind, M, N, K, t_m, t_k, 
     tile = micro if micro != "dense" else (32, 1)
     op, sparse, arrays, ref = operands(
         rng, form, M, N, K, dtype, lambda shp: make_mask(rng, shp, gran, tile, density))
-    kern = pitgen.compile(op, sparse=sparse, dtype=dtype, micro_tile=micro)
+    kern = pitgen.compile(op, sparse=sparse, dtype=dtype, micro_tile=micro, vendor_dense=False)
     out = torch.full(ref.shape, float("nan"), dtype=_tdt(dtype), device="cuda")
     res = kern(**arrays, out=out)
     assert res is out
@@ -128,7 +128,7 @@ def test_accumulate_adds_to_out(kind):
     micro = _shape_for(kind, "A", 32, 64)
     op, sparse, arrays, ref = operands(rng, "A", 150, 70, 300, "float32",
                                        lambda s: make_mask(rng, s, "element", (1, 1), 0.3))
-    kern = pitgen.compile(op, sparse=sparse, dtype="float32", micro_tile=micro)
+    kern = pitgen.compile(op, sparse=sparse, dtype="float32", micro_tile=micro, vendor_dense=False)
     base = torch.randn(150, 70, device="cuda")
     out = base.clone()
     kern(**arrays, out=out, accumulate=True)
@@ -172,6 +172,19 @@ def test_noncontiguous_views_and_a_side_stream():
     torch.cuda.current_stream().wait_stream(s)
     check(out, ref, "float16")
     del rng
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_dense_plan_runs_cublas_through_torch(accumulate):
+    rng = np.random.default_rng(6)
+    op, sparse, arrays, ref = operands(rng, "sparseBt", 70, 90, 50, "float16",
+                                       lambda s: make_mask(rng, s, "full", (1, 1), 1.0))
+    kern = pitgen.compile(op, sparse=sparse, dtype="float16", micro_tile="dense")
+    out = torch.randn(70, 90, device="cuda").half().t().contiguous().t()  # column-major out
+    base = out.double().cpu().numpy()
+    kern(**arrays, out=out, accumulate=accumulate)
+    assert kern.index(**arrays) == (None, None)
+    check(out, ref + base if accumulate else ref, "float16")
 
 
 def test_pycuda_gpuarrays():
