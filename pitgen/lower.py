@@ -18,8 +18,8 @@ from .expr import Operator
 
 DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 INT32_MAX = 2**31 - 1
-#: Shared memory one block may use: leaves room for two blocks per SM on sm_80 and sm_90.
-SMEM_BUDGET = 80 * 1024
+#: Shared memory one block may use: two blocks per SM on sm_90, one on sm_80.
+SMEM_BUDGET = 112 * 1024
 
 
 @dataclass(frozen=True)
@@ -162,11 +162,16 @@ def _vec(dtype: str, extent: int, other_stride: int, align: int) -> int:
     return v
 
 
-def _schedule(bm: int, bn: int, dtype: str) -> tuple[int, int]:
-    """Warps along m and n: warp tiles of at most 64 rows, 8 warps at most, n-tiles of >= 16."""
+#: Tuned defaults by the tile's m extent: (BN, BK, warps along m, warps along n, stages). From
+#: scripts/tune_schedules.py on an H100 (fp16, 4096^3; docs/performance.md).
+SCHEDULES = {128: (128, 64, 2, 4, 3), 64: (256, 32, 2, 4, 4), 32: (256, 32, 1, 4, 3),
+             16: (128, 32, 1, 4, 3)}
+
+
+def _warps(bm: int, bn: int) -> tuple[int, int]:
+    """Warps along m and n when BN is overridden: warp tiles of at most 64 rows, <= 8 warps."""
     wm = max(1, bm // 64)
-    wn = max(1, min(8 // wm, bn // 16))
-    return wm, wn
+    return wm, max(1, min(8 // wm, bn // 16))
 
 
 def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[int, ...],
@@ -181,35 +186,42 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         if n > INT32_MAX:
             raise PlanError(f"{what} = {n} elements would overflow the kernels' int32 indices")
     kstep = 8 if dtype == "float32" else 16
-    bn, bk, stages = schedule.bn or 128, schedule.bk, schedule.stages or 3
     sm, sk = f.a_dims
     tm, tk = (shape[sm], shape[sk]) if shape else (0, 0)
     index = None
     block_list, c_mode, a_mode = False, "direct", "box"
+    bk = schedule.bk
     if kind == "dense":
-        bm, bk_ = 128, bk or 32
+        bm = 128
     elif kind == "block":
-        bm, bk_ = tm, min(tk, 32 if dtype == "float32" else 64)
+        bm, bk = tm, min(tk, 32 if dtype == "float32" else 64)
         block_list = True
         index = IndexSpec("pit_build_index", "block", "warp", 0, False, tm, tk, layout.sa[1] == 1)
     elif kind == "micro" and axis == f.k_axis:
-        bm, bk_ = tm, bk or 32
+        bm = tm
         a_mode = "packed"
         strategy = "thread" if layout.sa[1] == 1 else "warp"
         index = IndexSpec("pit_build_index", "micro", strategy, tm, True, 0, 0, False)
     elif kind == "micro" and axis == f.m_axis:
-        bm, bk_ = 64, min(bk or 32, tk) if tk >= kstep else kstep
+        bm, bk = 64, min(bk or 32, max(tk, kstep))
         a_mode = "rows"
         c_mode = "direct" if tk >= layout.K else "atomic"
         strategy = "warp" if layout.sa[1] == 1 else "thread"
         index = IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False)
     else:
         raise PlanError(f"plan {kind} along {axis} has no GPU kernel for {op.text!r}")
-    if bm not in (16, 32, 64, 128) or bk_ % kstep or bk_ <= 0 or (block_list and tk % bk_):
-        raise PlanError(f"tile {bm}x{bk_} of {sparse} does not fit the {dtype} mma shape "
-                        f"(m in 16/32/64/128, k a multiple of {kstep})")
-    wm, wn = _schedule(bm, bn, dtype)
-    wm, wn = schedule.wm or wm, schedule.wn or wn
+    if bm not in SCHEDULES:
+        raise PlanError(f"tile {bm}x{tk or bk} of {sparse} does not fit the {dtype} mma shape "
+                        f"(m extent 16, 32, 64 or 128)")
+    bn, bk_def, wm, wn, stages = SCHEDULES[bm]
+    if schedule.bn:
+        bn = schedule.bn
+        wm, wn = _warps(bm, bn)
+    bk = bk or (bk_def if dtype != "float32" else 32)
+    wm, wn, stages = schedule.wm or wm, schedule.wn or wn, schedule.stages or stages
+    if bk % kstep or (block_list and tk % bk):
+        raise PlanError(f"tile {bm}x{tk or bk} of {sparse} does not fit the {dtype} mma shape "
+                        f"(k extent a multiple of {kstep})")
     if bm % (16 * wm) or bn % (16 * wn if dtype != "float32" else 8 * wn):
         raise PlanError(f"{wm}x{wn} warps do not divide the {bm}x{bn} tile into mma tiles")
     if a_mode == "packed":
@@ -229,13 +241,13 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     pair = 2 * DTYPES[dtype]
     c_pair = layout.N % 2 == 0 and (c_mode == "atomic" or (
         layout.sc[1] == 1 and layout.sc[0] % 2 == 0 and layout.align_c % pair == 0))
-    gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk_ if block_list else 1, c_mode,
-                    c_pair, accumulate, bm, bn, bk_, wm, wn, stages, a_vec, b_vec, a_kc, b_nc)
+    gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk if block_list else 1, c_mode,
+                    c_pair, accumulate, bm, bn, bk, wm, wn, stages, a_vec, b_vec, a_kc, b_nc)
     while (schedule == Schedule() and gemm.smem_bytes(dtype) > SMEM_BUDGET
            and (gemm.stages > 2 or gemm.bn > 32)):
         if gemm.stages > 2:
             gemm = replace(gemm, stages=gemm.stages - 1)
         else:
             bn = gemm.bn // 2
-            gemm = replace(gemm, bn=bn, wn=_schedule(bm, bn, dtype)[1])
+            gemm = replace(gemm, bn=bn, wn=min(gemm.wn, max(1, bn // 16)))
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
