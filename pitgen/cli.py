@@ -31,6 +31,40 @@ def _plan(args: argparse.Namespace) -> None:
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
 
 
+def _emit(args: argparse.Namespace) -> None:
+    from pathlib import Path
+    import tempfile
+
+    from .emit import (CATALOGUE, DEFAULT_ARCH, DEFAULT_DTYPE, Progress, Request, compile_objects,
+                       emit_all, jobs, listing, write)
+
+    kernel_opts = [f"--{o.replace('_', '-')}" for o in ("sparse", "dtype", "micro_tile", "tile", "arch", "out")
+                   if getattr(args, o) is not None]
+    if args.list or args.catalogue:
+        if args.expr or kernel_opts or (args.list and args.catalogue):
+            raise PitgenError("--list and --catalogue take no expression or kernel options")
+        requests = list(CATALOGUE)
+    else:
+        missing = [o for o, v in (("EXPR", args.expr), ("--sparse", args.sparse),
+                                  ("--micro-tile", args.micro_tile), ("--out", args.out)) if not v]
+        if missing:
+            raise PitgenError(f"emit needs {', '.join(missing)} (or --catalogue DIR, or --list)")
+        requests = [Request(args.expr, args.sparse, args.dtype or DEFAULT_DTYPE, args.micro_tile,
+                            args.tile, args.arch or DEFAULT_ARCH)]
+    items = emit_all(requests, Progress("emit", len(requests)))
+    if args.list:
+        print(listing(items))
+        return
+    paths = write(items, Path(args.catalogue or args.out))
+    print("\n".join(map(str, paths)))
+    if args.compile:
+        sources = [p for p in paths if p.suffix == ".cu"]
+        archs = sorted({r.arch for r in requests})
+        with tempfile.TemporaryDirectory(prefix="pitgen-emit-") as tmp:
+            compile_objects(sources, archs, Path(tmp), jobs(), Progress("nvcc", len(sources)))
+        print(f"compiled {len(sources)} with nvcc for {', '.join(archs)}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -47,6 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tile", default=None, help="dense compute tile, e.g. 64x64x32 (axis order)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
+
+    e = sub.add_parser("emit", help="write standalone kernels (.cu + .h with a C API) for other projects")
+    e.add_argument("expr", nargs="?", help="e.g. 'C[m,n] += A[m,k] * B[k,n]'")
+    e.add_argument("--sparse", help="name of the sparse operand, e.g. A")
+    e.add_argument("--dtype", help="float16 (default), bfloat16 or float32")
+    e.add_argument("--micro-tile", help="micro-tile or block of the sparse operand, e.g. 32x1 (dim order)")
+    e.add_argument("--tile", help="compute tile, e.g. 64x128x32 (axis order)")
+    e.add_argument("--arch", help="architecture the tile must fit, sm_80 (default) or newer")
+    e.add_argument("--out", help="directory for <name>.cu and <name>.h")
+    e.add_argument("--catalogue", metavar="DIR", help="write pitgen's catalogue of kernels into DIR")
+    e.add_argument("--list", action="store_true", help="list the catalogue's kernels")
+    e.add_argument("--compile", action="store_true", help="check that the files build with nvcc")
+    e.set_defaults(func=_emit)
     return p
 
 
