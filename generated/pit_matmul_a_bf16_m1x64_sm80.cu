@@ -6,8 +6,9 @@
 // operands:    row-major (contiguous) A[m, k], B[k, n], C[m, n];
 //              extents m, n, k given at run time
 // sparse:      A, dynamically sparse: every build_index call finds its non-zero tiles anew
-// rule:        micro-tile 1x64 of A along m: m is a permutation invariant spatial axis,
-//              so the kernel needs SRead + SWrite (gathers the non-zero rows and scatters each result back to its row)
+// rule:        micro-tile 1x64 of A along m: m is a permutation invariant spatial axis, so the
+//              kernel needs SRead + SWrite: it gathers the non-zero rows and scatters each
+//              result back to its row
 //              why: m is a bare index of C[dim 0], A[dim 0]: output slice m=i depends only on the
 //                   inputs' slices m=i, so slices can be computed in any order (SRead) and written
 //                   back to their own positions (SWrite)
@@ -17,11 +18,11 @@
 // arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
 // variants:    chosen per call from the extents and pointers:
 //   direct_wide: 8/8-element copies of A/B, paired stores of C,
-//     when n % 8 == 0 and k % 8 == 0 and A is 16-byte aligned and B is 16-byte aligned and C is 4-byte aligned and k <= 64
+//     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 4-byte aligned, k <= 64
 //   direct_narrow: 1/1-element copies of A/B, single stores of C
 //     when k <= 64
 //   atomic_wide: 8/8-element copies of A/B, fp32 workspace + atomics, then a finishing pass,
-//     when n % 8 == 0 and k % 8 == 0 and A is 16-byte aligned and B is 16-byte aligned
+//     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned
 //   atomic_narrow: 1/1-element copies of A/B, fp32 workspace + atomics, then a finishing pass
 //
 // Build: nvcc -std=c++17 -arch=sm_80 (or newer) -c pit_matmul_a_bf16_m1x64_sm80.cu -- nothing else is needed.
@@ -237,7 +238,8 @@ pit_matmul_a_bf16_m1x64_sm80_direct_wide(const elem_t* __restrict__ a, const ele
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
     constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int b_j[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -547,7 +549,8 @@ pit_matmul_a_bf16_m1x64_sm80_direct_narrow(const elem_t* __restrict__ a, const e
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
     constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int b_j[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -862,7 +865,8 @@ pit_matmul_a_bf16_m1x64_sm80_atomic_wide(const elem_t* __restrict__ a, const ele
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
     constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int b_j[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -1177,7 +1181,8 @@ pit_matmul_a_bf16_m1x64_sm80_atomic_narrow(const elem_t* __restrict__ a, const e
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
     constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int b_j[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -1372,8 +1377,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     if (M > INT32_LIMIT || N > INT32_LIMIT || K > INT32_LIMIT || M * K > INT32_LIMIT ||
         K * N > INT32_LIMIT || M * N > INT32_LIMIT)
         return invalid("m*k, k*n and m*n must be below 2^31 (the kernels index with int)");
-    *p = Problem{(int)M, (int)N, (int)K, (int)(K), (int)(1), (int)(N),
-                 (int)(1), (int)(N), (int)(1)};
+    *p = Problem{(int)M, (int)N, (int)K, (int)K, 1, (int)N, 1,
+                 (int)N, 1};  // row-major: a row's length, or 1
     if ((M + BM - 1) / BM > GRID_LIMIT)
         return invalid("m needs more than 65535 tiles of 64 (the grid limit)");
     const int64_t groups = (K + TK - 1) / TK, cap = M;  // rows listed per k-tile
@@ -1421,7 +1426,9 @@ cudaError_t check(const Problem& p, const Workspace& w, const void* a, const voi
         if (overlap(c, c_bytes, b, b_bytes)) return invalid("C overlaps B");
     }
     return cudaSuccess;
-}// Zero the counts, then one pass over A appends every non-zero micro-tile (or block) to its list.
+}
+
+// Zero the counts, then one pass over A appends every non-zero micro-tile (or block) to its list.
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
@@ -1440,10 +1447,8 @@ cudaError_t compute_direct_wide(const Problem& p, const Workspace& w, const elem
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_bf16_m1x64_sm80_direct_wide_module::pit_gemm::pit_matmul_a_bf16_m1x64_sm80_direct_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const int64_t elems = (int64_t)p.M * p.N;
     const dim3 flat((unsigned)((elems + 255) / 256 < 65535 ? (elems + 255) / 256 : 65535));
     pit_matmul_a_bf16_m1x64_sm80_direct_wide_module::pit_epilogue::pit_matmul_a_bf16_m1x64_sm80_direct_wide_zero<<<flat, 256, 0, stream>>>(c, p.M, p.N, p.sc_m, p.sc_n);  // rows never listed stay 0
@@ -1462,10 +1467,8 @@ cudaError_t compute_direct_narrow(const Problem& p, const Workspace& w, const el
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_bf16_m1x64_sm80_direct_narrow_module::pit_gemm::pit_matmul_a_bf16_m1x64_sm80_direct_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const int64_t elems = (int64_t)p.M * p.N;
     const dim3 flat((unsigned)((elems + 255) / 256 < 65535 ? (elems + 255) / 256 : 65535));
     pit_matmul_a_bf16_m1x64_sm80_direct_narrow_module::pit_epilogue::pit_matmul_a_bf16_m1x64_sm80_direct_narrow_zero<<<flat, 256, 0, stream>>>(c, p.M, p.N, p.sc_m, p.sc_n);  // rows never listed stay 0
@@ -1484,10 +1487,8 @@ cudaError_t compute_atomic_wide(const Problem& p, const Workspace& w, const elem
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_bf16_m1x64_sm80_atomic_wide_module::pit_gemm::pit_matmul_a_bf16_m1x64_sm80_atomic_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const int64_t elems = (int64_t)p.M * p.N;
     const dim3 flat((unsigned)((elems + 255) / 256 < 65535 ? (elems + 255) / 256 : 65535));
     float* f32 = reinterpret_cast<float*>(ws + w.f32);
@@ -1509,10 +1510,8 @@ cudaError_t compute_atomic_narrow(const Problem& p, const Workspace& w, const el
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_bf16_m1x64_sm80_atomic_narrow_module::pit_gemm::pit_matmul_a_bf16_m1x64_sm80_atomic_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 88064 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const int64_t elems = (int64_t)p.M * p.N;
     const dim3 flat((unsigned)((elems + 255) / 256 < 65535 ? (elems + 255) / 256 : 65535));
     float* f32 = reinterpret_cast<float*>(ws + w.f32);

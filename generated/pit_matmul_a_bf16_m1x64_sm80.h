@@ -7,8 +7,9 @@
  * operands:    row-major (contiguous) A[m, k], B[k, n], C[m, n];
  *              extents m, n, k given at run time
  * sparse:      A, dynamically sparse: every build_index call finds its non-zero tiles anew
- * rule:        micro-tile 1x64 of A along m: m is a permutation invariant spatial axis,
- *              so the kernel needs SRead + SWrite (gathers the non-zero rows and scatters each result back to its row)
+ * rule:        micro-tile 1x64 of A along m: m is a permutation invariant spatial axis, so the
+ *              kernel needs SRead + SWrite: it gathers the non-zero rows and scatters each
+ *              result back to its row
  *              why: m is a bare index of C[dim 0], A[dim 0]: output slice m=i depends only on the
  *                   inputs' slices m=i, so slices can be computed in any order (SRead) and written
  *                   back to their own positions (SWrite)
@@ -18,11 +19,11 @@
  * arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
  * variants:    chosen per call from the extents and pointers:
  *   direct_wide: 8/8-element copies of A/B, paired stores of C,
- *     when n % 8 == 0 and k % 8 == 0 and A is 16-byte aligned and B is 16-byte aligned and C is 4-byte aligned and k <= 64
+ *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 4-byte aligned, k <= 64
  *   direct_narrow: 1/1-element copies of A/B, single stores of C
  *     when k <= 64
  *   atomic_wide: 8/8-element copies of A/B, fp32 workspace + atomics, then a finishing pass,
- *     when n % 8 == 0 and k % 8 == 0 and A is 16-byte aligned and B is 16-byte aligned
+ *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned
  *   atomic_narrow: 1/1-element copies of A/B, fp32 workspace + atomics, then a finishing pass
  *
  * API (every call checks its arguments first and returns cudaErrorInvalidValue, launching

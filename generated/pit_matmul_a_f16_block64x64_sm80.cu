@@ -14,7 +14,7 @@
 // arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
 // variants:    chosen per call from the extents and pointers:
 //   wide: 8/8-element copies of A/B, paired stores of C,
-//     when n % 8 == 0 and k % 8 == 0 and A is 16-byte aligned and B is 16-byte aligned and C is 4-byte aligned
+//     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 4-byte aligned
 //   narrow: 1/1-element copies of A/B, single stores of C
 //
 // Build: nvcc -std=c++17 -arch=sm_80 (or newer) -c pit_matmul_a_f16_block64x64_sm80.cu -- nothing else is needed.
@@ -223,7 +223,8 @@ pit_matmul_a_f16_block64x64_sm80_wide(const elem_t* __restrict__ a, const elem_t
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
     constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int b_j[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -530,7 +531,8 @@ pit_matmul_a_f16_block64x64_sm80_narrow(const elem_t* __restrict__ a, const elem
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
     constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int b_j[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -727,8 +729,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     if (M > INT32_LIMIT || N > INT32_LIMIT || K > INT32_LIMIT || M * K > INT32_LIMIT ||
         K * N > INT32_LIMIT || M * N > INT32_LIMIT)
         return invalid("m*k, k*n and m*n must be below 2^31 (the kernels index with int)");
-    *p = Problem{(int)M, (int)N, (int)K, (int)(K), (int)(1), (int)(N),
-                 (int)(1), (int)(N), (int)(1)};
+    *p = Problem{(int)M, (int)N, (int)K, (int)K, 1, (int)N, 1,
+                 (int)N, 1};  // row-major: a row's length, or 1
     if ((M + BM - 1) / BM > GRID_LIMIT)
         return invalid("m needs more than 65535 tiles of 64 (the grid limit)");
     const int64_t groups = (M + BM - 1) / BM, cap = (K + BK * KSUB - 1) / (BK * KSUB);  // k-blocks per m-tile
@@ -770,7 +772,9 @@ cudaError_t check(const Problem& p, const Workspace& w, const void* a, const voi
         if (overlap(c, c_bytes, b, b_bytes)) return invalid("C overlaps B");
     }
     return cudaSuccess;
-}// Zero the counts, then one pass over A appends every non-zero micro-tile (or block) to its list.
+}
+
+// Zero the counts, then one pass over A appends every non-zero micro-tile (or block) to its list.
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
@@ -790,10 +794,8 @@ cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, 
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_f16_block64x64_sm80_wide_module::pit_gemm::pit_matmul_a_f16_block64x64_sm80_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 86016 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 86016 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));
     pit_matmul_a_f16_block64x64_sm80_wide_module::pit_gemm::pit_matmul_a_f16_block64x64_sm80_wide<<<grid, THREADS, SMEM, stream>>>(
         a, b, c, nullptr, reinterpret_cast<const int*>(ws + w.counts),
@@ -808,10 +810,8 @@ cudaError_t compute_narrow(const Problem& p, const Workspace& w, const elem_t* a
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_f16_block64x64_sm80_narrow_module::pit_gemm::pit_matmul_a_f16_block64x64_sm80_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 86016 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 86016 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));
     pit_matmul_a_f16_block64x64_sm80_narrow_module::pit_gemm::pit_matmul_a_f16_block64x64_sm80_narrow<<<grid, THREADS, SMEM, stream>>>(
         a, b, c, nullptr, reinterpret_cast<const int*>(ws + w.counts),

@@ -6,8 +6,9 @@
 // operands:    row-major (contiguous) A[m, k], B[k, n], C[m, n];
 //              extents m, n, k given at run time
 // sparse:      A, dynamically sparse: every build_index call finds its non-zero tiles anew
-// rule:        micro-tile 32x1 of A along k: k is a permutation invariant reduction axis,
-//              so the kernel needs SRead (gathers the non-zero micro-tiles; nothing to scatter)
+// rule:        micro-tile 32x1 of A along k: k is a permutation invariant reduction axis, so
+//              the kernel needs SRead: it gathers the non-zero micro-tiles, with nothing to
+//              scatter
 //              why: k is a bare index of A[dim 1], B[dim 0] and sum is commutative and associative:
 //                   any order of k gives the same output; gather the non-zero micro-tiles (SRead),
 //                   nothing to scatter
@@ -17,7 +18,7 @@
 // arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
 // variants:    chosen per call from the extents and pointers:
 //   wide: 8/8-element copies of A/B, paired stores of C,
-//     when n % 8 == 0 and B is 16-byte aligned and C is 4-byte aligned
+//     when n % 8 == 0, B 16-byte aligned, C 4-byte aligned
 //   narrow: 8/1-element copies of A/B, single stores of C
 //
 // Build: nvcc -std=c++17 -arch=sm_80 (or newer) -c pit_matmul_a_f16_k32x1_sm80.cu -- nothing else is needed.
@@ -241,7 +242,7 @@ pit_matmul_a_f16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
     // reads the gathered ids (SRead) for the sparse modes.
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -261,7 +262,6 @@ pit_matmul_a_f16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
         if constexpr (B_NCONTIG) { j = c / (BN / B_VEC); n = (c % (BN / B_VEC)) * B_VEC; }
         else                     { n = c / (BK / B_VEC); j = (c % (BK / B_VEC)) * B_VEC; }
         b_soff[q] = B_NCONTIG ? j * B_LD + n : n * B_LD + j;
-        b_j[q] = j;
         b_base[q] = (c < B_CHUNKS && n0 + n < p.N) ? p.b + (size_t)(n0 + n) * p.sb_n : nullptr;
     }
 
@@ -560,7 +560,7 @@ pit_matmul_a_f16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
     // reads the gathered ids (SRead) for the sparse modes.
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
     constexpr int B_CHUNKS = BK * BN / B_VEC;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER], b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
     const elem_t* a_base[A_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
@@ -580,7 +580,6 @@ pit_matmul_a_f16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
         if constexpr (B_NCONTIG) { j = c / (BN / B_VEC); n = (c % (BN / B_VEC)) * B_VEC; }
         else                     { n = c / (BK / B_VEC); j = (c % (BK / B_VEC)) * B_VEC; }
         b_soff[q] = B_NCONTIG ? j * B_LD + n : n * B_LD + j;
-        b_j[q] = j;
         b_base[q] = (c < B_CHUNKS && n0 + n < p.N) ? p.b + (size_t)(n0 + n) * p.sb_n : nullptr;
     }
 
@@ -756,8 +755,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     if (M > INT32_LIMIT || N > INT32_LIMIT || K > INT32_LIMIT || M * K > INT32_LIMIT ||
         K * N > INT32_LIMIT || M * N > INT32_LIMIT)
         return invalid("m*k, k*n and m*n must be below 2^31 (the kernels index with int)");
-    *p = Problem{(int)M, (int)N, (int)K, (int)(K), (int)(1), (int)(N),
-                 (int)(1), (int)(N), (int)(1)};
+    *p = Problem{(int)M, (int)N, (int)K, (int)K, 1, (int)N, 1,
+                 (int)N, 1};  // row-major: a row's length, or 1
     if ((M + BM - 1) / BM > GRID_LIMIT)
         return invalid("m needs more than 65535 tiles of 32 (the grid limit)");
     const int64_t groups = (M + BM - 1) / BM, cap = K;  // k positions listed per m-tile
@@ -802,8 +801,12 @@ cudaError_t check(const Problem& p, const Workspace& w, const void* a, const voi
     }
     return cudaSuccess;
 }
+
 // What the tile kernel reads as A: the micro-tiles build_index packed into the workspace.
-const elem_t* tiles(const Workspace& w, const void* ws) { return reinterpret_cast<const elem_t*>(static_cast<const unsigned char*>(ws) + w.pack); }
+const elem_t* tiles(const Workspace& w, const void* ws)
+{
+    return reinterpret_cast<const elem_t*>(static_cast<const unsigned char*>(ws) + w.pack);
+}
 
 // Zero the counts, then one pass over A appends every non-zero micro-tile (or block) to its list.
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
@@ -825,10 +828,8 @@ cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, 
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_f16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_f16_k32x1_sm80_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));
     pit_matmul_a_f16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_f16_k32x1_sm80_wide<<<grid, THREADS, SMEM, stream>>>(
         a, b, c, nullptr, reinterpret_cast<const int*>(ws + w.counts),
@@ -843,10 +844,8 @@ cudaError_t compute_narrow(const Problem& p, const Workspace& w, const elem_t* a
 {
     cudaError_t e;
     e = cudaFuncSetAttribute(pit_matmul_a_f16_k32x1_sm80_narrow_module::pit_gemm::pit_matmul_a_f16_k32x1_sm80_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e != cudaSuccess) {
-        last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
-        return e;
-    }
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
+    if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));
     pit_matmul_a_f16_k32x1_sm80_narrow_module::pit_gemm::pit_matmul_a_f16_k32x1_sm80_narrow<<<grid, THREADS, SMEM, stream>>>(
         a, b, c, nullptr, reinterpret_cast<const int*>(ws + w.counts),

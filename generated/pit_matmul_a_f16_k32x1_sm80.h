@@ -7,8 +7,9 @@
  * operands:    row-major (contiguous) A[m, k], B[k, n], C[m, n];
  *              extents m, n, k given at run time
  * sparse:      A, dynamically sparse: every build_index call finds its non-zero tiles anew
- * rule:        micro-tile 32x1 of A along k: k is a permutation invariant reduction axis,
- *              so the kernel needs SRead (gathers the non-zero micro-tiles; nothing to scatter)
+ * rule:        micro-tile 32x1 of A along k: k is a permutation invariant reduction axis, so
+ *              the kernel needs SRead: it gathers the non-zero micro-tiles, with nothing to
+ *              scatter
  *              why: k is a bare index of A[dim 1], B[dim 0] and sum is commutative and associative:
  *                   any order of k gives the same output; gather the non-zero micro-tiles (SRead),
  *                   nothing to scatter
@@ -18,7 +19,7 @@
  * arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
  * variants:    chosen per call from the extents and pointers:
  *   wide: 8/8-element copies of A/B, paired stores of C,
- *     when n % 8 == 0 and B is 16-byte aligned and C is 4-byte aligned
+ *     when n % 8 == 0, B 16-byte aligned, C 4-byte aligned
  *   narrow: 8/1-element copies of A/B, single stores of C
  *
  * API (every call checks its arguments first and returns cudaErrorInvalidValue, launching

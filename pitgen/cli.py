@@ -32,14 +32,15 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _emit(args: argparse.Namespace) -> None:
-    from pathlib import Path
+    """Every kernel is planned and rendered (or refused) before the first file is written."""
     import tempfile
+    from pathlib import Path
 
     from .emit import (CATALOGUE, DEFAULT_ARCH, DEFAULT_DTYPE, Progress, Request, compile_objects,
                        emit_all, jobs, listing, write)
 
-    kernel_opts = [f"--{o.replace('_', '-')}" for o in ("sparse", "dtype", "micro_tile", "tile", "arch", "out")
-                   if getattr(args, o) is not None]
+    kernel_opts = any(getattr(args, o) is not None
+                      for o in ("sparse", "dtype", "micro_tile", "tile", "arch", "out"))
     if args.list or args.catalogue:
         if args.expr or kernel_opts or (args.list and args.catalogue):
             raise PitgenError("--list and --catalogue take no expression or kernel options")
@@ -49,7 +50,7 @@ def _emit(args: argparse.Namespace) -> None:
                                   ("--micro-tile", args.micro_tile), ("--out", args.out)) if not v]
         if missing:
             raise PitgenError(f"emit needs {', '.join(missing)} (or --catalogue DIR, or --list)")
-        requests = [Request(args.expr, args.sparse, args.dtype or DEFAULT_DTYPE, args.micro_tile,
+        requests = [Request(args.expr, args.sparse, args.micro_tile, args.dtype or DEFAULT_DTYPE,
                             args.tile, args.arch or DEFAULT_ARCH)]
     items = emit_all(requests, Progress("emit", len(requests)))
     if args.list:
@@ -62,7 +63,7 @@ def _emit(args: argparse.Namespace) -> None:
         archs = sorted({r.arch for r in requests})
         with tempfile.TemporaryDirectory(prefix="pitgen-emit-") as tmp:
             compile_objects(sources, archs, Path(tmp), jobs(), Progress("nvcc", len(sources)))
-        print(f"compiled {len(sources)} with nvcc for {', '.join(archs)}", file=sys.stderr)
+        print(f"compiled {len(sources)} source(s) with nvcc for {', '.join(archs)}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,8 +54,8 @@ class Request:
 
     expr: str
     sparse: str
+    micro_tile: str
     dtype: str = DEFAULT_DTYPE
-    micro_tile: str = ""
     tile: str | None = None
     arch: str = DEFAULT_ARCH
 
@@ -70,7 +70,7 @@ class Request:
 
 CATALOGUE_EXPR = "C[m,n] += A[m,k] * B[k,n]"
 #: ``generated/``: A sparse along k (32x1 micro-tiles), along m (1x64) and in 64x64 blocks.
-CATALOGUE = tuple(Request(CATALOGUE_EXPR, "A", dtype, micro_tile)
+CATALOGUE = tuple(Request(CATALOGUE_EXPR, "A", micro_tile, dtype)
                   for dtype in ("float16", "bfloat16") for micro_tile in ("32x1", "1x64", "64x64"))
 
 
@@ -92,6 +92,8 @@ class Requirement:
 
 @dataclass(frozen=True)
 class Variant:
+    """One compiled tile kernel, run when its requirements hold (the last of a regime: always)."""
+
     tag: str
     spec: ModuleSpec
     needs: tuple[Requirement, ...]
@@ -111,6 +113,8 @@ class Regime:
 
 @dataclass(frozen=True)
 class Emitted:
+    """One standalone kernel: its variants, and its files by name (not yet written)."""
+
     name: str
     request: Request
     regimes: tuple[Regime, ...]
@@ -118,6 +122,7 @@ class Emitted:
 
     @property
     def summary(self) -> str:
+        """What the kernel is, in one line (``pitgen emit --list``)."""
         spec = self.regimes[0].variants[0].spec
         g = spec.gemm
         along = f" along {spec.plan_axis}" if spec.plan_axis else ""
@@ -125,6 +130,7 @@ class Emitted:
                 f"tile {g.bm}x{g.bn}x{g.bk}, {self.request.arch}")
 
     def regime(self, extents: dict[str, int]) -> Regime:
+        """The regime the emitted host code runs for these extents (mirrors host.cu.j2)."""
         return next(r for r in self.regimes if r.k_max is None or extents["K"] <= r.k_max)
 
 
@@ -155,8 +161,10 @@ def _stride_names(op: Operator, form: GemmForm) -> dict[str, str]:
             "sb_n": d[form.n_axis], "sc_m": o[form.m_axis], "sc_n": o[form.n_axis]}
 
 
-def _regimes(op: Operator, form: GemmForm, choice: Candidate, dtype: str,
-             schedule: Schedule) -> list[tuple[int | None, list[tuple[ModuleSpec, tuple[Requirement, ...]]]]]:
+_Specs = list[tuple[int | None, list[tuple[ModuleSpec, tuple[Requirement, ...]]]]]
+
+
+def _regimes(op: Operator, form: GemmForm, choice: Candidate, dtype: str, schedule: Schedule) -> _Specs:
     """(k_max, [(spec, requirements)]) per store regime, widest variant first.
 
     Micro-tiles along m store rows directly when one k-tile covers K (K <= tk) and through an
@@ -168,11 +176,12 @@ def _regimes(op: Operator, form: GemmForm, choice: Candidate, dtype: str,
     bases = [(None, 1, (tk // 64 + 1) * 64 if rows else _PROBE_EXTENT)]
     if rows and tk >= 64:
         bases.insert(0, (tk, -1, tk // 64 * 64))  # K probed downwards, staying <= tk
-    out = []
+    aligns = [n for n in (2, 4, 8, 16) if n > size]
+    out: _Specs = []
     for k_max, sign, k_base in bases:
         base = {"M": _PROBE_EXTENT, "N": _PROBE_EXTENT, "K": k_base}
 
-        def at(shift: dict[str, int], align: dict[str, int]) -> ModuleSpec:
+        def at(shift: dict[str, int], align: dict[str, int], base=base, sign=sign) -> ModuleSpec:
             ext = {x: b + sign * shift.get(x, 0) for x, b in base.items()}
             lay = _row_major(op, form, ext, (align.get("a", 16), align.get("b", 16), align.get("c", 16)))
             return lower(op, form.sparse, choice.kind, choice.axis, choice.shape, dtype, lay,
@@ -181,12 +190,12 @@ def _regimes(op: Operator, form: GemmForm, choice: Candidate, dtype: str,
         wide = at({}, {})
         narrow = at({"M": 1, "N": 1, "K": 1}, {"a": size, "b": size, "c": size})
         needs = []
-        for x in "MNK":  # smallest factor of two of x that still gets the wide spec
+        for x in "MNK":  # the smallest factor of two of x that still gets the wide spec
             d = next((d for d in _SHIFTS if at({x: d}, {}) == wide), 64)
             if d > 1:
                 needs.append(Requirement("multiple", x, d))
-        for t in "abc":
-            n = next(n for n in (size, 2 * size, 4 * size, 8 * size, 16) if at({}, {t: n}) == wide)
+        for t in "abc":  # the smallest alignment of pointer t that still gets it
+            n = next((n for n in (size, *aligns) if at({}, {t: n}) == wide), 16)
             if n > size:
                 needs.append(Requirement("aligned", t, n))
         least = at({r.what: r.value % 64 for r in needs if r.kind == "multiple"},
@@ -288,10 +297,10 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
     regimes = []
     for r in e.regimes:
         variants = []
-        for i, v in enumerate(r.variants):
+        for v in r.variants:
             kernel = f"{e.name}_{v.tag}"
-            spec = replace(v.spec, gemm=replace(v.spec.gemm, name=kernel),
-                           index=replace(ix, name=f"{e.name}_index") if v is e.regimes[0].variants[0] else None)
+            index = replace(ix, name=f"{e.name}_index") if v is e.regimes[0].variants[0] else None
+            spec = replace(v.spec, gemm=replace(v.spec.gemm, name=kernel), index=index)
             variants.append({"tag": v.tag, "ns": f"{kernel}_module", "kernel": kernel,
                              "source": render(spec).rstrip("\n"), "needs": v.needs,
                              "a_vec": v.spec.gemm.a_vec, "b_vec": v.spec.gemm.b_vec,
@@ -305,7 +314,8 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
     return {
         "name": e.name, "guard": f"PITGEN_{e.name.upper()}_H", "version": __version__,
         "command": req.command(), "expression": op.text, "dtype": req.dtype, "arch": req.arch,
-        "axes": list(op.axes), "tensors": [{"name": a.tensor, "axes": list(a.axes)} for a in (*op.inputs, op.output)],
+        "axes": list(op.axes),
+        "tensors": [{"name": a.tensor, "axes": list(a.axes)} for a in (*op.inputs, op.output)],
         "inputs": [{"name": a.tensor} for a in op.inputs],
         "form": {"m": form.m_axis, "n": form.n_axis, "k": form.k_axis, "sparse": form.sparse,
                  "dense": form.dense, "out": form.out},

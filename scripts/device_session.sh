@@ -1,32 +1,48 @@
 #!/usr/bin/env bash
-# Everything one lent-GPU call does, in order: install pitgen (offline), GPU tests, sanitizers,
-# benchmarks. Usage: scripts/device_session.sh [tests] [sanitize] [bench] [profile]; logs go to
-# $OUT (or ./device-logs).
+# Everything one lent-GPU call does, in order: install pitgen (offline), then the named steps:
+#   tests     GPU test suite (pytest -m gpu, 8 workers)
+#   sanitize  compute-sanitizer memcheck + racecheck on one launch of every kernel kind
+#   example   build and run the standalone example against generated/ (make -C generated/example run)
+#   tune      schedule sweep (scripts/tune_schedules.py)
+#   profile   measure the planner's cost profile (scripts/measure_profile.py)
+#   matmul    sparse-matmul benchmark vs cuBLAS (scripts/bench_matmul.py)
+#   peers     benchmark suite vs the peers (scripts/bench.py; BENCH_ARGS adds options)
+# Logs and results go to $LOGS (default /tmp/pitgen-session) and are bundled into
+# $OUT/session.tar when $OUT is set (a lent-GPU call returns few files).
 set -u
-OUT=${OUT:-$PWD/device-logs}; mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/pitgen-session}; mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PITGEN_CACHE=${PITGEN_CACHE:-/tmp/pitgen-cache}
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pitgen-install.log 2>&1 \
-  || { cat /tmp/pitgen-install.log; exit 1; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1 \
+  || { cat "$LOGS/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOGS/device.txt"
 rc=0
 for step in "$@"; do
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -n 8 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
-      rc=$((rc | ${PIPESTATUS[0]})) ;;
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -n 8 \
+        >"$LOGS/gpu-tests.log" 2>&1; r=$?
+      grep -v Warning "$LOGS/gpu-tests.log" | grep -v warner | tail -15; rc=$((rc | r)) ;;
     sanitize)
       for tool in memcheck racecheck; do
         timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_launches.py \
-          >"$OUT/sanitize-$tool.log" 2>&1; r=$?
-        echo "compute-sanitizer $tool: exit $r"; tail -4 "$OUT/sanitize-$tool.log"; rc=$((rc | r))
+          >"$LOGS/sanitize-$tool.log" 2>&1; r=$?
+        echo "compute-sanitizer $tool: exit $r"; tail -2 "$LOGS/sanitize-$tool.log"; rc=$((rc | r))
       done ;;
-    bench)
-      timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_matmul.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    example)
+      timeout 200 make -C generated/example run ARCH=sm_90 >"$LOGS/example.log" 2>&1; r=$?
+      echo "example: exit $r"; tail -15 "$LOGS/example.log"; rc=$((rc | r)) ;;
     tune)
-      timeout 240 python3 scripts/tune_schedules.py 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
+      timeout 240 python3 scripts/tune_schedules.py >"$LOGS/tune.log" 2>&1; tail -30 "$LOGS/tune.log" ;;
     profile)
-      timeout 200 python3 scripts/measure_profile.py --out "$OUT" 2>&1 | tail -20 ;;
+      timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
+    matmul)
+      timeout ${MATMUL_TIMEOUT:-200} python3 scripts/bench_matmul.py --out "$LOGS" ${MATMUL_ARGS:-} \
+        >"$LOGS/bench-matmul.log" 2>&1; tail -25 "$LOGS/matmul.md" ;;
+    peers)
+      timeout ${PEERS_TIMEOUT:-400} python3 scripts/bench.py --out "$LOGS/bench" ${BENCH_ARGS:-} \
+        >"$LOGS/bench-peers.log" 2>&1; tail -30 "$LOGS/bench/summary.md" 2>/dev/null || tail -30 "$LOGS/bench-peers.log" ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done
+[ -n "${OUT:-}" ] && tar -C "$LOGS" -cf "$OUT/session.tar" . && cp "$LOGS/device.txt" "$OUT/"
 exit $rc
