@@ -138,7 +138,8 @@ constexpr int BL = 64, BKC = 64;
 
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_bf16_block64x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
-           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack)
+           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+           const unsigned char* __restrict__ mask, int m_long, int m_id)
 {
     const int lane = threadIdx.x & 31;
     const int g = blockIdx.y;
@@ -150,7 +151,9 @@ pit_matmul_a_bf16_block64x64_sm80_index(const elem_t* __restrict__ src, int s_lo
             const int e = e0 + lane;
             const int r = e / BKC, cidx = e % BKC;   // adjacent lanes: adjacent k
             const int l = g * BL + r, k = x * BKC + cidx;
-            const bool hit = e < BL * BKC && l < n_long && k < n_id && is_nonzero(src[(size_t)l * s_long + (size_t)k * s_id]);
+            const bool inb = e < BL * BKC && l < n_long && k < n_id;
+            const bool hit = inb && (mask ? mask[(size_t)l * m_long + (size_t)k * m_id] != 0
+                                          : is_nonzero(src[(size_t)l * s_long + (size_t)k * s_id]));
             if (__any_sync(0xffffffffu, hit)) { nz = true; break; }
         }
     }
@@ -783,7 +786,7 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_bf16_block64x64_sm80_wide_module::pit_index::pit_matmul_a_bf16_block64x64_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
-        nullptr);
+        nullptr, nullptr, 0, 0);
     return cudaGetLastError();
 }
 

@@ -142,7 +142,8 @@ constexpr int L = 32;
 
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
-           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack)
+           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+           const unsigned char* __restrict__ mask, int m_long, int m_id)
 {
     const int g = blockIdx.y;
     const int x = blockIdx.x * blockDim.x + threadIdx.x;
@@ -152,8 +153,9 @@ pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, i
     #pragma unroll
     for (int i = 0; i < L; ++i) {
         const int l = g * L + i;
-        const elem_t e = (in && l < n_long) ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
-        nz |= is_nonzero(e);
+        const bool inb = in && l < n_long;
+        const elem_t e = inb ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
+        nz |= inb && (mask ? mask[(size_t)x * m_id + (size_t)l * m_long] != 0 : is_nonzero(e));
         v[i] = e;
     }
     const int slot = block_append(nz, &counts[g]);
@@ -817,7 +819,7 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_index::pit_matmul_a_bf16_k32x1_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
-        reinterpret_cast<elem_t*>(ws + w.pack));
+        reinterpret_cast<elem_t*>(ws + w.pack), nullptr, 0, 0);
     return cudaGetLastError();
 }
 

@@ -146,21 +146,24 @@ constexpr int L = 64;
 
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
-           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack)
+           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+           const unsigned char* __restrict__ mask, int m_long, int m_id)
 {
     const int g = blockIdx.y;
     const int lane = threadIdx.x & 31;
     const int x = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const bool in = x < n_id;
     constexpr int PER_LANE = (L + 31) / 32;
+    constexpr bool pack_values = false;
     elem_t v[PER_LANE];
     bool nz = false;
     #pragma unroll
     for (int r = 0; r < PER_LANE; ++r) {
         const int i = r * 32 + lane;
         const int l = g * L + i;
-        v[r] = (in && i < L && l < n_long) ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
-        nz |= is_nonzero(v[r]);
+        const bool inb = in && i < L && l < n_long;
+        v[r] = inb && (pack_values || !mask) ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
+        nz |= inb && (mask ? mask[(size_t)x * m_id + (size_t)l * m_long] != 0 : is_nonzero(v[r]));
     }
     nz = __any_sync(0xffffffffu, nz);
     int slot = block_append(nz && lane == 0, &counts[g]);
@@ -1436,7 +1439,8 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_f16_m1x64_sm80_direct_wide_module::pit_index::pit_matmul_a_f16_m1x64_sm80_index<<<grid, 256, 0, stream>>>(
-        a, p.sa_k, p.sa_m, p.K, p.M, counts, reinterpret_cast<int*>(ws + w.ids), nullptr);
+        a, p.sa_k, p.sa_m, p.K, p.M, counts, reinterpret_cast<int*>(ws + w.ids), nullptr,
+        nullptr, 0, 0);
     return cudaGetLastError();
 }
 

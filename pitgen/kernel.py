@@ -73,28 +73,38 @@ class SparseKernel:
         ct = plan.compute_tile
         return Schedule(bn=ct[self.form.n_axis], bk=ct[self.form.k_axis])
 
-    def prepare(self, *args: Any, out: Any = None, accumulate: bool = False, **kwargs: Any) -> GemmCall:
+    def prepare(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
+                **kwargs: Any) -> GemmCall:
         """Validate the operands and compile (or load) the module for them; launches nothing.
         Everything but buffer allocation is cached per call signature (shapes, strides, dtypes,
         alignment), so repeated calls cost only their launches."""
         ops = self._bind(args, kwargs)
+        m_op = as_operand("mask", mask) if mask is not None else None
+        if m_op is not None and m_op.shape != ops[self.sparse].shape:
+            raise ShapeError(f"mask has shape {m_op.shape} but {self.sparse} has shape "
+                             f"{ops[self.sparse].shape}")
         if self._plan is None:
             from .coverage import plan_on_device
-            self._plan = plan_on_device(self.operator, self.sparse, ops[self.sparse], self.tile)
+            self._plan = plan_on_device(self.operator, self.sparse, m_op or ops[self.sparse], self.tile)
         c_op = as_operand("out", out) if out is not None else None
-        key = signature(ops, c_op, accumulate)
+        key = signature(ops, c_op, accumulate, m_op)
         launcher = self._launchers.get(key)
         if launcher is None:
             c = self._plan.choice
             launcher = Launcher(self.operator, self.form, c.kind, c.axis, c.shape, self.dtype,
                                 ops, c_op, accumulate, self._schedule(self._plan),
-                                vendor_dense=self.vendor_dense)
+                                vendor_dense=self.vendor_dense, mask=m_op)
             self._launchers[key] = launcher
-        return GemmCall(launcher, ops, out)
+        return GemmCall(launcher, ops, out, m_op)
 
-    def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, **kwargs: Any) -> Any:
-        """Compute the operator; ``out`` receives the result (``accumulate=True`` adds to it)."""
-        return self.prepare(*args, out=out, accumulate=accumulate, **kwargs).run()
+    def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
+                 **kwargs: Any) -> Any:
+        """Compute the operator; ``out`` receives the result (``accumulate=True`` adds to it).
+
+        ``mask`` (bool or uint8, the sparse operand's shape) says where that operand may be
+        non-zero: the index is built from it instead of from the values. Values outside the mask
+        must be zero (they are computed only where they share a micro-tile with a masked one)."""
+        return self.prepare(*args, out=out, accumulate=accumulate, mask=mask, **kwargs).run()
 
     def index(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Build only the micro-tile index of the sparse operand; returns device arrays

@@ -101,7 +101,7 @@ class _Module:
         self.index = None
         if spec.index is not None:
             self.index = self.module.get_function("pit_build_index")
-            self.index.prepare("PiiiiPPP")
+            self.index.prepare("PiiiiPPPPii")
         self.zero = self.module.get_function("pit_gemm_zero")
         self.zero.prepare("Piiii")
         self.finish = self.module.get_function("pit_gemm_finish")
@@ -179,13 +179,14 @@ def _align(ptr: int) -> int:
     return min(16, ptr & -ptr) if ptr else 16
 
 
-def signature(ops: dict[str, Operand], out: Operand | None, accumulate: bool) -> tuple:
+def signature(ops: dict[str, Operand], out: Operand | None, accumulate: bool,
+              mask: Operand | None = None) -> tuple:
     """Everything a launch plan depends on besides the data: shapes, strides, dtypes, array
     kinds and pointer alignment. Calls with equal signatures reuse one :class:`Launcher`."""
-    parts = [(o.name, o.shape, o.strides, o.dtype, o.is_torch, _align(o.ptr)) for o in ops.values()]
-    if out is not None:
-        parts.append(("out", out.shape, out.strides, out.dtype, out.is_torch, _align(out.ptr)))
-    return tuple(parts), accumulate
+    extra = [("out", out), ("mask", mask)]
+    parts = [(o.name, o.shape, o.strides, o.dtype, o.is_torch, _align(o.ptr))
+             for o in (*ops.values(), *(x for _, x in extra if x is not None))]
+    return tuple(parts), accumulate, out is not None, mask is not None
 
 
 class Launcher:
@@ -198,8 +199,15 @@ class Launcher:
     def __init__(self, op: Operator, form: GemmForm, kind: str, axis: str | None,
                  shape: tuple[int, ...], dtype: str, ops: dict[str, Operand],
                  out: Operand | None, accumulate: bool, schedule: Schedule = Schedule(),
-                 vendor_dense: bool = True):
+                 vendor_dense: bool = True, mask: Operand | None = None):
         A, B = ops[form.sparse], ops[form.dense]
+        if mask is not None:
+            if mask.dtype not in ("bool", "uint8"):
+                raise ShapeError(f"mask has dtype {mask.dtype}; expected bool or uint8")
+            if mask.is_torch != A.is_torch:
+                raise ShapeError("mask must be the same kind of array as the operands")
+            if any(st < 0 for st in mask.strides):
+                raise ShapeError(f"mask has a negative stride {mask.strides}")
         for o in (A, B):
             if o.dtype != dtype:
                 raise ShapeError(f"{o.name} has dtype {o.dtype}, the kernel was compiled for {dtype}")
@@ -251,6 +259,11 @@ class Launcher:
             per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
             self.index_grid = ((self.cap + per_block - 1) // per_block, self.groups)
             self.index_args = (s_long, s_id, n_long, n_id)
+            if mask is not None:  # the mask's strides along the same (long, id) dims
+                md = (mask.strides[form.a_dims[0]], mask.strides[form.a_dims[1]])
+                self.mask_strides = (md[1], md[0]) if g.a_mode == "rows" else md
+            else:
+                self.mask_strides = (0, 0)
         self.grid = ((N + g.bn - 1) // g.bn, self.grid_m)
         if g.a_mode == "rows":
             self.grid += ((K + self.tk - 1) // self.tk,)
@@ -265,8 +278,10 @@ class GemmCall:
     ``build_index()`` then ``compute()``: both only enqueue work on the stream; nothing waits.
     """
 
-    def __init__(self, launcher: Launcher, ops: dict[str, Operand], out: Any | None):
+    def __init__(self, launcher: Launcher, ops: dict[str, Operand], out: Any | None,
+                 mask: Operand | None = None):
         self.L = L = launcher
+        self.mask_ptr = mask.ptr if mask is not None else 0
         self.A, self.B = ops[L.form.sparse], ops[L.form.dense]
         self.ws = Workspace(self.A)
         self.out = out if out is not None else self.ws.alloc(L.out_shape, L.dtype)
@@ -287,7 +302,8 @@ class GemmCall:
         L.mod.index.prepared_async_call(
             L.index_grid, (256, 1, 1), stream, self.A.ptr, *L.index_args,
             Workspace.ptr(self.counts), Workspace.ptr(self.ids),
-            Workspace.ptr(self.pack) if self.pack is not None else 0)
+            Workspace.ptr(self.pack) if self.pack is not None else 0,
+            self.mask_ptr, *L.mask_strides)
 
     def compute(self, stream) -> None:
         """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""

@@ -20,3 +20,8 @@ for dtype in ("float16", "float32"):
     out = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="B", dtype=dtype, micro_tile="1x32")(A, Bs)
     torch.cuda.synchronize()
     print(f"{dtype} sparse B 1x32: ok")
+    mask = A != 0  # the index built from a byte mask instead of the values
+    for micro in ("32x1", "1x64", "32x32"):
+        pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype=dtype, micro_tile=micro)(A, B, mask=mask)
+    torch.cuda.synchronize()
+    print(f"{dtype} masked index: ok")

@@ -187,6 +187,27 @@ def test_dense_plan_runs_cublas_through_torch(accumulate):
     check(out, ref + base if accumulate else ref, "float16")
 
 
+@pytest.mark.parametrize("micro", ["32x1", "1x64", "1x512", "32x64"])
+def test_index_from_a_byte_mask(micro):
+    rng = np.random.default_rng(7)
+    shape = tuple(int(v) for v in micro.split("x"))
+    mask_np = make_mask(rng, (200, 300), "micro", shape, 0.3)
+    op, sparse, arrays, ref = operands(rng, "A", 200, 70, 300, "float16", lambda s: mask_np)
+    mask = torch.from_numpy(mask_np).cuda()
+    kern = pitgen.compile(op, sparse=sparse, dtype="float16", micro_tile=micro)
+    for m in (mask, mask.to(torch.uint8)):
+        out = torch.full(ref.shape, float("nan"), dtype=torch.float16, device="cuda")
+        kern(**arrays, out=out, mask=m)
+        check(out, ref, "float16")
+        counts, ids = kern.index(**arrays, mask=m)
+        got = {(g,): frozenset(int(i) for i in ids[g, : counts[g]].cpu()) for g in range(len(counts))}
+        assert got == build_index(mask_np, op, sparse, kern.plan).sets()
+    with pytest.raises(pitgen.ShapeError, match="mask has shape"):
+        kern(**arrays, mask=mask[:, :-1])
+    with pytest.raises(pitgen.ShapeError, match="mask has dtype"):
+        kern(**arrays, mask=mask.float())
+
+
 def test_pycuda_gpuarrays():
     import pycuda.gpuarray as ga
 
