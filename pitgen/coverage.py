@@ -44,19 +44,19 @@ def _tile_counts_torch(mask, specs, chunks):
 
 def plan_on_device(op: Operator, sparse: str, operand: Operand, tile: Any = None) -> Plan:
     """Plan for ``operand``'s actual sparsity: counts reduced on the GPU, one copy back."""
+    if not operand.is_torch:  # a GPUArray: without torch's reductions, plan from one host copy
+        return make_plan(op, sparse, mask=operand.obj.get() != 0, tile=tile)
+    import torch
+
     tile_map = parse_tile(op, tile)
     specs = candidate_specs(op, sparse, operand.shape, tile_map)
     acc = op.access(sparse)
     chunks = [min(tile_map[a], operand.shape[acc.bare_dim(a)]) if k == "micro" else 1
               for k, a, _ in specs]
     dims = [(k, acc.bare_dim(a) if a else None, s) for k, a, s in specs]
-    if operand.is_torch:
-        import torch
-        mask = operand.obj != 0
-        table = torch.cat([_tile_counts_torch(mask, dims, chunks).reshape(-1),
-                           mask.sum().reshape(1).to(torch.int64)]).cpu().numpy()
-    else:  # a GPUArray: without torch's reductions, plan from one host copy of its mask
-        return make_plan(op, sparse, mask=operand.obj.get() != 0, tile=tile)
+    mask = operand.obj != 0
+    table = torch.cat([_tile_counts_torch(mask, dims, chunks).reshape(-1),
+                       mask.sum().reshape(1).to(torch.int64)]).cpu().numpy()
     counts = {spec: tuple(int(v) for v in table[3 * i: 3 * i + 3]) for i, spec in enumerate(specs)}
     return make_plan(op, sparse, tile=tile, shape=operand.shape,
                      coverage={"counts": counts, "nnz": int(table[-1])})

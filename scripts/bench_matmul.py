@@ -6,8 +6,8 @@ L2 flushed before each run by writing a 256 MB buffer), plus a device-to-device 
 index build's yardstick) and compile / cached-load times in fresh processes. Writes JSON and a
 Markdown table to --out and prints the table.
 
-GPU time is measured with the host's launches hidden: a short spin kernel is queued ahead of
-the start event, so the events bracket only device work. Host launch overhead per call is
+GPU time is measured with scripts/bench.py's Timer: the host's launches are hidden behind a
+spin kernel queued ahead of the start event, so the events bracket only device work. Host launch overhead per call is
 reported apart ("host us/call").
 """
 from __future__ import annotations
@@ -15,54 +15,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
 
 import pitgen
+from bench import Timer, host_ms  # the suite's timing method, shared
 
 
 def make_mask(shape, unit, density, gen):
     grid = torch.rand((-(-shape[0] // unit[0]), -(-shape[1] // unit[1])), generator=gen,
                       device="cuda") < density
     return grid.repeat_interleave(unit[0], 0).repeat_interleave(unit[1], 1)[: shape[0], : shape[1]]
-
-
-class Timer:
-    def __init__(self, repeats: int, flush: bool):
-        self.repeats = repeats
-        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if flush else None
-
-    def __call__(self, fn, warmup: int = 3) -> float:
-        """Median device milliseconds of fn()."""
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(self.repeats):
-            if self.flush is not None:
-                self.flush.zero_()
-            torch.cuda._sleep(200_000)  # keeps the GPU busy while the host queues fn's launches
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
-
-def host_us(fn, n: int = 50) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def compile_times(expr: str, micro: str) -> dict:
@@ -83,12 +50,11 @@ def main() -> None:
     ap.add_argument("--sparsity", default="0,50,90,95,99")
     ap.add_argument("--granularity", default="32x1,1x64,32x64")
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--no-flush", action="store_true")
     ap.add_argument("--out", default="docs/bench")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     n = args.size
-    timer = Timer(args.repeats, not args.no_flush)
+    timer = Timer(args.repeats)
     gen = torch.Generator(device="cuda").manual_seed(0)
     expr = "C[m,n] += A[m,k] * B[k,n]"
     B = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
@@ -121,7 +87,7 @@ def main() -> None:
                     "vs_dense": dense_ms / total_ms,
                     "vs_ideal": total_ms / max((1 - sp / 100) * dense_ms, 1e-9),
                     "index_vs_copy": idx_ms / copy_ms, "rel_err": err, "dense_rel_err": dense_err,
-                    "host_us_per_call": host_us(lambda: kern(A, B, out=out)),
+                    "host_us_per_call": 1e3 * host_ms(lambda: kern(A, B, out=out), 50),
                 })
                 r = rows[-1]
                 print(f"{gran:>6} {sp:5.1f}% {micro:>6} ({r['choice']:>12}): index {idx_ms:.4f} "
@@ -130,7 +96,7 @@ def main() -> None:
                       flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "pitgen": pitgen.__version__, "size": n,
-            "repeats": args.repeats, "l2_flush": not args.no_flush,
+            "repeats": args.repeats, "l2_flush": True,
             "dense_ms": dense_ms, "copy_ms": copy_ms,
             "dense_tflops": 2 * n**3 / dense_ms / 1e9,
             "copy_tb_s": 2 * A0.numel() * 2 / copy_ms / 1e9,

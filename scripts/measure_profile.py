@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from importlib import resources
 
 import numpy as np
 import torch
 
 import pitgen
+from bench import Timer  # the suite's timing method, shared
 from pitgen.plan import make_plan
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
@@ -34,22 +34,6 @@ UNIT_PROFILE = {"device": "unit costs (counts work)", "measured": False, "index_
                 "kinds": {k: {"fixed_ns": 0.0, "ns_per_element": 1.0} for k in KINDS}}
 
 
-def timed(fn, repeats: int, flush: torch.Tensor) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(repeats):
-        flush.zero_()
-        torch.cuda._sleep(200_000)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1e6)  # ns
-    return statistics.median(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--size", type=int, default=4096)
@@ -58,7 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also copy the profile into this folder")
     args = ap.parse_args()
     n = args.size
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    timer = Timer(args.repeats)  # median in ms
     gen = torch.Generator(device="cuda").manual_seed(0)
     B = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
     A0 = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
@@ -78,11 +62,11 @@ def main() -> None:
                                  profile=UNIT_PROFILE).choice
                 elements = cand.cost
                 call.build_index(None)
-                t = timed(lambda: call.compute(None), args.repeats, flush)
+                t = timer(lambda: call.compute(None)) * 1e6  # ns
                 rows.append((cand.dense_tiles, elements))
                 times.append(t)
                 if key != "dense":
-                    index_pts.append(timed(lambda: call.build_index(None), args.repeats, flush) / A.numel())
+                    index_pts.append(timer(lambda: call.build_index(None)) * 1e6 / A.numel())
                 print(f"{key:16} {micro:>7} density {density:.2f}: {t / 1e3:8.1f} us, "
                       f"{cand.dense_tiles} dense tiles", flush=True)
         X, y = np.asarray(rows, float), np.asarray(times)

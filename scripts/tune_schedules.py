@@ -5,36 +5,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import pitgen
+from bench import Timer  # the suite's timing method, shared
 from pitgen.compiler import compile_source
 from pitgen.errors import PlanError
 from pitgen.lower import Layout, Schedule, gemm_form, lower
 from pitgen.render import render
-from pitgen.runtime import device_arch
-from pitgen.runtime import GemmCall, Launcher, as_operand
+from pitgen.runtime import GemmCall, Launcher, as_operand, device_arch
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
-
-
-def timed(fn, repeats, flush):
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        flush.zero_()
-        torch.cuda._sleep(200_000)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
 
 
 def main():
@@ -45,10 +28,10 @@ def main():
     n = args.size
     op = pitgen.parse(EXPR)
     form = gemm_form(op, "A")
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    timer = Timer(args.repeats)
     B = torch.randn(n, n, device="cuda", dtype=torch.float16)
     A0 = torch.randn(n, n, device="cuda", dtype=torch.float16)
-    dense = timed(lambda: torch.matmul(A0, B), args.repeats, flush)
+    dense = timer(lambda: torch.matmul(A0, B))
     print(f"cuBLAS {dense:.4f} ms ({2 * n**3 / dense / 1e9:.0f} TFLOP/s)")
     modes = [("dense", None, (), 1.0), ("micro", "k", (128, 1), 1.0), ("micro", "k", (64, 1), 1.0),
              ("micro", "k", (32, 1), 0.1), ("micro", "k", (128, 1), 0.1)]
@@ -84,7 +67,7 @@ def main():
                 continue
             call = GemmCall(L, ops, None)
             call.build_index(None)
-            t = timed(lambda: call.compute(None), args.repeats, flush)
+            t = timer(lambda: call.compute(None))
             results.append((t, sch))
         results.sort(key=lambda r: r[0])
         print(f"{kind} {shape} density {density}: best of {len(results)}")
