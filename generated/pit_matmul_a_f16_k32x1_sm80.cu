@@ -150,13 +150,22 @@ pit_matmul_a_f16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, in
     const bool in = x < n_id;
     elem_t v[L];
     bool nz = false;
-    #pragma unroll
-    for (int i = 0; i < L; ++i) {
-        const int l = g * L + i;
-        const bool inb = in && l < n_long;
-        const elem_t e = inb ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
-        nz |= inb && (mask ? mask[(size_t)x * m_id + (size_t)l * m_long] != 0 : is_nonzero(e));
-        v[i] = e;
+    if (mask == nullptr) {  // the values themselves say which elements are non-zero
+        #pragma unroll
+        for (int i = 0; i < L; ++i) {
+            const int l = g * L + i;
+            const elem_t e = (in && l < n_long) ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
+            nz |= is_nonzero(e);
+            v[i] = e;
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < L; ++i) {
+            const int l = g * L + i;
+            const bool inb = in && l < n_long;
+            nz |= inb && mask[(size_t)x * m_id + (size_t)l * m_long] != 0;
+            v[i] = inb ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
+        }
     }
     const int slot = block_append(nz, &counts[g]);
     if (slot < 0) return;
