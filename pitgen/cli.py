@@ -52,7 +52,7 @@ def _emit(args: argparse.Namespace) -> None:
             raise PitgenError(f"emit needs {', '.join(missing)} (or --catalogue DIR, or --list)")
         requests = [Request(args.expr, args.sparse, args.micro_tile, args.dtype or DEFAULT_DTYPE,
                             args.tile, args.arch or DEFAULT_ARCH)]
-    items = emit_all(requests, None if args.list else Progress("emit", len(requests)))
+    items = emit_all(requests, Progress("emit", len(requests)))
     if args.list:
         print(listing(items))
         return
