@@ -1,0 +1,450 @@
+"""Composable sparse formats (CSR, ELL, BSR, hyb) and float64 NumPy reference operators.
+
+This is the CPU ground truth for GNN SpMM / SDDMM kernels (SparseTIR's composable formats):
+each format's ``spmm_*`` / ``sddmm_*`` walks the layout the way a kernel body would (per
+bucket, per padded slot), so a test comparing it with the CSR reference proves that the layout
+is complete and correct before any GPU code exists. Format arrays hold float64 values; a
+pattern-only CSR (``data=None``) counts as all ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ShapeError
+
+__all__ = ["CSR", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype",
+           "spmm", "sddmm", "spmm_ell", "spmm_bsr", "spmm_hyb",
+           "sddmm_ell", "sddmm_bsr", "sddmm_hyb"]
+
+
+def index_dtype(*extents: int) -> np.dtype:
+    """int32 when every extent fits (what kernels want), else int64."""
+    return np.dtype(np.int32) if max(extents, default=0) < 2**31 else np.dtype(np.int64)
+
+
+def _row_of(indptr: np.ndarray, pos: int) -> int:
+    """The row holding CSR position ``pos``: names the culprit in error messages."""
+    return int(np.searchsorted(indptr, pos, side="right") - 1)
+
+
+@dataclass(frozen=True)
+class CSR:
+    """Compressed sparse rows with sorted, unique column indices per row; validated on creation.
+
+    ``indptr`` and ``indices`` share one integer dtype so that kernels index with one type.
+    """
+    shape: tuple[int, int]
+    indptr: np.ndarray
+    indices: np.ndarray
+    data: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "indptr", np.asarray(self.indptr))
+        object.__setattr__(self, "indices", np.asarray(self.indices))
+        if self.data is not None:
+            object.__setattr__(self, "data", np.asarray(self.data))
+        self.validate()
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.shape[0])
+
+    def validate(self) -> None:
+        """Raise ShapeError naming the first broken CSR invariant a kernel would rely on."""
+        if len(self.shape) != 2 or min(self.shape) < 0:
+            raise ShapeError(f"CSR shape must be two non-negative extents, got {self.shape}")
+        n_rows, n_cols = self.shape
+        ip, ix = self.indptr, self.indices
+        if ip.ndim != 1 or ix.ndim != 1:
+            raise ShapeError(f"CSR indptr and indices must be 1-D, got shapes {ip.shape} and "
+                             f"{ix.shape}")
+        for name, arr in (("indptr", ip), ("indices", ix)):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise ShapeError(f"CSR {name} has non-integer dtype {arr.dtype}")
+        if ip.dtype != ix.dtype:
+            raise ShapeError(f"CSR mixed index dtypes: indptr is {ip.dtype}, indices is "
+                             f"{ix.dtype}")
+        if ip.shape[0] != n_rows + 1:
+            raise ShapeError(f"CSR indptr has wrong length {ip.shape[0]}, expected n_rows + 1 = "
+                             f"{n_rows + 1}")
+        if ip[0] != 0:
+            raise ShapeError(f"CSR indptr must start at 0, starts at {ip[0]}")
+        steps = np.diff(ip)
+        if (steps < 0).any():
+            row = int(np.flatnonzero(steps < 0)[0])
+            raise ShapeError(f"CSR indptr is not monotone: indptr[{row + 1}] = {ip[row + 1]} < "
+                             f"indptr[{row}] = {ip[row]}")
+        if ip[-1] != ix.shape[0]:
+            raise ShapeError(f"CSR indptr's last entry {ip[-1]} != nnz = {ix.shape[0]} "
+                             f"(length of indices)")
+        if ix.size and (ix.min() < 0 or ix.max() >= n_cols):
+            pos = int(np.flatnonzero((ix < 0) | (ix >= n_cols))[0])
+            raise ShapeError(f"CSR column index out of range: indices[{pos}] = {ix[pos]} in row "
+                             f"{_row_of(ip, pos)} is outside [0, {n_cols})")
+        if ix.size > 1:
+            same_row = np.ones(ix.size - 1, bool)
+            starts = ip[1:-1]
+            same_row[starts[(starts > 0) & (starts < ix.size)] - 1] = False
+            d = np.diff(ix.astype(np.int64))
+            for bad, what in ((same_row & (d < 0), "unsorted"),
+                              (same_row & (d == 0), "duplicate")):
+                if bad.any():
+                    pos = int(np.flatnonzero(bad)[0]) + 1
+                    raise ShapeError(f"CSR {what} column indices in row {_row_of(ip, pos)}: "
+                                     f"{ix[pos - 1]} then {ix[pos]} at position {pos}")
+        if self.data is not None and (self.data.ndim != 1 or self.data.shape[0] != ix.shape[0]):
+            raise ShapeError(f"CSR data length {self.data.shape} != nnz = {ix.shape[0]}")
+
+    @classmethod
+    def from_dense(cls, mask_or_array: Any) -> CSR:
+        """Non-zeros of a 2-D array in row-major order; a bool mask gives a pattern-only CSR."""
+        a = np.asarray(mask_or_array)
+        if a.ndim != 2:
+            raise ShapeError(f"from_dense needs a 2-D array, got shape {a.shape}")
+        rows, cols = np.nonzero(a)
+        dt = index_dtype(a.shape[1], rows.size)
+        indptr = np.zeros(a.shape[0] + 1, dt)
+        np.cumsum(np.bincount(rows, minlength=a.shape[0]), out=indptr[1:])
+        data = None if a.dtype == np.bool_ else a[rows, cols]
+        return cls(a.shape, indptr, cols.astype(dt), data)
+
+    @classmethod
+    def from_scipy(cls, m: Any) -> CSR:
+        """Any scipy sparse matrix or array (via ``.tocsr()``), duplicates summed, rows sorted."""
+        m = m.tocsr(copy=True)
+        m.sum_duplicates()
+        dt = index_dtype(m.shape[1], m.nnz)
+        return cls(m.shape, m.indptr.astype(dt), m.indices.astype(dt), np.asarray(m.data))
+
+    def row_lengths(self) -> np.ndarray:
+        return np.diff(self.indptr)
+
+    def row_ids(self) -> np.ndarray:
+        """The row of every non-zero, in CSR order (what a row-per-thread kernel recomputes)."""
+        return np.repeat(np.arange(self.shape[0], dtype=self.indices.dtype), self.row_lengths())
+
+    def values(self) -> np.ndarray:
+        """float64 values of the non-zeros; ones for a pattern-only matrix."""
+        if self.data is None:
+            return np.ones(self.nnz)
+        return self.data.astype(np.float64)
+
+    def to_dense(self) -> np.ndarray:
+        out = np.zeros(self.shape)
+        out[self.row_ids(), self.indices] = self.values()
+        return out
+
+
+def load_graph(path: str | Path) -> CSR:
+    """Read a graph written by scripts/make_graphs.py: scipy's save_npz or a plain np.savez
+    with indptr/indices/shape (and optionally data); validated like every CSR."""
+    with np.load(path, allow_pickle=False) as f:
+        keys = set(f.files)
+        if "format" in keys and f["format"].item() not in (b"csr", "csr"):
+            import scipy.sparse
+            return CSR.from_scipy(scipy.sparse.load_npz(path))
+        missing = {"indptr", "indices", "shape"} - keys
+        if missing:
+            raise ShapeError(f"{path}: not a CSR .npz, missing {sorted(missing)}")
+        indptr, indices = f["indptr"], f["indices"]
+        dt = np.promote_types(indptr.dtype, indices.dtype)
+        data = f["data"] if "data" in keys else None
+        return CSR(tuple(f["shape"]), indptr.astype(dt), indices.astype(dt), data)
+
+
+def _check_dense_operand(name: str, x: np.ndarray, rows: int) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] != rows:
+        raise ShapeError(f"{name} must be 2-D with {rows} rows, got shape {x.shape}")
+    return x
+
+
+@dataclass(frozen=True)
+class ELL:
+    """Every row padded to one width: ``cols`` [n_rows, width] padded with -1, ``vals`` with 0."""
+    shape: tuple[int, int]
+    cols: np.ndarray
+    vals: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return int(self.cols.shape[1])
+
+    @classmethod
+    def from_csr(cls, csr: CSR, width: int | None = None) -> ELL:
+        """Width None takes the longest row; a fixed width refuses rows that do not fit."""
+        lengths = csr.row_lengths()
+        longest = int(lengths.max(initial=0))
+        w = longest if width is None else int(width)
+        if longest > w:
+            row = int(np.flatnonzero(lengths > w)[0])
+            raise ShapeError(f"ELL width {w} too small: row {row} has {lengths[row]} non-zeros")
+        rows = csr.row_ids()
+        slot = np.arange(csr.nnz) - csr.indptr[rows]
+        cols = np.full((csr.shape[0], w), -1, csr.indices.dtype)
+        vals = np.zeros((csr.shape[0], w))
+        cols[rows, slot] = csr.indices
+        vals[rows, slot] = csr.values()
+        return cls(csr.shape, cols, vals)
+
+    def to_dense(self) -> np.ndarray:
+        out = np.zeros(self.shape)
+        r, s = np.nonzero(self.cols >= 0)
+        out[r, self.cols[r, s]] = self.vals[r, s]
+        return out
+
+
+@dataclass(frozen=True)
+class BSR:
+    """b x b blocks in block-CSR order; blocks on the right/bottom edge are zero-padded past the
+    matrix. ``mask`` marks the structural non-zeros so explicit zeros survive (SDDMM needs the
+    pattern, not just the values)."""
+    shape: tuple[int, int]
+    block: int
+    indptr: np.ndarray
+    indices: np.ndarray
+    blocks: np.ndarray
+    mask: np.ndarray
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Number of block rows and block columns (edge blocks included)."""
+        b = self.block
+        return -(-self.shape[0] // b), -(-self.shape[1] // b)
+
+    def block_rows(self) -> np.ndarray:
+        return np.repeat(np.arange(self.grid[0]), np.diff(self.indptr))
+
+    @classmethod
+    def from_csr(cls, csr: CSR, block: int) -> BSR:
+        b = int(block)
+        if b < 1:
+            raise ShapeError(f"BSR block size must be >= 1, got {block}")
+        nbr, nbc = -(-csr.shape[0] // b), -(-csr.shape[1] // b)
+        rows, cols = csr.row_ids().astype(np.int64), csr.indices.astype(np.int64)
+        keys, which = np.unique((rows // b) * nbc + cols // b, return_inverse=True)
+        dt = index_dtype(nbc, keys.size)
+        indptr = np.zeros(nbr + 1, dt)
+        np.cumsum(np.bincount(keys // nbc, minlength=nbr), out=indptr[1:])
+        blocks = np.zeros((keys.size, b, b))
+        mask = np.zeros((keys.size, b, b), bool)
+        blocks[which, rows % b, cols % b] = csr.values()
+        mask[which, rows % b, cols % b] = True
+        return cls(csr.shape, b, indptr, (keys % nbc).astype(dt), blocks, mask)
+
+    def to_dense(self) -> np.ndarray:
+        (nbr, nbc), b = self.grid, self.block
+        padded = np.zeros((nbr, b, nbc, b))
+        padded[self.block_rows(), :, self.indices, :] = self.blocks
+        return padded.reshape(nbr * b, nbc * b)[: self.shape[0], : self.shape[1]]
+
+
+@dataclass(frozen=True)
+class HybBucket:
+    """One ELL bucket of a hyb matrix: rows of one column part, all padded to ``width``.
+
+    ``row_ids`` maps each bucket row to its original row; ``needs_atomics`` says that another
+    bucket row may write the same output row (several column parts, or a cut long row).
+    """
+    part: int
+    width: int
+    row_ids: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
+    needs_atomics: bool
+
+
+@dataclass(frozen=True)
+class Hyb:
+    """SparseTIR's hyb(c, k): columns split into ``c`` parts; within each part a row goes to the
+    narrowest bucket of width 1, 2, 4, ..., 2**k that holds it, and longer rows are cut into
+    rows of width 2**k. Narrow buckets keep padding low on power-law graphs."""
+    shape: tuple[int, int]
+    c: int
+    k: int
+    buckets: list[HybBucket]
+
+    @property
+    def part_size(self) -> int:
+        """Columns per part; the last part may be shorter."""
+        return max(1, -(-self.shape[1] // self.c))
+
+    @classmethod
+    def from_csr(cls, csr: CSR, c: int, k: int) -> Hyb:
+        if c < 1 or k < 0:
+            raise ShapeError(f"hyb needs c >= 1 and k >= 0, got c={c}, k={k}")
+        n_rows = csr.shape[0]
+        cap = 1 << k
+        hyb = cls(csr.shape, c, k, [])
+        rows = csr.row_ids().astype(np.int64)
+        # Columns are sorted within a row, so each (row, part) group is contiguous in CSR order.
+        key = rows * c + csr.indices // hyb.part_size
+        count = np.bincount(key, minlength=n_rows * c)
+        start = np.cumsum(count) - count
+        pos = np.arange(csr.nnz) - start[key]
+        groups = np.flatnonzero(count)
+        g_count, g_row, g_part = count[groups], groups // c, groups % c
+        g_exp = np.minimum(np.searchsorted(1 << np.arange(k + 1), g_count), k)
+        g_pieces = -(-g_count // cap)
+        order = np.lexsort((g_row, g_exp, g_part))
+        pieces = g_pieces[order]
+        # Bucket rows, globally numbered bucket by bucket (part-major, then width).
+        g_first = np.empty(groups.size, np.int64)
+        g_first[order] = np.cumsum(pieces) - pieces
+        br_bucket = np.repeat((g_part * (k + 1) + g_exp)[order], pieces)
+        br_row = np.repeat(g_row[order], pieces)
+        br_cut = np.repeat((g_pieces > 1)[order], pieces)
+        br_width = 1 << (br_bucket % (k + 1))
+        br_offset = np.cumsum(br_width) - br_width
+        group_of = np.zeros(n_rows * c, np.int64)
+        group_of[groups] = np.arange(groups.size)
+        slot = br_offset[g_first[group_of[key]] + pos // cap] + pos % cap
+        flat_cols = np.full(int(br_width.sum()), -1, csr.indices.dtype)
+        flat_vals = np.zeros(flat_cols.size)
+        flat_cols[slot] = csr.indices
+        flat_vals[slot] = csr.values()
+        bucket_ids, first_row = np.unique(br_bucket, return_index=True)
+        ends = np.append(first_row[1:], br_bucket.size)
+        for b, lo, hi in zip(bucket_ids.tolist(), first_row.tolist(), ends.tolist()):
+            width = 1 << (b % (k + 1))
+            span = slice(int(br_offset[lo]), int(br_offset[lo]) + (hi - lo) * width)
+            hyb.buckets.append(HybBucket(
+                part=b // (k + 1), width=width,
+                row_ids=br_row[lo:hi].astype(csr.indices.dtype),
+                cols=flat_cols[span].reshape(hi - lo, width),
+                vals=flat_vals[span].reshape(hi - lo, width),
+                needs_atomics=bool(c > 1 or br_cut[lo:hi].any())))
+        return hyb
+
+    def to_dense(self) -> np.ndarray:
+        """Sum of every bucket's contribution (cut rows and parts add up to the original)."""
+        out = np.zeros(self.shape)
+        for bk in self.buckets:
+            r, s = np.nonzero(bk.cols >= 0)
+            np.add.at(out, (bk.row_ids[r], bk.cols[r, s]), bk.vals[r, s])
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Padding ratio = padded slots (all slots of all buckets) / nnz; 1.0 means no padding."""
+        slots = sum(bk.cols.size for bk in self.buckets)
+        nnz = sum(int((bk.cols >= 0).sum()) for bk in self.buckets)
+        return {
+            "nnz": nnz,
+            "slots": slots,
+            "padding_ratio": slots / nnz if nnz else 1.0,
+            "buckets": [{"part": bk.part, "width": bk.width, "rows": int(bk.row_ids.size),
+                         "needs_atomics": bk.needs_atomics} for bk in self.buckets],
+        }
+
+
+# -- reference operators (float64) ------------------------------------------------------------
+
+def spmm(a: CSR, x: np.ndarray) -> np.ndarray:
+    """Y[i, f] = sum_j A[i, j] X[j, f], straight from CSR."""
+    x = _check_dense_operand("X", x, a.shape[1])
+    y = np.zeros((a.shape[0], x.shape[1]))
+    np.add.at(y, a.row_ids(), a.values()[:, None] * x[a.indices])
+    return y
+
+
+def sddmm(a: CSR, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """E[i, j] = sum_f U[i, f] V[j, f] at A's non-zeros, in CSR order (A's values unused)."""
+    u, v = _sddmm_operands(a.shape, u, v)
+    return np.einsum("nf,nf->n", u[a.row_ids()], v[a.indices])
+
+
+def _csr_order(shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray,
+               vals: np.ndarray) -> np.ndarray:
+    """Values gathered from a layout, put back into CSR (row-major) order."""
+    return vals[np.argsort(rows.astype(np.int64) * shape[1] + cols, kind="stable")]
+
+
+def _sddmm_operands(shape: tuple[int, int], u: np.ndarray,
+                    v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    u = _check_dense_operand("U", u, shape[0])
+    v = _check_dense_operand("V", v, shape[1])
+    if u.shape[1] != v.shape[1]:
+        raise ShapeError(f"U and V need the same feature width, got {u.shape[1]} and "
+                         f"{v.shape[1]}")
+    return u, v
+
+
+def spmm_ell(e: ELL, x: np.ndarray) -> np.ndarray:
+    """One pass per padded slot; a padded slot (-1) contributes nothing, as in a masked kernel."""
+    x = _check_dense_operand("X", x, e.shape[1])
+    y = np.zeros((e.shape[0], x.shape[1]))
+    for s in range(e.width):
+        live = e.cols[:, s] >= 0
+        y[live] += e.vals[live, s, None] * x[e.cols[live, s]]
+    return y
+
+
+def sddmm_ell(e: ELL, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    u, v = _sddmm_operands(e.shape, u, v)
+    out = np.zeros(e.cols.shape)
+    for s in range(e.width):
+        live = np.flatnonzero(e.cols[:, s] >= 0)
+        out[live, s] = np.einsum("nf,nf->n", u[live], v[e.cols[live, s]])
+    return out[e.cols >= 0]  # ELL keeps each row's order, so row-major slots are CSR order
+
+
+def _padded(x: np.ndarray, rows: int) -> np.ndarray:
+    return np.concatenate([x, np.zeros((rows - x.shape[0], x.shape[1]))])
+
+
+def spmm_bsr(m: BSR, x: np.ndarray) -> np.ndarray:
+    """A dense b x b times b x F product per block, accumulated into its block row."""
+    x = _check_dense_operand("X", x, m.shape[1])
+    (nbr, nbc), b = m.grid, m.block
+    xb = _padded(x, nbc * b).reshape(nbc, b, -1)
+    y = np.zeros((nbr, b, x.shape[1]))
+    np.add.at(y, m.block_rows(), np.einsum("nij,njf->nif", m.blocks, xb[m.indices]))
+    return y.reshape(nbr * b, -1)[: m.shape[0]]
+
+
+def sddmm_bsr(m: BSR, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """A dense U_block V_block^T per block, sampled at the block's mask."""
+    u, v = _sddmm_operands(m.shape, u, v)
+    (nbr, nbc), b = m.grid, m.block
+    ub = _padded(u, nbr * b).reshape(nbr, b, -1)
+    vb = _padded(v, nbc * b).reshape(nbc, b, -1)
+    brow = m.block_rows()
+    full = np.einsum("nif,njf->nij", ub[brow], vb[m.indices])
+    n, i, j = np.nonzero(m.mask)
+    return _csr_order(m.shape, brow[n] * b + i, m.indices[n].astype(np.int64) * b + j,
+                      full[n, i, j])
+
+
+def spmm_hyb(h: Hyb, x: np.ndarray) -> np.ndarray:
+    """Per bucket, per padded slot; scatter-add where bucket rows may share an output row."""
+    x = _check_dense_operand("X", x, h.shape[1])
+    y = np.zeros((h.shape[0], x.shape[1]))
+    for bk in h.buckets:
+        for s in range(bk.width):
+            live = bk.cols[:, s] >= 0
+            contrib = bk.vals[live, s, None] * x[bk.cols[live, s]]
+            if bk.needs_atomics:
+                np.add.at(y, bk.row_ids[live], contrib)
+            else:
+                y[bk.row_ids[live]] += contrib
+    return y
+
+
+def sddmm_hyb(h: Hyb, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    u, v = _sddmm_operands(h.shape, u, v)
+    rows, cols, vals = [], [], []
+    for bk in h.buckets:
+        for s in range(bk.width):
+            live = np.flatnonzero(bk.cols[:, s] >= 0)
+            r, c = bk.row_ids[live], bk.cols[live, s]
+            rows.append(r)
+            cols.append(c)
+            vals.append(np.einsum("nf,nf->n", u[r], v[c]))
+    if not rows:
+        return np.zeros(0)
+    return _csr_order(h.shape, np.concatenate(rows), np.concatenate(cols), np.concatenate(vals))
