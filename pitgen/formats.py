@@ -401,18 +401,18 @@ def spmm_bsr(m: BSR, x: np.ndarray) -> np.ndarray:
     """A dense b x b times b x F product per block, accumulated into its block row."""
     x = _check_dense_operand("X", x, m.shape[1])
     (nbr, nbc), b = m.grid, m.block
-    xb = _padded(x, nbc * b).reshape(nbc, b, -1)
+    xb = _padded(x, nbc * b).reshape(nbc, b, x.shape[1])
     y = np.zeros((nbr, b, x.shape[1]))
     np.add.at(y, m.block_rows(), np.einsum("nij,njf->nif", m.blocks, xb[m.indices]))
-    return y.reshape(nbr * b, -1)[: m.shape[0]]
+    return y.reshape(nbr * b, x.shape[1])[: m.shape[0]]
 
 
 def sddmm_bsr(m: BSR, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """A dense U_block V_block^T per block, sampled at the block's mask."""
     u, v = _sddmm_operands(m.shape, u, v)
     (nbr, nbc), b = m.grid, m.block
-    ub = _padded(u, nbr * b).reshape(nbr, b, -1)
-    vb = _padded(v, nbc * b).reshape(nbc, b, -1)
+    ub = _padded(u, nbr * b).reshape(nbr, b, u.shape[1])
+    vb = _padded(v, nbc * b).reshape(nbc, b, v.shape[1])
     brow = m.block_rows()
     full = np.einsum("nif,njf->nij", ub[brow], vb[m.indices])
     n, i, j = np.nonzero(m.mask)
