@@ -8,7 +8,6 @@ the torch stream and before its later work with stream waits (GPU-side, no host 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -22,10 +21,8 @@ from .render import render
 GRID_Y_MAX = 65535
 
 
-@lru_cache(maxsize=1)
 def _drv():
-    """pycuda.driver with PyTorch's primary context current; DeviceError when unusable.
-    Cached: the launch path asks for it every call."""
+    """pycuda.driver with PyTorch's primary context current; DeviceError when unusable."""
     try:
         try:
             import torch
