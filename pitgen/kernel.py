@@ -7,10 +7,9 @@ from typing import Any, Mapping, Sequence
 
 from .errors import PlanError, ShapeError
 from .expr import Operator, parse
-from .lower import DTYPES, gemm_form
+from .lower import DTYPES, Schedule, gemm_form
 from .plan import Plan, make_plan
 from .render import render
-from .lower import Schedule
 from .runtime import _STREAMS, GemmCall, Launcher, as_operand, signature
 
 
