@@ -20,6 +20,16 @@ def environment() -> jinja2.Environment:
         trim_blocks=False, lstrip_blocks=False)
 
 
+def render_template(name: str, **ctx) -> str:
+    """CUDA source of template ``name`` rendered with ``ctx``: the entry point of the operators
+    beyond the GEMM module (attention, MoE, sparse formats), whose lowering builds ``ctx``."""
+    try:
+        return environment().get_template(name).render(version=__version__, **ctx)
+    except jinja2.TemplateError as e:  # a template bug, never user input: say where
+        from .errors import CompileError
+        raise CompileError(f"template error while rendering {name}: {e}") from e
+
+
 def render(spec: ModuleSpec) -> str:
     """CUDA source of one module: index builder, tile kernel and SWrite passes for ``spec``."""
     ctx = asdict(spec)

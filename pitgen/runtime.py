@@ -7,8 +7,9 @@ the torch stream and before its later work with stream waits (GPU-side, no host 
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from .compiler import compile_source
 from .errors import DeviceError, PlanError, ShapeError
 from .expr import Operator
 from .lower import GemmForm, Layout, ModuleSpec, Schedule, lower
-from .render import render
+from .render import render, render_template
 
 GRID_Y_MAX = 65535
 
@@ -384,3 +385,89 @@ def _distinct_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
             return False
         span = st * n
     return True
+
+
+class Kernels:
+    """The named functions of one rendered source, compiled through the on-disk cache, loaded
+    once per process and prepared with their PyCUDA argument signatures ("PPii": two pointers,
+    two ints). Operators beyond the GEMM module (attention, MoE, formats) launch through this."""
+
+    def __init__(self, source: str, signatures: Mapping[str, str], smem: Mapping[str, int]):
+        drv = _drv()
+        self.source = source
+        self.module = drv.module_from_buffer(compile_source(source, device_arch()))
+        self.smem = dict(smem)
+        self.functions: dict[str, Any] = {}
+        for name, sig in signatures.items():
+            f = self.module.get_function(name)
+            f.prepare(sig)
+            if self.smem.get(name, 0) > 48 * 1024:
+                f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem[name])
+            self.functions[name] = f
+
+    def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: Any,
+               *args: Any) -> None:
+        """Enqueue ``name`` on ``stream`` (None: the legacy default stream); nothing waits."""
+        if 0 in grid:
+            return
+        self.functions[name].prepared_async_call(grid, block, stream, *args,
+                                                 shared_size=self.smem.get(name, 0))
+
+
+_KERNELS: dict[tuple[str, str], Kernels] = {}
+
+
+def load_kernels(template: str, signatures: Mapping[str, str],
+                 smem: Mapping[str, int] | None = None, **ctx: Any) -> Kernels:
+    """Render ``template`` with ``ctx``, compile and load it once per process per source.
+    Rendering is not free: callers keep the returned object per configuration."""
+    source = render_template(template, **ctx)
+    key = (hashlib.sha256(source.encode()).hexdigest(), device_arch())
+    if key not in _KERNELS:
+        _KERNELS[key] = Kernels(source, signatures, smem or {})
+    return _KERNELS[key]
+
+
+class TorchLaunch:
+    """Launch context on torch's current stream: ``stream`` for PyCUDA launches (a twin ordered
+    after torch's stream, and torch's stream after it on exit, GPU-side), ``keep(t)`` for
+    tensors the launches use so the caching allocator does not recycle them too early."""
+
+    def __init__(self) -> None:
+        self.stream, self._token = _STREAMS.enter(True)
+        self._keep: list[Any] = []
+
+    def keep(self, *tensors: Any) -> None:
+        self._keep.extend(tensors)
+
+    def __enter__(self) -> TorchLaunch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _STREAMS.leave(self._token)
+        if self._token is not None:
+            for t in self._keep:
+                t.record_stream(self._token[1])
+
+
+def check_tensor(name: str, x: Any, dtypes: tuple[str, ...], ndim: int | None = None,
+                 shape: tuple[int | None, ...] | None = None, contiguous: bool = True) -> Any:
+    """Validate a CUDA torch tensor operand, raising the pitgen error that names what is wrong
+    (type, device, dtype, rank, shape, layout); returns ``x``."""
+    import torch
+    if not isinstance(x, torch.Tensor):
+        raise ShapeError(f"{name}: expected a torch tensor, got {type(x).__name__}")
+    as_operand(name, x)  # device checks
+    dt = str(x.dtype).replace("torch.", "")
+    if dt not in dtypes:
+        raise ShapeError(f"{name} has dtype {dt}; expected {' or '.join(dtypes)}")
+    if ndim is not None and x.dim() != ndim:
+        raise ShapeError(f"{name} has {x.dim()} dims {tuple(x.shape)}; expected {ndim}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(x.shape, shape)):
+            if want is not None and got != want:
+                raise ShapeError(f"{name} has shape {tuple(x.shape)}; dim {i} must be {want}")
+    if contiguous and not x.is_contiguous():
+        raise ShapeError(f"{name} is not contiguous (strides {tuple(x.stride())}); "
+                         f"pass {name}.contiguous()")
+    return x
