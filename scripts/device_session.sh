@@ -7,6 +7,8 @@
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
 #   matmul    sparse-matmul benchmark vs cuBLAS (scripts/bench_matmul.py)
 #   peers     benchmark suite vs the peers (scripts/bench.py; BENCH_ARGS adds options)
+#   moe, attention, training, graphs
+#             the model-level benchmarks (scripts/bench_<step>.py), results under $LOGS/bench
 # Logs and results go to $LOGS (default /tmp/pitgen-session) and are bundled into
 # $OUT/session.tar when $OUT is set (a lent-GPU call returns few files).
 set -u
@@ -41,6 +43,11 @@ for step in "$@"; do
     peers)
       timeout ${PEERS_TIMEOUT:-400} python3 scripts/bench.py --out "$LOGS/bench" ${BENCH_ARGS:-} \
         >"$LOGS/bench-peers.log" 2>&1; tail -30 "$LOGS/bench/summary.md" 2>/dev/null || tail -30 "$LOGS/bench-peers.log" ;;
+    moe|attention|training|graphs)
+      timeout ${STEP_TIMEOUT:-300} python3 scripts/bench_$step.py --out "$LOGS/bench" ${STEP_ARGS:-} \
+        >"$LOGS/bench-$step.log" 2>&1; r=$?
+      echo "bench $step: exit $r"; tail -30 "$LOGS/bench/$step.md" 2>/dev/null || tail -30 "$LOGS/bench-$step.log"
+      rc=$((rc | r)) ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done

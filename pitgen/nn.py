@@ -1,0 +1,20 @@
+"""PyTorch modules, drop-ins for their dense counterparts (same parameters and state_dict layout):
+``SparseLinear`` (nn.Linear with a dynamic weight mask or sparse inputs), ``SparseAttention``
+(nn.MultiheadAttention over a dynamic mask) and ``MoE`` (a routed expert FFN block).
+
+Resolved on first use, so ``import pitgen`` needs no torch."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOME = {"SparseLinear": "pitgen.autograd", "SparseAttention": "pitgen.attention",
+         "MoE": "pitgen.moe"}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'pitgen.nn' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)
