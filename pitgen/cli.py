@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -66,6 +66,88 @@ def _emit(args: argparse.Namespace) -> None:
         print(f"compiled {len(sources)} source(s) with nvcc for {', '.join(archs)}", file=sys.stderr)
 
 
+def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
+    """GRAPH of ``pitgen tune``: a .npz sparse matrix (scipy's save_npz or make_graphs' plain
+    arrays) or ``synthetic:NAME``, a graph of scripts/make_graphs.py (source checkout)."""
+    from pathlib import Path
+
+    from .formats import load_graph
+
+    if spec.startswith("synthetic:"):
+        import importlib.util
+
+        name = spec.split(":", 1)[1]
+        path = Path(__file__).resolve().parents[1] / "scripts" / "make_graphs.py"
+        if not path.is_file():
+            raise PitgenError(f"synthetic graphs need scripts/make_graphs.py of a source checkout "
+                              f"(not found at {path})")
+        spec_ = importlib.util.spec_from_file_location("pitgen_make_graphs", path)
+        mod = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(mod)
+        if name not in mod.GRAPHS:
+            raise PitgenError(f"unknown synthetic graph {name!r}; known: {', '.join(mod.GRAPHS)}")
+        if not 0 < scale <= 1:
+            raise PitgenError(f"--scale must be in (0, 1], got {scale}")
+        return mod.make_graph(name, seed=seed, scale=scale)
+    if scale != 1.0:
+        raise PitgenError("--scale applies to synthetic:NAME graphs only")
+    try:
+        return load_graph(spec)
+    except (OSError, ValueError, EOFError, KeyError) as e:
+        if isinstance(e, PitgenError):
+            raise
+        raise PitgenError(f"cannot read graph {spec!r}: {e}") from None
+
+
+def tune_options(args: argparse.Namespace) -> tuple[str, int, str, float, list[str]]:
+    """Validated (op, feat, dtype, budget, formats) of ``pitgen tune``: no GPU needed."""
+    from .graph_kernel import GRAPH_DTYPES
+    from .tune import FORMATS, OPS
+
+    if args.op not in OPS:
+        raise PitgenError(f"--op must be one of {', '.join(OPS)}, got {args.op!r}")
+    if args.feat < 1:
+        raise PitgenError(f"--feat must be >= 1, got {args.feat}")
+    if args.dtype not in GRAPH_DTYPES:
+        raise PitgenError(f"--dtype must be one of {', '.join(GRAPH_DTYPES)}, got {args.dtype!r}")
+    if not args.budget > 0:
+        raise PitgenError(f"--budget must be > 0 seconds, got {args.budget}")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise PitgenError(f"--formats: unknown format(s) {bad or args.formats!r}; choose from "
+                          f"{','.join(FORMATS)}")
+    return args.op, args.feat, args.dtype, args.budget, formats
+
+
+def _tune(args: argparse.Namespace) -> None:
+    """Options and graph are checked before the GPU is touched."""
+    from .errors import DeviceError
+    from .tune import tune
+
+    op, feat, dtype, budget, formats = tune_options(args)
+    csr = load_graph_arg(args.graph, args.scale, args.seed)
+    try:
+        import torch  # noqa: F401
+
+        from .device_formats import DeviceCSR
+    except ImportError as e:
+        raise DeviceError(f"pitgen tune runs on the GPU and needs torch: {e}") from None
+    a = DeviceCSR.from_host(csr, dtype)
+    result = tune(a, op, feat, dtype, budget_s=budget, formats=formats, cache=not args.no_cache)
+    if args.json:
+        doc = result.to_json()
+        doc["graph"] = {"spec": args.graph, "rows": csr.shape[0], "cols": csr.shape[1],
+                        "nnz": csr.nnz}
+        print(json.dumps(doc, indent=2))
+        return
+    print(f"graph {args.graph}: {csr.shape[0]} x {csr.shape[1]}, {csr.nnz} non-zeros")
+    print(result.summary())
+    failed = [t for t in result.log if t.status != "ok"]
+    for t in failed:
+        print(f"  {t.status}: {t.fmt} {t.params} {t.schedule}: {t.reason}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -95,6 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--list", action="store_true", help="list the catalogue's kernels")
     e.add_argument("--compile", action="store_true", help="check that the files build with nvcc")
     e.set_defaults(func=_emit)
+
+    t = sub.add_parser("tune", help="search formats x schedules for a graph operator (GPU)")
+    t.add_argument("graph", help="a .npz sparse matrix, or synthetic:NAME (cora, pubmed, reddit, ...)")
+    t.add_argument("--op", default="spmm", help="spmm (default) or sddmm")
+    t.add_argument("--feat", type=int, default=128, help="feature width (default 128)")
+    t.add_argument("--dtype", default="float16", help="float16 (default) or float32")
+    t.add_argument("--budget", type=float, default=60.0, help="search seconds (default 60)")
+    t.add_argument("--formats", default="csr,ell,bsr,hyb", help="comma-separated formats to search")
+    t.add_argument("--scale", type=float, default=1.0, help="shrink a synthetic graph by this")
+    t.add_argument("--seed", type=int, default=0, help="seed of a synthetic graph")
+    t.add_argument("--no-cache", action="store_true", help="do not store the result in the tune cache")
+    t.add_argument("--json", action="store_true", help="the whole result, every trial included")
+    t.set_defaults(func=_tune)
     return p
 
 

@@ -3,7 +3,7 @@ returns a :class:`SparseKernel`; calling it on device arrays builds the micro-ti
 GPU and runs the tile kernel over it, every call, with no host round-trip."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .errors import PlanError, ShapeError
 from .expr import Operator, parse
@@ -11,6 +11,9 @@ from .lower import DTYPES, Schedule, gemm_form
 from .plan import Plan, make_plan
 from .render import render
 from .runtime import _STREAMS, GemmCall, Launcher, as_operand, signature
+
+if TYPE_CHECKING:
+    from .graph_kernel import FormatKernel
 
 
 class SparseKernel:
@@ -128,12 +131,25 @@ class SparseKernel:
 def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
             micro_tile: str | Sequence[int] = "auto",
             tile: str | Sequence[int] | Mapping[str, int] | None = None,
-            vendor_dense: bool = True) -> SparseKernel:
+            vendor_dense: bool = True, format: str | None = None,
+            budget_s: float = 10.0) -> SparseKernel | FormatKernel:
     """JIT kernel for ``expr`` with operand ``sparse`` dynamically sparse.
 
     ``micro_tile``: 'auto', 'dense', or a shape in the operand's dimension order ('32x1' is
     32 rows by 1 column of ``A[m,k]``: a micro-tile along k). A micro-tile along an axis that is
     not permutation invariant is refused with the rule's reason. A dense plan on torch tensors
     runs cuBLAS (through torch) unless ``vendor_dense=False`` asks for pitgen's own tile kernel.
+
+    ``format`` ('auto', 'csr', 'ell', 'bsr', 'hyb') asks for a graph operator instead (SpMM
+    ``Y[i,f] += A[i,j] * X[j,f]``, or SDDMM ``E[i,j] += U[i,f] * V[j,f]`` with ``sparse='E'``)
+    run by a sparse-format kernel: a :class:`pitgen.graph_kernel.FormatKernel`; 'auto' takes the
+    tuned choice (``budget_s`` bounds a search when the tune cache has none).
     """
+    if format is not None:
+        if not (isinstance(micro_tile, str) and micro_tile == "auto") or tile is not None \
+                or not vendor_dense:
+            raise PlanError("micro_tile=, tile= and vendor_dense= are for micro-tile kernels; "
+                            "a format kernel takes format= (and budget_s=) only")
+        from .graph_kernel import FormatKernel
+        return FormatKernel(expr, sparse, format, dtype, budget_s)
     return SparseKernel(expr, sparse, dtype, micro_tile, tile, vendor_dense)

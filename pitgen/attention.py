@@ -1,0 +1,406 @@
+"""Dynamic block-sparse attention, fused flash-attention style, with a mask that may change on
+every call.
+
+Derivation (PIT rules): the scores ``S[b,h,i,j] += Q[b,h,i,d] * K[b,h,j,d]`` have b, h, i, j
+spatial and invariant (a CTA per (b, h, query block) writes back to its own rows), and in
+``O[b,h,i,d] += P[b,h,i,j] * V[b,h,j,d]`` the key axis j is an invariant *reduction* axis: key
+blocks may be visited in any order. With an online softmax (running max and sum, also
+order-free) the kernel can therefore walk a compact, unordered list of the non-empty key blocks
+of its query block, which the GPU builds every call with atomics (no sort, no host sync).
+
+Pipeline per call: zero the list counters → index kernel (reads the mask once; per (mask slice,
+query block) the key blocks holding a set element, flagged full/partial) → attention kernel
+(one CTA per (query block, head, batch); mma.sync m16n8k16; element mask only on partial
+blocks). Fully masked rows give zeros.
+
+``SparseAttention`` (a drop-in for ``torch.nn.MultiheadAttention(batch_first=True)``) is built
+on first access, so importing this module needs no torch.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError, ShapeError
+from .rules import Rules, analyse
+
+SCORES = "S[b,h,i,j] += Q[b,h,i,d] * K[b,h,j,d]"
+OUTPUT = "O[b,h,i,d] += P[b,h,i,j] * V[b,h,j,d]"
+HEAD_DIMS = (64, 128)
+DTYPES = ("float16", "bfloat16")
+#: Query rows x key columns of one block; one warp owns 16 query rows.
+BM, BN = 64, 64
+#: Mask columns one index CTA covers (KPC = INDEX_COLUMNS // BN key blocks) and its threads.
+INDEX_COLUMNS, INDEX_THREADS = 512, 256
+_SIGNATURES = {"pit_attn_index_vec": "PiiiPP", "pit_attn_index_byte": "PiiiPP",
+               "pit_attention": "PPPPPPPiiiiiif"}
+
+
+# -- rules and plan -----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def derive() -> tuple[Rules, Rules]:
+    """The rules the kernel relies on; RuleError if an axis it permutes were not invariant.
+    Cached: the symbolic checks run once per process, not on every call."""
+    scores, output = analyse(SCORES), analyse(OUTPUT)
+    for axis in ("b", "h", "i", "j"):
+        scores.require_invariant(axis)       # a CTA per (b, h, query block), own rows written
+    rule = output.require_invariant("j")     # key blocks in any order, empty ones dropped
+    if rule.role != "reduction":
+        raise PlanError(f"j must be a reduction axis of {OUTPUT!r}, got {rule.role}")
+    return scores, output
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Decisions for one problem shape: tile sizes, grids, shared memory, mask broadcasting."""
+    batch: int
+    heads: int
+    sq: int
+    sk: int
+    d: int
+    dtype: str
+    mask_batch: int     # 1 or batch
+    mask_heads: int     # 1 or heads
+    bm: int = BM
+    bn: int = BN
+
+    @property
+    def warps(self) -> int:
+        return self.bm // 16
+
+    @property
+    def n_qb(self) -> int:
+        return -(-self.sq // self.bm)
+
+    @property
+    def n_kb(self) -> int:
+        return -(-self.sk // self.bn)
+
+    @property
+    def slices(self) -> int:
+        return self.mask_batch * self.mask_heads
+
+    @property
+    def kpc(self) -> int:
+        return INDEX_COLUMNS // self.bn
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory of the attention kernel: Q tile + two K and two V stages."""
+        return (self.bm + 4 * self.bn) * self.d * 2
+
+    @property
+    def mask_strides(self) -> tuple[int, int]:
+        """Slice index = b * sb + h * sh (0 along a broadcast dim)."""
+        return (self.mask_heads if self.mask_batch > 1 else 0, 1 if self.mask_heads > 1 else 0)
+
+    def index_grid(self) -> tuple[int, int, int]:
+        return (-(-self.n_kb // self.kpc), self.n_qb, self.slices)
+
+    def attention_grid(self) -> tuple[int, int, int]:
+        return (self.n_qb, self.heads, self.batch)
+
+    def context(self) -> dict[str, Any]:
+        """Template context (everything the CUDA source depends on)."""
+        return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
+                "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS}
+
+
+def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
+                   mask_shape: tuple[int, ...]) -> AttentionPlan:
+    """Check the problem against what the kernel runs and fix its tiles; the rule derivation runs
+    here so that a kernel permuting a non-invariant axis could not be planned."""
+    derive()
+    if d not in HEAD_DIMS:
+        raise ShapeError(f"head dim D={d} is not supported; sparse_attention runs D in {HEAD_DIMS}")
+    if dtype not in DTYPES:
+        raise ShapeError(f"dtype {dtype} is not supported; use {' or '.join(DTYPES)}")
+    if len(mask_shape) not in (2, 3, 4):
+        raise ShapeError(f"mask has shape {tuple(mask_shape)}; expected [Sq, Sk], [H, Sq, Sk] "
+                         f"or [B, H, Sq, Sk]")
+    full = (batch, heads, sq, sk)[-len(mask_shape):]
+    if tuple(mask_shape) != full:
+        raise ShapeError(f"mask has shape {tuple(mask_shape)}; expected {full} "
+                         f"(trailing dims of [B, H, Sq, Sk] = {(batch, heads, sq, sk)})")
+    mh = heads if len(mask_shape) >= 3 else 1
+    mb = batch if len(mask_shape) == 4 else 1
+    if heads > 65535 or batch > 65535:
+        raise ShapeError(f"batch {batch} or heads {heads} exceeds the grid limit 65535")
+    if max(batch * heads * max(sq, sk) * d, mb * mh * sq * sk) >= 2 ** 62:
+        raise ShapeError("problem too large for 64-bit offsets")
+    return AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh)
+
+
+# -- NumPy references ---------------------------------------------------------------------------
+
+def block_index_reference(mask: np.ndarray, bm: int = BM, bn: int = BN
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """The GPU index in NumPy: ``counts[slice, qb]`` and ``ids[slice, qb, :]`` holding the entries
+    2 * kb + full of the non-empty key blocks in ascending order, -1 after ``counts``."""
+    m = np.asarray(mask) != 0
+    sq, sk = m.shape[-2:]
+    m = m.reshape(-1, sq, sk)
+    nq, nk = -(-sq // bm), -(-sk // bn)
+    pad = np.ones((m.shape[0], nq * bm, nk * bn), bool)   # out-of-range elements: "set" for all
+    pad[:, :sq, :sk] = m
+    blocks = pad.reshape(m.shape[0], nq, bm, nk, bn)
+    anyp = np.zeros((m.shape[0], nq * bm, nk * bn), bool)
+    anyp[:, :sq, :sk] = m
+    any_ = anyp.reshape(m.shape[0], nq, bm, nk, bn).any(axis=(2, 4))
+    all_ = blocks.all(axis=(2, 4))
+    counts = any_.sum(axis=2).astype(np.int32)
+    ids = np.full((m.shape[0], nq, nk), -1, np.int32)
+    for s in range(m.shape[0]):
+        for q in range(nq):
+            kb = np.flatnonzero(any_[s, q])
+            ids[s, q, :kb.size] = 2 * kb + all_[s, q, kb]
+    return counts, ids
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
+                        scale: float | None = None) -> np.ndarray:
+    """Masked attention in float64; rows with no set element are zeros."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    m = np.broadcast_to(np.asarray(mask) != 0, q.shape[:-2] + (q.shape[-2], k.shape[-2]))
+    s = np.where(m, np.einsum("bhid,bhjd->bhij", q, k) * scale, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    p = np.where(m, np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
+    return np.einsum("bhij,bhjd->bhid", p, v)
+
+
+# -- mask patterns ------------------------------------------------------------------------------
+
+def tile_mask(rng: np.random.Generator, sq: int, sk: int, tile: tuple[int, int],
+              density: float) -> np.ndarray:
+    """Random tiles of ``tile`` (e.g. 128x128 blocks, 1x64 or 16x16 micro-tiles), each set with
+    probability ``density``, aligned to the tile grid and cut at the edges."""
+    tr, tc = max(1, tile[0]), max(1, tile[1])
+    grid = rng.random((-(-sq // tr), -(-sk // tc))) < density
+    return np.kron(grid, np.ones((tr, tc), bool))[:sq, :sk]
+
+
+def longformer_mask(sq: int, sk: int, window: int, global_tokens: np.ndarray) -> np.ndarray:
+    """Longformer: a band |i - j| <= window // 2, plus global tokens (different every batch) that
+    attend to every key and that every query attends to."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    m = np.abs(i - j) <= window // 2
+    g = np.asarray(global_tokens, np.int64)
+    m[g[g < sq], :] = True
+    m[:, g[g < sk]] = True
+    return m
+
+
+def random_global_tokens(rng: np.random.Generator, seq: int, count: int) -> np.ndarray:
+    """``count`` distinct token positions (Longformer's dynamic global tokens)."""
+    return np.sort(rng.choice(seq, size=min(count, seq), replace=False))
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+def _mask_u8(mask: Any) -> Any:
+    """The mask as uint8 bytes without a copy where possible (bool is stored as one byte)."""
+    import torch
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8)
+    return mask
+
+
+_LOADED: dict[tuple, Any] = {}
+
+
+def _kernels(plan: AttentionPlan) -> Any:
+    """The loaded module of this plan's variant, kept per variant: rendering costs milliseconds."""
+    from .runtime import load_kernels
+    key = tuple(sorted(plan.context().items()))
+    if key not in _LOADED:
+        _LOADED[key] = load_kernels("attention.cu.j2", _SIGNATURES, {"pit_attention": plan.smem},
+                                    **plan.context())
+    return _LOADED[key]
+
+
+def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
+    from .runtime import check_tensor
+    check_tensor("q", q, DTYPES, ndim=4)
+    dtype = str(q.dtype).replace("torch.", "")
+    b, h, sq, d = q.shape
+    check_tensor("k", k, (dtype,), ndim=4, shape=(b, h, None, d))
+    sk = k.shape[2]
+    check_tensor("v", v, (dtype,), ndim=4, shape=(b, h, sk, d))
+    check_tensor("mask", mask, ("bool", "uint8"), contiguous=False)
+    for name, x in (("k", k), ("v", v), ("mask", mask)):
+        if x.device != q.device:
+            raise ShapeError(f"{name} is on {x.device} but q is on {q.device}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.data_ptr() % 16:
+            raise ShapeError(f"{name} is not 16-byte aligned (a view at an odd offset); "
+                             f"pass {name}.clone()")
+    return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape))
+
+
+def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> tuple[Any, Any]:
+    """Enqueue the counter reset and the index kernel on ``launch``'s stream."""
+    import torch
+    counts = torch.zeros((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
+    ids = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.int32, device=mask.device)
+    vec = plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
+    launch.keep(mask, counts, ids)
+    kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
+                   (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
+                   plan.n_kb, counts.data_ptr(), ids.data_ptr())
+    return counts, ids
+
+
+def block_index(q: Any, k: Any, v: Any, mask: Any) -> tuple[Any, Any]:
+    """The block index that ``sparse_attention`` builds, on the GPU, no host sync: ``counts``
+    [slices, nQB] int32 and ``ids`` [slices, nQB, nKB] int32 whose first ``counts`` entries are
+    2 * kb + full, in no particular order (slices = the mask's leading dims, flattened)."""
+    from .runtime import TorchLaunch
+    plan = _check(q, k, v, mask)
+    with TorchLaunch() as launch:
+        return _index(_kernels(plan), plan, _mask_u8(mask.contiguous()), launch)
+
+
+def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = None,
+                     index: tuple[Any, Any] | None = None) -> Any:
+    """out[b,h,i] = sum_j softmax_j(scale * q_i . k_j over {j : mask[.., i, j]}) v_j.
+
+    q [B, H, Sq, D], k/v [B, H, Sk, D]: contiguous, 16-byte aligned CUDA tensors, float16 or
+    bfloat16, D in {64, 128}; mask bool or uint8 (non-zero = attend) of shape [Sq, Sk],
+    [H, Sq, Sk] or [B, H, Sq, Sk], broadcast over missing leading dims (a non-contiguous mask is
+    copied). scale defaults to 1/sqrt(D). Rows with no set element are zeros. The index is built
+    on the GPU on every call (nothing waits for the host) unless ``index`` passes the result of
+    ``block_index`` for this same mask (used to time the two stages apart)."""
+    import torch
+
+    from .runtime import TorchLaunch
+    plan = _check(q, k, v, mask)
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    if plan.sk == 0:
+        return out.zero_()
+    scale = 1.0 / math.sqrt(plan.d) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ShapeError(f"scale must be finite, got {scale}")
+    mask = _mask_u8(mask.contiguous())
+    kernels = _kernels(plan)
+    sb, sh = plan.mask_strides
+    with TorchLaunch() as launch:
+        if index is None:
+            counts, ids = _index(kernels, plan, mask, launch)
+        else:
+            counts, ids = index
+            want = {"counts": (plan.slices, plan.n_qb), "ids": (plan.slices, plan.n_qb, plan.n_kb)}
+            for name, x in zip(want, (counts, ids)):
+                if tuple(x.shape) != want[name] or x.dtype != torch.int32 or not x.is_contiguous():
+                    raise ShapeError(f"index {name} has shape {tuple(x.shape)} {x.dtype}; expected "
+                                     f"contiguous int32 {want[name]} from block_index")
+                if x.device != q.device:
+                    raise ShapeError(f"index {name} is on {x.device} but q is on {q.device}")
+            launch.keep(counts, ids)
+        launch.keep(q, k, v, out, mask)
+        kernels.launch("pit_attention", plan.attention_grid(), (plan.warps * 32, 1, 1),
+                       launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                       mask.data_ptr(), counts.data_ptr(), ids.data_ptr(), plan.sq, plan.sk,
+                       plan.heads, sb, sh, plan.n_kb, scale * math.log2(math.e))
+    return out
+
+
+# -- nn.MultiheadAttention drop-in (built on first access) --------------------------------------
+
+def _build_module() -> type:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class SparseAttention(nn.Module):
+        """Drop-in for ``nn.MultiheadAttention(embed_dim, num_heads, bias=True,
+        batch_first=True)`` (same parameters and state_dict) running ``sparse_attention``.
+
+        ``attn_mask`` follows nn.MultiheadAttention: bool, **True = NOT allowed**, shape [L, S]
+        or [N * num_heads, L, S]. ``mask=`` takes pitgen's convention instead (True = attend;
+        [L, S], [H, L, S] or [N, H, L, S]). Exactly one of them is required. Rows with nothing
+        allowed give zeros (nn.MultiheadAttention gives NaN). Returns (out, None)."""
+
+        def __init__(self, embed_dim: int, num_heads: int, bias: bool = True,
+                     batch_first: bool = True, device: Any = None, dtype: Any = None):
+            super().__init__()
+            if not bias or not batch_first:
+                raise PlanError("SparseAttention supports bias=True, batch_first=True only")
+            if embed_dim % num_heads or embed_dim // num_heads not in HEAD_DIMS:
+                raise ShapeError(f"embed_dim {embed_dim} / num_heads {num_heads} must be a head "
+                                 f"dim in {HEAD_DIMS}")
+            kw = {"device": device, "dtype": dtype}
+            self.embed_dim, self.num_heads = embed_dim, num_heads
+            self.head_dim = embed_dim // num_heads
+            self.batch_first = True
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **kw))
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **kw))
+            self.out_proj = nn.Linear(embed_dim, embed_dim, bias=True, **kw)
+            nn.init.xavier_uniform_(self.in_proj_weight)
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+        def _heads(self, x: Any, w: Any, b: Any) -> Any:
+            n, length, _ = x.shape
+            y = F.linear(x, w, b).view(n, length, self.num_heads, self.head_dim)
+            return y.transpose(1, 2).contiguous()
+
+        def forward(self, query: Any, key: Any, value: Any, attn_mask: Any = None,
+                    need_weights: bool = False, *, mask: Any = None) -> tuple[Any, None]:
+            if need_weights:
+                raise PlanError("need_weights=True is not supported (weights are never stored)")
+            if (attn_mask is None) == (mask is None):
+                raise ShapeError("pass exactly one of attn_mask (True = not allowed) or "
+                                 "mask (True = attend)")
+            for name, x in (("query", query), ("key", key), ("value", value)):
+                if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                    raise ShapeError(f"{name} has shape {tuple(x.shape)}; expected "
+                                     f"[N, L, {self.embed_dim}] (batch_first)")
+            n, length = query.shape[:2]
+            if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
+                raise ShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                                 f"share [N, S] with N = {n}")
+            if attn_mask is not None:
+                if attn_mask.dtype != torch.bool:
+                    raise ShapeError(f"attn_mask has dtype {attn_mask.dtype}; only bool masks "
+                                     f"(True = not allowed) are supported")
+                if attn_mask.dim() == 3:
+                    if attn_mask.shape[0] != n * self.num_heads:
+                        raise ShapeError(f"attn_mask has shape {tuple(attn_mask.shape)}; dim 0 "
+                                         f"must be N * num_heads = {n * self.num_heads}")
+                    attn_mask = attn_mask.view(n, self.num_heads, *attn_mask.shape[1:])
+                elif attn_mask.dim() != 2:
+                    raise ShapeError(f"attn_mask has shape {tuple(attn_mask.shape)}; expected "
+                                     f"[L, S] or [N * num_heads, L, S]")
+                mask = ~attn_mask
+            e = self.embed_dim
+            w, b = self.in_proj_weight, self.in_proj_bias
+            q = self._heads(query, w[:e], b[:e])
+            k = self._heads(key, w[e:2 * e], b[e:2 * e])
+            v = self._heads(value, w[2 * e:], b[2 * e:])
+            o = sparse_attention(q, k, v, mask)
+            o = o.transpose(1, 2).reshape(n, length, e)
+            return self.out_proj(o), None
+
+    return SparseAttention
+
+
+_LAZY: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SparseAttention":
+        if name not in _LAZY:
+            _LAZY[name] = _build_module()
+        return _LAZY[name]
+    raise AttributeError(f"module 'pitgen.attention' has no attribute {name!r}")

@@ -1,0 +1,444 @@
+"""Sparse formats on the GPU: CSR held as torch tensors, converted on the device to ELL, BSR and
+SparseTIR's hyb(c, k), so that a changing graph or mask never falls back to the CPU.
+
+Each conversion runs the kernels of templates/convert.cu.j2 with torch's scans between passes;
+each needs one host synchronisation to size its buffers (ELL: the longest row; BSR: the number
+of blocks; hyb: the rows per bucket), and none is needed again for a matrix whose pattern is
+unchanged: ``to_format`` caches per (format, params) on its DeviceCSR, and
+``DeviceMatrix.with_values`` refills a layout from new CSR-order values on the GPU. Every layout
+keeps ``perm`` (slot -> CSR position, -1 for padding), so SDDMM results come back in CSR order.
+The NumPy references of every layout are in pitgen/formats.py; ``DeviceMatrix.to_host`` returns
+the same objects, equal slot for slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError, ShapeError
+from .formats import BSR, CSR, ELL, Hyb, HybBucket
+
+__all__ = ["DeviceCSR", "DeviceMatrix", "to_format", "FORMATS", "VALUE_DTYPES"]
+
+FORMATS = ("csr", "ell", "bsr", "hyb")
+VALUE_DTYPES = ("float32", "float16")
+BSR_BLOCKS = (8, 16, 32)
+INT32_MAX = 2**31 - 1
+THREADS = 256
+MAX_GRID = 1 << 20  # conversion kernels are grid-stride loops
+
+CONVERT_SIGNATURES = {
+    "pit_csr_rows": "PiiP",
+    "pit_dense_to_csr": "PiiPiPP",
+    "pit_to_ell": "PPPiiiiPPP",
+    "pit_bsr_mark": "PPiiiiiP",
+    "pit_bsr_fill": "PPPiiiiiPiPPPP",
+    "pit_hyb_count": "PPiiiiiP",
+    "pit_hyb_classify": "PiiiiPP",
+    "pit_hyb_fill": "PPPiiiiiiPPPPiiPPPPP",
+}
+_CONVERT: dict[tuple[str, str], Any] = {}
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _convert_kernels(dtype: str, src_dtype: str | None = None):
+    """The conversion module for these value / dense-source dtypes, loaded once per process."""
+    from .runtime import load_kernels
+    key = (dtype, src_dtype or dtype)
+    if key not in _CONVERT:
+        _CONVERT[key] = load_kernels("convert.cu.j2", CONVERT_SIGNATURES, dtype=key[0],
+                                     src_dtype=key[1])
+    return _CONVERT[key]
+
+
+def _grid(n: int, per_block: int = THREADS) -> tuple[int, int, int]:
+    return (max(0, min(-(-n // per_block), MAX_GRID)), 1, 1)
+
+
+def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREADS) -> None:
+    """Enqueue one grid-stride conversion kernel over n items on torch's current stream."""
+    from .runtime import TorchLaunch
+    if n <= 0:
+        return
+    with TorchLaunch() as tl:
+        tl.keep(*(a for a in args if hasattr(a, "data_ptr")))
+        kernels.launch(name, _grid(n, per_block), (THREADS, 1, 1), tl.stream,
+                       *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _check_value_dtype(dtype: str) -> str:
+    if dtype not in VALUE_DTYPES:
+        raise ShapeError(f"value dtype {dtype!r} is not supported; use one of {VALUE_DTYPES}")
+    return dtype
+
+
+class DeviceCSR:
+    """CSR on the GPU: int32 ``indptr`` [rows + 1] and ``indices`` [nnz], ``values`` [nnz]
+    (float32 or float16). Treated as immutable: conversions are cached on it; for new values on
+    the same pattern use ``DeviceMatrix.with_values``. Kernels range-check every index, but only
+    ``from_host`` / ``from_scipy`` validate sortedness and ranges."""
+
+    def __init__(self, shape: tuple[int, int], indptr: Any, indices: Any, values: Any):
+        from .runtime import check_tensor
+        if len(shape) != 2 or min(int(s) for s in shape) < 0:
+            raise ShapeError(f"DeviceCSR shape must be two non-negative extents, got {shape}")
+        self.shape = (int(shape[0]), int(shape[1]))
+        if max(self.shape) > INT32_MAX:
+            raise ShapeError(f"DeviceCSR shape {self.shape} exceeds int32 indexing")
+        self.indptr = check_tensor("indptr", indptr, ("int32",), 1, (self.shape[0] + 1,))
+        self.indices = check_tensor("indices", indices, ("int32",), 1)
+        self.values = check_tensor("values", values, VALUE_DTYPES, 1, (self.indices.shape[0],))
+        if not (indptr.device == indices.device == values.device):
+            raise ShapeError(f"DeviceCSR tensors on different devices: {indptr.device}, "
+                             f"{indices.device}, {values.device}")
+        self._formats: dict[tuple, DeviceMatrix] = {}
+        self._rows = None
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def dtype(self) -> str:
+        return _dtype_name(self.values)
+
+    @classmethod
+    def from_host(cls, csr: CSR, dtype: str = "float32") -> DeviceCSR:
+        """Validate ``csr`` on the host (CSR.validate: monotone indptr, sorted unique in-range
+        columns, one index dtype; plus int32 range), then upload it."""
+        torch = _torch()
+        _check_value_dtype(dtype)
+        if not isinstance(csr, CSR):
+            raise ShapeError(f"from_host needs a pitgen.formats.CSR, got {type(csr).__name__}")
+        csr.validate()
+        if csr.nnz > INT32_MAX or max(csr.shape) > INT32_MAX:
+            raise ShapeError(f"CSR with shape {csr.shape} and nnz {csr.nnz} exceeds int32 indexing")
+
+        def up(a: np.ndarray, dt: Any) -> Any:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device="cuda", dtype=dt)
+        return cls(csr.shape, up(csr.indptr.astype(np.int32), torch.int32),
+                   up(csr.indices.astype(np.int32), torch.int32),
+                   up(csr.values().astype(np.float32), getattr(torch, dtype)))
+
+    @classmethod
+    def from_scipy(cls, m: Any, dtype: str = "float32") -> DeviceCSR:
+        """Any scipy sparse matrix (duplicates summed, columns sorted) through ``from_host``."""
+        return cls.from_host(CSR.from_scipy(m), dtype)
+
+    @classmethod
+    def from_dense(cls, t: Any, dtype: str | None = None) -> DeviceCSR:
+        """A 2-D CUDA tensor's non-zeros, found on the GPU: a bool/uint8 mask gives values 1, a
+        float16/float32 tensor its values. Synchronises with the host once (to read nnz)."""
+        torch = _torch()
+        from .runtime import check_tensor
+        check_tensor("dense", t, ("bool", "uint8", "float16", "float32"), 2, contiguous=False)
+        src = _dtype_name(t)
+        dtype = _check_value_dtype(dtype or (src if src in VALUE_DTYPES else "float32"))
+        t = t.contiguous()
+        n_rows, n_cols = t.shape
+        if max(n_rows, n_cols) > INT32_MAX:
+            raise ShapeError(f"dense shape {tuple(t.shape)} exceeds int32 indexing")
+        counts = (t != 0).sum(1)
+        ptr64 = torch.zeros(n_rows + 1, dtype=torch.int64, device=t.device)
+        torch.cumsum(counts, 0, out=ptr64[1:])
+        nnz = int(ptr64[-1])  # the one host synchronisation: sizes indices and values
+        if nnz > INT32_MAX:
+            raise ShapeError(f"dense operand has {nnz} non-zeros, more than int32 indexing allows")
+        indptr = ptr64.to(torch.int32)
+        indices = torch.empty(nnz, dtype=torch.int32, device=t.device)
+        values = torch.empty(nnz, dtype=getattr(torch, dtype), device=t.device)
+        src_t = t.view(torch.uint8) if src == "bool" else t
+        k = _convert_kernels(dtype, "uint8" if src in ("bool", "uint8") else src)
+        _launch(k, "pit_dense_to_csr", n_rows * 32, src_t, n_rows, n_cols, indptr, nnz, indices,
+                values)
+        return cls((n_rows, n_cols), indptr, indices, values)
+
+    def row_ids(self) -> Any:
+        """int32 row of every non-zero (built on the GPU once, no sync)."""
+        if self._rows is None:
+            torch = _torch()
+            self._rows = torch.empty(self.nnz, dtype=torch.int32, device=self.indices.device)
+            _launch(_convert_kernels(self.dtype), "pit_csr_rows", self.nnz, self.indptr,
+                    self.shape[0], self.nnz, self._rows)
+        return self._rows
+
+    def row_stats(self) -> dict[str, float]:
+        """Host numbers describing the rows (the tuner's cache key): rows, cols, nnz, mean /
+        max / std (population) row length, fraction of empty rows. Synchronises once."""
+        torch = _torch()
+        n_rows, n_cols = self.shape
+        if n_rows == 0:
+            return {"rows": 0, "cols": n_cols, "nnz": 0, "mean_row": 0.0, "max_row": 0,
+                    "std_row": 0.0, "empty_fraction": 0.0}
+        lengths = (self.indptr[1:] - self.indptr[:-1]).to(torch.float64)
+        mean, longest, std, empty = torch.stack([
+            lengths.mean(), lengths.max(), lengths.std(correction=0),
+            (lengths == 0).to(torch.float64).mean()]).tolist()
+        return {"rows": n_rows, "cols": n_cols, "nnz": self.nnz, "mean_row": mean,
+                "max_row": int(longest), "std_row": std, "empty_fraction": empty}
+
+    def to_torch(self) -> Any:
+        """The same matrix as a torch.sparse_csr_tensor (shares the buffers)."""
+        return _torch().sparse_csr_tensor(self.indptr, self.indices, self.values, size=self.shape)
+
+
+@dataclass
+class DeviceMatrix:
+    """One format of a DeviceCSR on the GPU: ``buffers`` by name (see docs/formats.md),
+    ``params`` as resolved (e.g. the ELL width chosen), ``info`` host numbers of the layout."""
+    fmt: str
+    params: dict[str, Any]
+    shape: tuple[int, int]
+    nnz: int
+    dtype: str
+    buffers: dict[str, Any]
+    source: DeviceCSR
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def with_values(self, values: Any) -> DeviceMatrix:
+        """The same layout filled from new CSR-order values [nnz] on the GPU (no sync)."""
+        from .runtime import check_tensor
+        torch = _torch()
+        check_tensor("values", values, (self.dtype,), 1, (self.nnz,))
+        src = DeviceCSR(self.shape, self.source.indptr, self.source.indices, values)
+        src._rows = self.source._rows
+        bufs = dict(self.buffers)
+        if self.fmt == "csr":
+            bufs["values"] = values
+        else:
+            perm = bufs["perm"]
+            key = "blocks" if self.fmt == "bsr" else "vals"
+            if self.nnz == 0:
+                bufs[key] = torch.zeros_like(bufs[key])
+            else:
+                bufs[key] = torch.where(perm >= 0, values[perm.clamp(min=0).long()],
+                                        torch.zeros((), dtype=values.dtype, device=values.device))
+        return DeviceMatrix(self.fmt, dict(self.params), self.shape, self.nnz, self.dtype, bufs,
+                            src, dict(self.info))
+
+    def to_host(self) -> CSR | ELL | BSR | Hyb:
+        """The layout as the NumPy format object of pitgen.formats (float64 values): equal,
+        slot for slot, to that format's reference conversion of the same CSR. Synchronises."""
+        b = {name: t.cpu().numpy() for name, t in self.buffers.items()}
+        if self.fmt == "csr":
+            return CSR(self.shape, b["indptr"], b["indices"], b["values"].astype(np.float64))
+        if self.fmt == "ell":
+            return ELL(self.shape, b["cols"], b["vals"].astype(np.float64))
+        if self.fmt == "bsr":
+            return BSR(self.shape, self.params["block"], b["indptr"], b["bcols"],
+                       b["blocks"].astype(np.float64), b["perm"] >= 0)
+        c, k = self.params["c"], self.params["k"]
+        out = Hyb(self.shape, c, k, [])
+        for bk, (rows, width) in enumerate(zip(self.info["bucket_rows"], self.info["widths"])):
+            if rows == 0:
+                continue
+            r0 = self.info["row_offsets"][bk]
+            s0 = self.info["slot_offsets"][bk]
+            span = slice(s0, s0 + rows * width)
+            out.buckets.append(HybBucket(
+                part=bk // (k + 1), width=width, row_ids=b["brow_row"][r0:r0 + rows],
+                cols=b["cols"][span].reshape(rows, width),
+                vals=b["vals"][span].reshape(rows, width).astype(np.float64),
+                needs_atomics=self.info["atomic"][bk]))
+        return out
+
+    def to_dense(self) -> Any:
+        """Dense torch tensor (float32) rebuilt from this layout's own buffers (tests)."""
+        torch = _torch()
+        dev = self.source.indices.device
+        dense = torch.zeros(self.shape, dtype=torch.float32, device=dev)
+        b = self.buffers
+        if self.fmt == "csr":
+            rows, cols, vals = self.source.row_ids(), b["indices"], b["values"]
+        elif self.fmt == "ell":
+            w = b["cols"].shape[1] if b["cols"].dim() == 2 else 0
+            rows = torch.arange(self.shape[0], device=dev).repeat_interleave(w)
+            cols, vals = b["cols"].reshape(-1), b["vals"].reshape(-1)
+        elif self.fmt == "bsr":
+            bs = self.params["block"]
+            i = torch.arange(bs, device=dev)
+            rows = (b["brows"][:, None, None] * bs + i[None, :, None]).expand(-1, bs, bs)
+            cols = (b["bcols"][:, None, None] * bs + i[None, None, :]).expand(-1, bs, bs)
+            live = b["perm"] >= 0
+            rows, cols, vals = rows[live], cols[live], b["blocks"][live]
+        else:
+            widths = torch.tensor(self.info["widths"], device=dev)
+            per_brow = widths.repeat_interleave(
+                torch.tensor(self.info["bucket_rows"], device=dev))
+            rows = b["brow_row"].long().repeat_interleave(per_brow)
+            cols, vals = b["cols"], b["vals"]
+        live = cols >= 0
+        dense.index_put_((rows[live].long(), cols[live].long()), vals[live].float(),
+                         accumulate=True)
+        return dense
+
+
+def _check_params(fmt: str, params: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    extra = sorted(set(params) - set(allowed))
+    if extra:
+        raise PlanError(f"format {fmt!r} takes {list(allowed) or 'no'} parameters, got {extra}")
+
+
+def to_format(csr: DeviceCSR, fmt: str, **params: Any) -> DeviceMatrix:
+    """Convert ``csr`` on the GPU: "csr" (a view, no sync), "ell" (width=None: the longest
+    row), "bsr" (block in 8/16/32), "hyb" (c in 1..8 column parts, k in 0..6: bucket widths
+    1..2^k). One host sync per conversion; cached per (fmt, params) on ``csr``."""
+    if not isinstance(csr, DeviceCSR):
+        raise ShapeError(f"to_format needs a DeviceCSR, got {type(csr).__name__}")
+    if fmt not in FORMATS:
+        raise PlanError(f"unknown sparse format {fmt!r}; choose from {FORMATS}")
+    key = (fmt, tuple(sorted(params.items())))
+    if key in csr._formats:
+        return csr._formats[key]
+    if fmt == "csr":
+        _check_params(fmt, params, ())
+        m = DeviceMatrix("csr", {}, csr.shape, csr.nnz, csr.dtype,
+                         {"indptr": csr.indptr, "indices": csr.indices, "values": csr.values,
+                          "rows": csr.row_ids()}, csr)
+    elif fmt == "ell":
+        _check_params(fmt, params, ("width",))
+        m = _to_ell(csr, params.get("width"))
+    elif fmt == "bsr":
+        _check_params(fmt, params, ("block",))
+        block = params.get("block", 16)
+        if block not in BSR_BLOCKS:
+            raise PlanError(f"BSR block must be one of {BSR_BLOCKS}, got {block!r}")
+        m = _to_bsr(csr, int(block))
+    else:
+        _check_params(fmt, params, ("c", "k"))
+        c, k = params.get("c", 1), params.get("k", 4)
+        if not (isinstance(c, int) and 1 <= c <= 8 and isinstance(k, int) and 0 <= k <= 6):
+            raise PlanError(f"hyb needs integer c in 1..8 and k in 0..6, got c={c!r}, k={k!r}")
+        m = _to_hyb(csr, c, k)
+    csr._formats[key] = m
+    return m
+
+
+def _to_ell(csr: DeviceCSR, width: int | None) -> DeviceMatrix:
+    torch = _torch()
+    n_rows, n_cols = csr.shape
+    dev = csr.indices.device
+    longest = int((csr.indptr[1:] - csr.indptr[:-1]).max()) if n_rows else 0  # the one sync
+    if width is not None and (not isinstance(width, int) or width < 0):
+        raise PlanError(f"ELL width must be a non-negative integer, got {width!r}")
+    w = longest if width is None else width
+    if longest > w:
+        raise ShapeError(f"ELL width {w} too small: the longest row has {longest} non-zeros")
+    if n_rows * w > INT32_MAX:
+        raise ShapeError(f"ELL of {n_rows} rows x width {w} exceeds int32 indexing")
+    cols = torch.empty((n_rows, w), dtype=torch.int32, device=dev)
+    vals = torch.empty((n_rows, w), dtype=csr.values.dtype, device=dev)
+    perm = torch.empty((n_rows, w), dtype=torch.int32, device=dev)
+    _launch(_convert_kernels(csr.dtype), "pit_to_ell", n_rows * w, csr.indptr, csr.indices,
+            csr.values, n_rows, n_cols, csr.nnz, w, cols, vals, perm)
+    return DeviceMatrix("ell", {"width": w}, csr.shape, csr.nnz, csr.dtype,
+                        {"cols": cols, "vals": vals, "perm": perm}, csr,
+                        {"width": w, "slots": n_rows * w,
+                         "padding_ratio": n_rows * w / csr.nnz if csr.nnz else 1.0})
+
+
+def _to_bsr(csr: DeviceCSR, b: int) -> DeviceMatrix:
+    torch = _torch()
+    n_rows, n_cols = csr.shape
+    dev = csr.indices.device
+    nbr, nbc = -(-n_rows // b), -(-n_cols // b)
+    if nbr * nbc > INT32_MAX:
+        raise ShapeError(f"BSR grid {nbr} x {nbc} blocks exceeds int32 indexing")
+    k = _convert_kernels(csr.dtype)
+    flags = torch.zeros(nbr * nbc, dtype=torch.int32, device=dev)
+    _launch(k, "pit_bsr_mark", csr.nnz, csr.indptr, csr.indices, n_rows, n_cols, csr.nnz, b, nbc,
+            flags)
+    scan = torch.cumsum(flags, 0, dtype=torch.int32)
+    indptr = torch.zeros(nbr + 1, dtype=torch.int32, device=dev)
+    if nbr:
+        torch.cumsum(flags.view(nbr, nbc).sum(1, dtype=torch.int32), 0, dtype=torch.int32,
+                     out=indptr[1:])
+    nblk = int(scan[-1]) if scan.numel() else 0  # the one sync: sizes the blocks
+    bcols = torch.full((nblk,), -1, dtype=torch.int32, device=dev)
+    brows = torch.full((nblk,), -1, dtype=torch.int32, device=dev)
+    blocks = torch.zeros((nblk, b, b), dtype=csr.values.dtype, device=dev)
+    perm = torch.full((nblk, b, b), -1, dtype=torch.int32, device=dev)
+    _launch(k, "pit_bsr_fill", csr.nnz, csr.indptr, csr.indices, csr.values, n_rows, n_cols,
+            csr.nnz, b, nbc, scan, nblk, bcols, brows, blocks, perm)
+    return DeviceMatrix("bsr", {"block": b}, csr.shape, csr.nnz, csr.dtype,
+                        {"indptr": indptr, "bcols": bcols, "brows": brows, "blocks": blocks,
+                         "perm": perm}, csr,
+                        {"block": b, "blocks": nblk, "slots": nblk * b * b,
+                         "padding_ratio": nblk * b * b / csr.nnz if csr.nnz else 1.0})
+
+
+def hyb_atomic(c: int, k: int, width: int, any_cut: bool) -> bool:
+    """Whether a hyb bucket's rows may share an output row: several column parts, or the
+    widest bucket when some row was cut into pieces of width 2^k."""
+    return c > 1 or (width == 1 << k and any_cut)
+
+
+def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
+    """Bucket rows ordered part-major, then by width, then by row (pitgen.formats.Hyb's order):
+    a GPU sort of (bucket, row) keys numbers them, so the layout is deterministic."""
+    torch = _torch()
+    n_rows, n_cols = csr.shape
+    dev = csr.indices.device
+    nb, cap = c * (k + 1), 1 << k
+    part = max(1, -(-n_cols // c))
+    n_groups = n_rows * c
+    if n_groups * (nb + 1) > 2**62 or n_groups > INT32_MAX:
+        raise ShapeError(f"hyb with {n_rows} rows x {c} parts exceeds int32 indexing")
+    kern = _convert_kernels(csr.dtype)
+    count = torch.zeros(n_groups, dtype=torch.int32, device=dev)
+    key = torch.empty(n_groups, dtype=torch.int64, device=dev)
+    pieces = torch.empty(n_groups, dtype=torch.int32, device=dev)
+    _launch(kern, "pit_hyb_count", csr.nnz, csr.indptr, csr.indices, n_rows, n_cols, csr.nnz, c,
+            part, count)
+    _launch(kern, "pit_hyb_classify", n_groups, count, n_groups, c, k, n_rows, key, pieces)
+    skey, order = torch.sort(key)
+    ps = pieces[order].to(torch.int64)
+    first = torch.empty(n_groups, dtype=torch.int32, device=dev)
+    first[order] = (torch.cumsum(ps, 0) - ps).to(torch.int32)
+    bucket_rows = torch.zeros(nb + 1, dtype=torch.int64, device=dev)
+    bucket_rows.index_add_(0, skey // max(n_rows, 1), ps)
+    bucket_rows = bucket_rows[:nb]
+    widths = torch.ones(nb, dtype=torch.int64, device=dev) << (
+        torch.arange(nb, device=dev) % (k + 1))
+    row_off = torch.cumsum(bucket_rows, 0) - bucket_rows
+    slot_off = torch.cumsum(bucket_rows * widths, 0) - bucket_rows * widths
+    count64 = count.to(torch.int64)
+    gstart = (torch.cumsum(count64, 0) - count64).to(torch.int32)
+    any_cut = (count > cap).any().to(torch.int64).view(1)
+    host = torch.cat([bucket_rows, any_cut]).tolist()  # the one sync: sizes the buckets
+    rows_h, cut = host[:nb], bool(host[nb])
+    widths_h = [1 << (b % (k + 1)) for b in range(nb)]
+    n_brows = sum(rows_h)
+    n_slots = sum(r * w for r, w in zip(rows_h, widths_h))
+    if n_slots > INT32_MAX:
+        raise ShapeError(f"hyb layout of {n_slots} slots exceeds int32 indexing")
+    table = torch.cat([bucket_rows, row_off, slot_off]).to(torch.int32)
+    brow_row = torch.full((n_brows,), -1, dtype=torch.int32, device=dev)
+    cols = torch.full((n_slots,), -1, dtype=torch.int32, device=dev)
+    vals = torch.zeros(n_slots, dtype=csr.values.dtype, device=dev)
+    perm = torch.full((n_slots,), -1, dtype=torch.int32, device=dev)
+    slot_row = torch.full((n_slots,), -1, dtype=torch.int32, device=dev)
+    _launch(kern, "pit_hyb_fill", csr.nnz, csr.indptr, csr.indices, csr.values, n_rows, n_cols,
+            csr.nnz, c, k, part, count, gstart, first, table, n_brows, n_slots, brow_row, cols,
+            vals, perm, slot_row)
+    row_offsets = np.concatenate([[0], np.cumsum(rows_h)[:-1]]).astype(int).tolist()
+    slot_sizes = [r * w for r, w in zip(rows_h, widths_h)]
+    slot_offsets = np.concatenate([[0], np.cumsum(slot_sizes)[:-1]]).astype(int).tolist()
+    info = {"c": c, "k": k, "bucket_rows": rows_h, "widths": widths_h,
+            "row_offsets": row_offsets, "slot_offsets": slot_offsets, "brows": n_brows,
+            "slots": n_slots, "any_cut": cut,
+            "atomic": [hyb_atomic(c, k, w, cut) for w in widths_h],
+            "padding_ratio": n_slots / csr.nnz if csr.nnz else 1.0}
+    return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, csr.nnz, csr.dtype,
+                        {"table": table, "brow_row": brow_row, "cols": cols, "vals": vals,
+                         "perm": perm, "slot_row": slot_row}, csr, info)

@@ -1,0 +1,260 @@
+"""Graph operators through SparseTIR-style formats: ``pitgen.compile(expr, sparse=..., format=...)``.
+
+Two forms are recognised, each derived through the rule engine:
+
+* SpMM ``Y[i,f] += A[i,j] * X[j,f]`` (``sparse="A"``): the reduction axis j must be invariant
+  (the non-zeros of a row are gathered in any order: SRead) and so must i (format kernels
+  compute rows, or hyb's bucket rows, in any order and write each to its own place: SWrite).
+* SDDMM ``E[i,j] += U[i,f] * V[j,f]`` (``sparse="E"``, the sampled output): i and j must be
+  invariant (edges are computed in any order and written to their CSR slot). The edge pattern
+  is passed at call time as ``sample=``.
+
+``format`` is "csr", "ell", "bsr", "hyb" or "auto" (:func:`pitgen.tune.best`: the on-disk tune
+cache first, else a budgeted search whose result is stored).
+"""
+from __future__ import annotations
+
+import gc
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import sympy
+
+from .errors import PlanError, ShapeError
+from .expr import Operator, parse
+from .rules import analyse
+from .runtime import check_tensor
+from .tune import FORMATS, GraphStats, best, default_params
+
+GRAPH_DTYPES = ("float16", "float32")
+#: Matrices (by identity) whose conversions a kernel object keeps alive.
+MAX_MATRICES = 4
+
+
+@dataclass(frozen=True)
+class GraphForm:
+    """Which graph operator an expression is, and where its operands go."""
+    op: str                      # 'spmm' | 'sddmm'
+    sparse: str                  # sparse operand (SpMM: an input; SDDMM: the output)
+    inputs: tuple[str, ...]      # positional call order (the expression's inputs)
+    dense: tuple[str, ...]       # SpMM: (X,); SDDMM: (U, V) with U indexed by rows
+
+
+def _bare(acc: Any) -> tuple[str, ...] | None:
+    if all(isinstance(e, sympy.Symbol) for e in acc.indices):
+        return tuple(e.name for e in acc.indices)
+    return None
+
+
+def graph_form(op: Operator, sparse: str) -> GraphForm:
+    """Recognise SpMM or SDDMM with ``sparse`` as the sparse operand; PlanError says why not,
+    RuleError if an axis the kernels permute is not invariant."""
+    spmm_shape = "Y[i,f] += A[i,j] * X[j,f] with sparse='A'"
+    sddmm_shape = "E[i,j] += U[i,f] * V[j,f] with sparse='E'"
+    if op.reducer != "sum" or op.epilogue or len(op.inputs) != 2 or \
+            len({a.tensor for a in op.inputs}) != 2:
+        raise PlanError(f"format kernels run {spmm_shape} or {sddmm_shape}; {op.text!r} is not a "
+                        f"sum of products of two distinct tensors")
+    dims = {a.tensor: _bare(a) for a in (op.output, *op.inputs)}
+    if any(d is None or len(d) != 2 or len(set(d)) != 2 for d in dims.values()):
+        raise PlanError(f"format kernels need 2-D operands indexed by two distinct bare axes; "
+                        f"{op.text!r} is not one ({spmm_shape}, or {sddmm_shape})")
+    rules = analyse(op)
+    names = tuple(a.tensor for a in op.inputs)
+    if sparse == op.output.tensor:
+        i, j = dims[sparse]
+        fs = op.reduction_axes
+        rows = next((n for n in names if len(fs) == 1 and dims[n] == (i, fs[0])), None)
+        cols = next((n for n in names if len(fs) == 1 and dims[n] == (j, fs[0])), None)
+        if rows is None or cols is None:
+            raise PlanError(f"SDDMM must read {sddmm_shape} (U[rows, f], V[cols, f]); got "
+                            f"{op.text!r}")
+        rules.require_invariant(i)
+        rules.require_invariant(j)
+        return GraphForm("sddmm", sparse, names, (rows, cols))
+    if sparse not in names:
+        raise PlanError(f"sparse operand {sparse!r} is neither an input nor the output of "
+                        f"{op.text!r}")
+    dense = next(n for n in names if n != sparse)
+    i, f = dims[op.output.tensor]
+    s, d = dims[sparse], dims[dense]
+    if len(op.reduction_axes) != 1 or s != (i, op.reduction_axes[0]) or \
+            d != (op.reduction_axes[0], f):
+        raise PlanError(f"SpMM must read {spmm_shape} (the sparse operand [rows, j], the dense "
+                        f"one [j, features], output [rows, features]); got {op.text!r}")
+    rules.require_invariant(s[1])
+    rules.require_invariant(i)
+    return GraphForm("spmm", sparse, names, (dense,))
+
+
+def as_device_csr(name: str, a: Any, dtype: str) -> Any:
+    """A DeviceCSR from what callers hold: a DeviceCSR (its values must have ``dtype``), a torch
+    sparse CSR tensor or a dense CUDA tensor (converted on the GPU; a dense one costs a host
+    sync for its nnz), a scipy sparse matrix or a pitgen.formats.CSR (uploaded)."""
+    from .device_formats import DeviceCSR
+    from .formats import CSR
+
+    if isinstance(a, DeviceCSR):
+        got = str(a.values.dtype).replace("torch.", "")
+        if got != dtype:
+            raise ShapeError(f"{name} holds {got} values but the kernel is {dtype}; build it with "
+                             f"dtype={dtype!r}")
+        return a
+    if isinstance(a, CSR):
+        return DeviceCSR.from_host(a, dtype)
+    if type(a).__module__.startswith("scipy.sparse"):
+        return DeviceCSR.from_scipy(a, dtype)
+    if type(a).__module__.startswith("torch"):
+        import torch
+        if not isinstance(a, torch.Tensor) or a.dim() != 2:
+            raise ShapeError(f"{name} must be a 2-D tensor, got {getattr(a, 'shape', type(a))}")
+        check_tensor(name, a.values() if a.layout == torch.sparse_csr else a,
+                     ("float16", "bfloat16", "float32", "float64", "bool"), contiguous=False)
+        tdt = getattr(torch, dtype)
+        if a.layout == torch.sparse_csr:
+            return DeviceCSR(tuple(a.shape), a.crow_indices().to(torch.int32).contiguous(),
+                             a.col_indices().to(torch.int32).contiguous(),
+                             a.values().to(tdt).contiguous())
+        if a.layout != torch.strided:
+            raise ShapeError(f"{name} has layout {a.layout}; pass a sparse CSR or dense tensor")
+        return DeviceCSR.from_dense(a, dtype=dtype)
+    raise ShapeError(f"{name}: expected a DeviceCSR, torch sparse CSR or dense CUDA tensor, scipy "
+                     f"sparse matrix or pitgen.formats.CSR; got {type(a).__name__}")
+
+
+def _identity(a: Any) -> tuple:
+    """Identity of a caller's matrix: the object, and for torch tensors its in-place version
+    counter, so an edited tensor is converted again."""
+    return id(a), getattr(a, "_version", None)
+
+
+class FormatKernel:
+    """A graph operator run by one of SparseTIR's formats on the GPU (see the module docstring).
+
+    ``k(a, x)`` runs SpMM (operands in the expression's input order, or by name) and returns
+    Y [rows, F]; ``k(u, v, sample=a)`` runs SDDMM and returns the values [nnz] in the CSR order
+    of ``a``. The converted matrix and the format choice are kept per (matrix, feature width), so
+    repeated calls with the same graph convert once (the matrix is treated as immutable; torch
+    tensors edited in place are noticed; :meth:`forget` drops everything).
+    ``format='auto'`` synchronises with the host on the first call per matrix (tune-cache
+    lookup from row statistics, or a search of ``budget_s``); later calls do not."""
+
+    def __init__(self, expr: str | Operator, sparse: str, format: str = "auto",
+                 dtype: str = "float16", budget_s: float = 10.0,
+                 params: Mapping[str, Any] | None = None,
+                 schedule: Mapping[str, Any] | None = None):
+        self.operator = parse(expr) if isinstance(expr, str) else expr
+        if format not in ("auto", *FORMATS):
+            raise PlanError(f"unknown format {format!r} (choose auto, {', '.join(FORMATS)})")
+        if dtype not in GRAPH_DTYPES:
+            raise PlanError(f"format kernels run {' or '.join(GRAPH_DTYPES)}, not {dtype!r}")
+        if format == "auto" and (params or schedule):
+            raise PlanError("params= and schedule= need an explicit format, not 'auto'")
+        self.form = graph_form(self.operator, sparse)
+        self.format, self.dtype, self.budget_s = format, dtype, float(budget_s)
+        self.params = dict(params) if params is not None else None
+        self.schedule = dict(schedule) if schedule is not None else None
+        self._mats: OrderedDict[tuple, tuple[Any, Any, dict]] = OrderedDict()
+
+    @property
+    def op(self) -> str:
+        return self.form.op
+
+    def forget(self) -> None:
+        """Drop every kept matrix, conversion and choice (their GPU memory is freed now)."""
+        self._mats.clear()
+        gc.collect()  # a layout and its DeviceCSR reference each other
+
+    def _entry(self, name: str, a: Any) -> tuple[Any, dict]:
+        key = _identity(a)
+        hit = self._mats.get(key)
+        if hit is not None and hit[0] is a:
+            self._mats.move_to_end(key)
+            return hit[1], hit[2]
+        csr = as_device_csr(name, a, self.dtype)
+        self._mats[key] = (a, csr, {})
+        if len(self._mats) > MAX_MATRICES:
+            self._mats.popitem(last=False)
+            gc.collect()
+        return csr, self._mats[key][2]
+
+    def choice(self, csr: Any, feat: int) -> tuple[str, dict, dict]:
+        """(format, params, schedule) for this DeviceCSR and feature width; may tune."""
+        from .graph_ops import default_schedule
+
+        if self.format == "auto":
+            r = best(csr, self.op, feat, self.dtype, self.budget_s)
+            return r.fmt, dict(r.params), dict(r.schedule)
+        if self.params is not None:
+            params = self.params
+        else:  # only ELL's width and hyb's k depend on the rows (one host sync)
+            stats = GraphStats.from_dict(csr.row_stats()) if self.format in ("ell", "hyb") else None
+            params = default_params(self.format, stats)
+        sched = self.schedule if self.schedule is not None else \
+            default_schedule(self.op, self.format, feat, self.dtype)
+        return self.format, dict(params), dict(sched)
+
+    def prepare(self, name: str, a: Any, feat: int) -> tuple[Any, tuple[str, dict, dict]]:
+        """The converted matrix and the choice for ``a`` at feature width ``feat`` (cached)."""
+        from .device_formats import to_format
+
+        if feat < 1:
+            raise ShapeError(f"feature width must be >= 1, got {feat}")
+        csr, per_feat = self._entry(name, a)
+        if feat not in per_feat:
+            fmt, params, sched = self.choice(csr, feat)
+            mat = csr if fmt == "csr" else to_format(csr, fmt, **params)
+            per_feat[feat] = (mat, (fmt, params, sched))
+        return per_feat[feat]
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        names = self.form.inputs
+        if len(args) > len(names):
+            raise ShapeError(f"{self.operator.text!r} takes {len(names)} operands "
+                             f"({', '.join(names)}), got {len(args)}")
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise ShapeError(f"unknown operand {k!r} (operands: {', '.join(names)})")
+            if k in bound:
+                raise ShapeError(f"operand {k!r} given twice")
+            bound[k] = v
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise ShapeError(f"missing operand(s) {', '.join(missing)}")
+        return bound
+
+    def __call__(self, *args: Any, sample: Any = None, out: Any = None, **kwargs: Any) -> Any:
+        from . import graph_ops
+
+        ops = self._bind(args, kwargs)
+        if self.op == "spmm":
+            if sample is not None:
+                raise ShapeError("sample= is for SDDMM; SpMM takes the sparse operand "
+                                 f"{self.form.sparse!r} as an operand")
+            (xn,) = self.form.dense
+            a = ops[self.form.sparse]
+            x = check_tensor(xn, ops[xn], (self.dtype,), ndim=2)
+            mat, (_, _, sched) = self.prepare(self.form.sparse, a, int(x.shape[1]))
+            if x.shape[0] != mat.shape[1]:
+                raise ShapeError(f"{xn} has {x.shape[0]} rows but {self.form.sparse} has "
+                                 f"{mat.shape[1]} columns")
+            return graph_ops.spmm(mat, x, schedule=sched, out=out)
+        if out is not None:
+            raise ShapeError("out= is for SpMM; SDDMM returns a new values tensor")
+        if sample is None:
+            raise ShapeError(f"SDDMM needs the edge pattern of {self.form.sparse!r}: "
+                             f"k({', '.join(self.form.inputs)}, sample=A)")
+        un, vn = self.form.dense
+        u = check_tensor(un, ops[un], (self.dtype,), ndim=2)
+        v = check_tensor(vn, ops[vn], (self.dtype,), ndim=2)
+        if u.shape[1] != v.shape[1]:
+            raise ShapeError(f"{un} and {vn} need the same feature width, got {u.shape[1]} and "
+                             f"{v.shape[1]}")
+        mat, (_, _, sched) = self.prepare("sample", sample, int(u.shape[1]))
+        for n, t, want in ((un, u, mat.shape[0]), (vn, v, mat.shape[1])):
+            if t.shape[0] != want:
+                raise ShapeError(f"{n} has {t.shape[0]} rows; the sample is {mat.shape[0]} x "
+                                 f"{mat.shape[1]} so it needs {want}")
+        return graph_ops.sddmm(mat, u, v, schedule=sched)

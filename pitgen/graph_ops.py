@@ -1,0 +1,259 @@
+"""GNN SpMM and SDDMM on the GPU formats of pitgen.device_formats.
+
+SpMM ``Y[i,f] += A[i,j] * X[j,f]``: the rule engine says i is spatial (rows are computed in any
+order and written back to their own places: hyb's bucket rows are out of order, SWrite) and j
+is the reduction axis (a row's neighbours are gathered, SRead). SDDMM
+``E[i,j] += U[i,f] * V[j,f]``: i and j are spatial (edges in any order, each written to its CSR
+position), f is reduced by a shuffle tree. Planning checks these with ``require_invariant``.
+
+Every launch runs on torch's current stream with no host synchronisation; buffer sizes and grids
+come from host numbers recorded at conversion time.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Mapping
+
+from .device_formats import FORMATS, VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
+from .errors import PlanError, ShapeError
+
+__all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "SPMM_EXPR", "SDDMM_EXPR"]
+
+SPMM_EXPR = "Y[i,f] += A[i,j] * X[j,f]"
+SDDMM_EXPR = "E[i,j] += U[i,f] * V[j,f]"
+OPS = {"spmm": (SPMM_EXPR, ("i", "j")), "sddmm": (SDDMM_EXPR, ("i", "j", "f"))}
+GROUPS = (4, 8, 16, 32)
+THREADS = (128, 256)
+HYB_WIDTHS = 7  # hyb "groups": one lane count per bucket width 1, 2, 4, ..., 64
+SPMM_SIGNATURE = {"pit_spmm": "PPPPPPiiiii"}
+SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
+_KERNELS: dict[tuple, Any] = {}
+
+
+@lru_cache(maxsize=None)
+def _rules(op: str) -> Any:
+    """The PIT rules of ``op``; RuleError if an axis the kernels permute is not invariant."""
+    from .rules import analyse
+    expr, permuted = OPS[op]
+    rules = analyse(expr)
+    for axis in permuted:
+        rules.require_invariant(axis)
+    return rules
+
+
+def _elem_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def _vecs(feat: int, dtype: str) -> list[int]:
+    """Vector widths (elements per lane per load) that F allows: at most 16 bytes."""
+    return [v for v in (1, 2, 4, 8) if v * _elem_bytes(dtype) <= 16 and feat % v == 0]
+
+
+def _check(op: str, fmt: str, feat: int, dtype: str) -> None:
+    if op not in OPS:
+        raise PlanError(f"unknown graph operator {op!r}; choose from {tuple(OPS)}")
+    if fmt not in FORMATS:
+        raise PlanError(f"unknown sparse format {fmt!r}; choose from {FORMATS}")
+    if dtype not in VALUE_DTYPES:
+        raise ShapeError(f"dtype {dtype!r} is not supported; use one of {VALUE_DTYPES}")
+    if not isinstance(feat, int) or feat < 1:
+        raise ShapeError(f"feature size must be a positive integer, got {feat!r}")
+    _rules(op)
+
+
+def _useful_groups(feat: int, vec: int) -> list[int]:
+    """Group sizes whose lanes all have features (or the smallest group): no idle lanes."""
+    return [g for g in GROUPS if g == GROUPS[0] or g * vec <= max(feat, GROUPS[0])]
+
+
+def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
+    """Tunable schedules: ``group`` lanes per row (SpMM) or per edge (SDDMM), ``vec`` features
+    per lane per load, ``threads`` per block; hyb SpMM has ``groups`` (lanes per bucket row,
+    by log2 of the bucket width) instead of ``group``: uniform, or growing with the width."""
+    _check(op, fmt, feat, dtype)
+    out = []
+    for vec in _vecs(feat, dtype):
+        groups = _useful_groups(feat, vec)
+        for threads in THREADS:
+            if op == "spmm" and fmt == "hyb":
+                choices = [[g] * HYB_WIDTHS for g in groups]
+                ramp = [max(groups[0], min(groups[-1], 1 << e)) for e in range(HYB_WIDTHS)]
+                if ramp not in choices:
+                    choices.append(ramp)
+                out += [{"groups": g, "vec": vec, "threads": threads} for g in choices]
+            else:
+                out += [{"group": g, "vec": vec, "threads": threads} for g in groups]
+    return out
+
+
+def default_schedule(op: str, fmt: str, feat: int, dtype: str) -> dict:
+    """The widest vector F allows, and the smallest group that covers F in one pass (SpMM) or
+    in about four loads per lane (SDDMM); 256 threads. A member of ``schedule_space``."""
+    _check(op, fmt, feat, dtype)
+    vec = _vecs(feat, dtype)[-1]
+    loads = -(-feat // vec) if op == "spmm" else -(-feat // (4 * vec))
+    group = next((g for g in GROUPS if g >= loads), GROUPS[-1])
+    group = max(g for g in _useful_groups(feat, vec) if g <= group)
+    if op == "spmm" and fmt == "hyb":
+        return {"groups": [group] * HYB_WIDTHS, "vec": vec, "threads": 256}
+    return {"group": group, "vec": vec, "threads": 256}
+
+
+def _resolve(schedule: Mapping | None, op: str, fmt: str, feat: int, dtype: str) -> dict:
+    """Validate a user schedule (unknown keys or values: PlanError); fill in defaults."""
+    base = default_schedule(op, fmt, feat, dtype)
+    if schedule is None:
+        return base
+    extra = sorted(set(schedule) - set(base))
+    if extra:
+        raise PlanError(f"{op} on {fmt} takes schedule keys {sorted(base)}, got unknown {extra}")
+    s = {**base, **schedule}
+    if s["threads"] not in THREADS:
+        raise PlanError(f"threads must be one of {THREADS}, got {s['threads']!r}")
+    if s["vec"] not in (1, 2, 4, 8) or s["vec"] * _elem_bytes(dtype) > 16:
+        raise PlanError(f"vec {s['vec']!r} is not 1, 2, 4 (or 8 for float16)")
+    gs = s.get("groups", [s.get("group")])
+    if "groups" in s and (not isinstance(gs, (list, tuple)) or len(gs) != HYB_WIDTHS):
+        raise PlanError(f"hyb groups must list {HYB_WIDTHS} lane counts, got {gs!r}")
+    if any(g not in GROUPS for g in gs):
+        raise PlanError(f"group sizes must be in {GROUPS}, got {gs!r}")
+    return s
+
+
+def _vec_for(vec: int, feat: int, dtype: str, *tensors: Any) -> int:
+    """The widest vector <= vec that F and every pointer's alignment allow."""
+    size = _elem_bytes(dtype)
+    while vec > 1 and (feat % vec or any(t.data_ptr() % (vec * size) for t in tensors)):
+        vec //= 2
+    return vec
+
+
+def _kernels(template: str, signature: Mapping[str, str], **ctx: Any) -> Any:
+    from .runtime import load_kernels
+    key = (template, repr(sorted(ctx.items())))
+    if key not in _KERNELS:
+        _KERNELS[key] = load_kernels(template, signature, **ctx)
+    return _KERNELS[key]
+
+
+def _matrix(a: DeviceMatrix | DeviceCSR) -> DeviceMatrix:
+    if isinstance(a, DeviceCSR):
+        return to_format(a, "csr")
+    if not isinstance(a, DeviceMatrix):
+        raise ShapeError(f"expected a DeviceMatrix or DeviceCSR, got {type(a).__name__}")
+    return a
+
+
+def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int) -> dict:
+    """Template context of the SpMM kernel for this matrix, schedule and vector width."""
+    ctx = {"dtype": m.dtype, "fmt": m.fmt, "vec": vec, "threads": sched["threads"],
+           "out_f32": False}
+    if m.fmt == "hyb":
+        k = m.params["k"]
+        ctx["buckets"] = [{"width": w, "group": sched["groups"][b % (k + 1)], "atomic": at}
+                          for b, (w, at) in enumerate(zip(m.info["widths"], m.info["atomic"]))]
+        ctx["out_f32"] = m.dtype == "float16" and any(m.info["atomic"])
+    else:
+        ctx["group"] = sched["group"]
+    if m.fmt == "bsr":
+        ctx["block"] = m.params["block"]
+    return ctx
+
+
+def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
+         out: Any = None) -> Any:
+    """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]
+    of A's dtype; fp32 accumulation. ``out`` [rows, F] is overwritten. No host sync."""
+    import torch
+    from .runtime import TorchLaunch, check_tensor
+    m = _matrix(a)
+    n_rows, n_cols = m.shape
+    check_tensor("x", x, (m.dtype,), 2, (n_cols, None))
+    feat = int(x.shape[1])
+    if out is None:
+        out = torch.empty((n_rows, feat), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, (m.dtype,), 2, (n_rows, feat))
+    if n_rows == 0 or feat == 0:
+        return out
+    if n_rows * feat > 2**31 - 1 or n_cols * feat > 2**31 - 1:
+        raise ShapeError(f"SpMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
+    _rules("spmm")
+    sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
+    vec = _vec_for(sched["vec"], feat, m.dtype, x, out)
+    ctx = spmm_context(m, sched, vec)
+    kern = _kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
+    b, threads = m.buffers, sched["threads"]
+    target = out
+    if m.fmt == "hyb":
+        if ctx["out_f32"]:
+            target = torch.zeros((n_rows, feat), dtype=torch.float32, device=x.device)
+        else:
+            out.zero_()  # rows in no bucket (empty rows) stay zero
+        grid = sum(-(-rows // (threads // ctx_b["group"]))
+                   for rows, ctx_b in zip(m.info["bucket_rows"], ctx["buckets"]))
+        args = (b["brow_row"], b["cols"], b["vals"], b["table"], x, target,
+                n_rows, n_cols, m.info["slots"], m.info["brows"], feat)
+    else:
+        grid = -(-n_rows // (threads // sched["group"]))
+        if m.fmt == "csr":
+            args = (b["indptr"], b["indices"], b["values"], 0, x, out,
+                    n_rows, n_cols, m.nnz, 0, feat)
+        elif m.fmt == "ell":
+            args = (0, b["cols"], b["vals"], 0, x, out,
+                    n_rows, n_cols, m.info["slots"], m.info["width"], feat)
+        else:
+            args = (b["indptr"], b["bcols"], b["blocks"], 0, x, out,
+                    n_rows, n_cols, m.info["slots"], m.info["blocks"], feat)
+    with TorchLaunch() as tl:
+        tl.keep(*(t for t in args if hasattr(t, "data_ptr")))
+        kern.launch("pit_spmm", (grid, 1, 1), (threads, 1, 1), tl.stream,
+                    *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in args))
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+def sddmm(a: DeviceMatrix | DeviceCSR, u: Any, v: Any, schedule: Mapping | None = None) -> Any:
+    """E[p] = U[row(p)] . V[col(p)] at every non-zero p of A, in A's CSR order whatever the
+    format (A's values are not used); U [rows, F], V [cols, F], one dtype, fp32 accumulation.
+    No host sync."""
+    import torch
+    from .runtime import TorchLaunch, check_tensor
+    m = _matrix(a)
+    n_rows, n_cols = m.shape
+    check_tensor("u", u, VALUE_DTYPES, 2, (n_rows, None))
+    dtype = str(u.dtype).replace("torch.", "")
+    check_tensor("v", v, (dtype,), 2, (n_cols, u.shape[1]))
+    feat = int(u.shape[1])
+    e = torch.empty(m.nnz, dtype=u.dtype, device=u.device)
+    if m.nnz == 0:
+        return e
+    if feat == 0:
+        return e.zero_()
+    if max(n_rows, n_cols) * feat > 2**31 - 1:
+        raise ShapeError(f"SDDMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
+    _rules("sddmm")
+    sched = _resolve(schedule, "sddmm", m.fmt, feat, dtype)
+    vec = _vec_for(sched["vec"], feat, dtype, u, v)
+    threads, group = sched["threads"], sched["group"]
+    ctx = {"dtype": dtype, "fmt": m.fmt, "vec": vec, "threads": threads, "group": group}
+    b = m.buffers
+    if m.fmt == "csr":
+        slots, args = m.nnz, (b["rows"], b["indices"], 0, m.nnz, 0)
+    elif m.fmt == "ell":
+        slots, args = m.info["slots"], (0, b["cols"], b["perm"], m.info["slots"],
+                                        max(m.info["width"], 1))
+    elif m.fmt == "hyb":
+        slots, args = m.info["slots"], (b["slot_row"], b["cols"], b["perm"], m.info["slots"], 0)
+    else:
+        ctx["block"] = m.params["block"]
+        slots, args = m.info["slots"], (b["brows"], b["bcols"], b["perm"], m.info["slots"], 0)
+    kern = _kernels("graph_sddmm.cu.j2", SDDMM_SIGNATURE, **ctx)
+    args = (*args, u, v, e, n_rows, n_cols, m.nnz, feat)
+    with TorchLaunch() as tl:
+        tl.keep(*(t for t in args if hasattr(t, "data_ptr")))
+        kern.launch("pit_sddmm", (-(-slots // (threads // group)), 1, 1), (threads, 1, 1),
+                    tl.stream, *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in args))
+    return e

@@ -1,0 +1,423 @@
+"""Fused Mixture-of-Experts FFN layer: y[t] = sum_j gates[t,j] * FFN_{expert_ids[t,j]}(x[t]).
+
+Derived through the PIT rules: in both expert GEMMs (``I[t,f] += X[t,h] * W1[h,f]`` and
+``Y[t,o] += I[t,f] * W2[f,o]``) the token axis t is spatial and permutation invariant, so the
+(token, j) pairs routed to one expert are gathered into dense row tiles in any order (SRead, no
+sort) and their results scattered back to their tokens (SWrite). The routing index (per-expert
+counts, offsets, the pairs of every expert's segment and the tile list) is built on the GPU every
+call with atomics and a one-block scan; grids are sized for the upper bound
+``ceil(T*topk/BM) + E`` tiles and surplus tiles exit, so nothing waits for the host.
+
+No capacity factor: every pair with an id in ``[0, E)`` is computed; pairs with other ids are
+skipped (they contribute nothing). ``moe_ffn(..., check=True)`` refuses such ids instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import PlanError, ShapeError
+from .rules import analyse
+
+ACTIVATIONS = ("relu", "gelu", "silu", "identity")
+DTYPES = ("float16", "bfloat16", "float32")
+GEMM1 = "I[t,f] += X[t,h] * W1[h,f]"
+GEMM2 = "Y[t,o] += I[t,f] * W2[f,o]"
+INDEX_THREADS = 256
+
+# PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2.
+SIGNATURES = {
+    "moe_count": "PiiPP",
+    "moe_scan": "PiiPPPP",
+    "moe_place": "PPPiiP",
+    "moe_gemm1": "PPPPPPPPPiiiii",
+    "moe_gemm2": "PPPPPPPPPPPiiiiii",
+    "moe_finish": "PPq",
+}
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """Decisions for one layer shape: tile sizes, pipeline depth and the grids (upper bounds)."""
+
+    tokens: int
+    topk: int
+    experts: int
+    hidden: int
+    ffn: int
+    dtype: str
+    activation: str
+    id_type: str   # C type of expert ids: "int" or "long long"
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    stages: int
+
+    @property
+    def pairs(self) -> int:
+        return self.tokens * self.topk
+
+    @property
+    def vec(self) -> int:
+        """Elements per 16-byte cp.async chunk."""
+        return 4 if self.dtype == "float32" else 8
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+    @property
+    def max_tiles(self) -> int:
+        """Upper bound of sum_e ceil(count_e / BM) over any routing: ceil(P / BM) + E."""
+        return -(-self.pairs // self.bm) + self.experts
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory of a GEMM block: STAGES x (A tile + B tile), padded rows."""
+        pad, size = (4, 4) if self.dtype == "float32" else (8, 2)
+        return self.stages * (self.bm * (self.bk + pad) + self.bk * (self.bn + pad)) * size
+
+    def gemm_grid(self, n: int) -> tuple[int, int, int]:
+        """Tiles along x (consecutive blocks share a weight column tile: L2 reuse), N tiles along y."""
+        return (self.max_tiles, -(-n // self.bn), 1)
+
+    def index_grid(self) -> tuple[int, int, int]:
+        return (max(1, -(-self.pairs // INDEX_THREADS)), 1, 1)
+
+    def context(self) -> dict[str, Any]:
+        """Template context of moe.cu.j2."""
+        return {"dtype": self.dtype, "activation": self.activation, "id_type": self.id_type,
+                "bm": self.bm, "bn": self.bn, "bk": self.bk, "wm": self.wm, "wn": self.wn,
+                "stages": self.stages, "vec": self.vec}
+
+
+@lru_cache(maxsize=256)
+def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype: str = "float16",
+             activation: str = "gelu", id_dtype: str = "int32") -> MoEPlan:
+    """Check the shapes against the PIT rules and choose the tiles.
+
+    BM = 128 when an expert gets >= 256 rows on average (fewer weight re-reads per row), else
+    64, so that a lightly loaded expert reads each weight tile once for all its tokens."""
+    for expr in (GEMM1, GEMM2):
+        analyse(expr).require_invariant("t")
+    if dtype not in DTYPES:
+        raise ShapeError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPES)}")
+    if activation not in ACTIVATIONS:
+        raise PlanError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    if id_dtype not in ("int32", "int64"):
+        raise ShapeError(f"expert_ids has dtype {id_dtype}; expected int32 or int64")
+    if topk < 1 or experts < 1:
+        raise ShapeError(f"need topk >= 1 and at least one expert (topk={topk}, E={experts})")
+    vec = 4 if dtype == "float32" else 8
+    for name, v in (("H (hidden)", hidden), ("F (ffn)", ffn)):
+        if v < 1 or v % vec:
+            raise ShapeError(f"{name} = {v} must be a positive multiple of {vec} for {dtype} "
+                             f"(16-byte vector loads)")
+    pairs = tokens * topk
+    if pairs >= 2**31 or pairs * max(hidden, ffn) >= 2**62 or experts >= 2**31 - 1:
+        raise ShapeError(f"T*topk = {pairs} rows is too large (int32 row ids)")
+    bm = 128 if pairs >= 256 * experts else 64
+    stages = 3 if (bm == 128 or dtype == "float32") else 4
+    return MoEPlan(tokens, topk, experts, hidden, ffn, dtype, activation,
+                   "int" if id_dtype == "int32" else "long long", bm, 128, 32, 2, 4, stages)
+
+
+def render_moe(plan: MoEPlan) -> str:
+    """CUDA source of the MoE kernels for ``plan``."""
+    from .render import render_template
+    return render_template("moe.cu.j2", **plan.context())
+
+
+# -- NumPy references (CPU) --------------------------------------------------------------------
+
+class Routing(NamedTuple):
+    """The routing index: per-expert row counts and offsets (E + 1), the (token, j) pair of
+    every compact row (expert segments in order), and the tile list (expert, first row)."""
+
+    counts: np.ndarray
+    offsets: np.ndarray
+    row_pair: np.ndarray
+    tile_e: np.ndarray
+    tile_r: np.ndarray
+
+
+def route_reference(expert_ids: np.ndarray, experts: int, bm: int) -> Routing:
+    """NumPy version of the GPU index (pairs in ascending order inside a segment; the GPU's
+    order is arbitrary, which the permutation-invariant t axis allows)."""
+    ids = np.asarray(expert_ids).reshape(-1).astype(np.int64)
+    valid = (ids >= 0) & (ids < experts)
+    counts = np.bincount(ids[valid], minlength=experts).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    pairs = np.flatnonzero(valid)
+    row_pair = pairs[np.argsort(ids[valid], kind="stable")]
+    tile_e, tile_r = [], []
+    for e in range(experts):
+        for r in range(offsets[e], offsets[e + 1], bm):
+            tile_e.append(e)
+            tile_r.append(r)
+    return Routing(counts, offsets, row_pair, np.array(tile_e, np.int64), np.array(tile_r, np.int64))
+
+
+def activation_reference(v: np.ndarray, activation: str) -> np.ndarray:
+    """The kernels' activations in float64 (GELU in its tanh approximation)."""
+    if activation == "relu":
+        return np.maximum(v, 0.0)
+    if activation == "gelu":
+        return 0.5 * v * (1.0 + np.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))
+    if activation == "silu":
+        return v / (1.0 + np.exp(-v))
+    if activation == "identity":
+        return v
+    raise PlanError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+
+
+def moe_reference(x: np.ndarray, expert_ids: np.ndarray, gates: np.ndarray, w1: np.ndarray,
+                  w2: np.ndarray, b1: np.ndarray | None = None, b2: np.ndarray | None = None,
+                  activation: str = "gelu") -> np.ndarray:
+    """Float64 reference of the layer, through the same routing (pairs with ids outside
+    [0, E) contribute nothing)."""
+    x = np.asarray(x, np.float64)
+    T, topk = np.asarray(expert_ids).shape
+    E = w1.shape[0]
+    r = route_reference(expert_ids, E, bm=max(1, T * topk))
+    g = np.asarray(gates, np.float64).reshape(-1)
+    y = np.zeros((T, w2.shape[2]))
+    for e in range(E):
+        pr = r.row_pair[r.offsets[e]:r.offsets[e + 1]]
+        if not len(pr):
+            continue
+        h = x[pr // topk] @ np.asarray(w1[e], np.float64)
+        if b1 is not None:
+            h += np.asarray(b1[e], np.float64)
+        h = activation_reference(h, activation)
+        o = h @ np.asarray(w2[e], np.float64)
+        if b2 is not None:
+            o += np.asarray(b2[e], np.float64)
+        np.add.at(y, pr // topk, g[pr][:, None] * o)
+    return y
+
+
+# -- GPU path ----------------------------------------------------------------------------------
+
+@lru_cache(maxsize=64)
+def _kernels(plan: MoEPlan) -> Any:
+    """Loaded kernels of ``plan``, kept per plan (rendering on every call would cost host time)."""
+    from .runtime import load_kernels
+    return load_kernels("moe.cu.j2", SIGNATURES,
+                        {"moe_gemm1": plan.smem, "moe_gemm2": plan.smem}, **plan.context())
+
+
+def _name(t: Any) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _aligned(name: str, t: Any) -> None:
+    if t.data_ptr() % 16:
+        raise ShapeError(f"{name} is not 16-byte aligned (a view with a storage offset?); "
+                         f"pass {name}.clone()")
+
+
+def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: Any, keep: Any) -> tuple[Routing, Any]:
+    """Enqueue the GPU index build; returns its device buffers (nothing is synchronised)."""
+    import torch
+    dev = ids.device
+    P, E = plan.pairs, plan.experts
+    counts = torch.zeros(E, dtype=torch.int32, device=dev)
+    rank = torch.empty(max(P, 1), dtype=torch.int32, device=dev)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    row_pair = torch.full((max(P, 1),), -1, dtype=torch.int32, device=dev)
+    tile_e = torch.empty(plan.max_tiles, dtype=torch.int32, device=dev)
+    tile_r = torch.empty(plan.max_tiles, dtype=torch.int32, device=dev)
+    ntiles = torch.empty(1, dtype=torch.int32, device=dev)
+    keep(counts, rank, offsets, row_pair, tile_e, tile_r, ntiles)
+    grid, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
+    kernels.launch("moe_count", grid, block, stream, ids.data_ptr(), P, E, counts.data_ptr(),
+                   rank.data_ptr())
+    kernels.launch("moe_scan", (1, 1, 1), (1024, 1, 1), stream, counts.data_ptr(), E,
+                   plan.max_tiles, offsets.data_ptr(), tile_e.data_ptr(), tile_r.data_ptr(),
+                   ntiles.data_ptr())
+    kernels.launch("moe_place", grid, block, stream, ids.data_ptr(), rank.data_ptr(),
+                   offsets.data_ptr(), P, E, row_pair.data_ptr())
+    return Routing(counts, offsets, row_pair, tile_e, tile_r), ntiles
+
+
+def moe_route(expert_ids: Any, num_experts: int, block_m: int = 64) -> tuple[Routing, Any]:
+    """Build the routing index on the GPU for ``expert_ids [T, topk]`` (int32/int64 CUDA tensor);
+    returns (Routing of device tensors, ntiles [1]). ``tile_e/tile_r`` hold ``ntiles`` valid
+    entries. For inspection and tests; :func:`moe_ffn` builds it itself."""
+    from .runtime import TorchLaunch, check_tensor
+    check_tensor("expert_ids", expert_ids, ("int32", "int64"), ndim=2)
+    if block_m not in (64, 128):
+        raise PlanError(f"block_m must be 64 or 128, got {block_m}")
+    T, topk = expert_ids.shape
+    plan = plan_moe(T, topk, num_experts, 8, 8, "float16", "identity", _name(expert_ids))
+    plan = MoEPlan(**{**plan.__dict__, "bm": block_m})
+    kernels = _kernels(plan)
+    with TorchLaunch() as launch:
+        launch.keep(expert_ids)
+        return _route(kernels, plan, expert_ids, launch.stream, launch.keep)
+
+
+def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = None, b2: Any = None,
+            activation: str = "gelu", check: bool = True) -> Any:
+    """Fused MoE FFN on CUDA torch tensors: ``y[t] = sum_j gates[t,j] * (act(x[t] @ w1[e] + b1[e])
+    @ w2[e] + b2[e])`` with ``e = expert_ids[t,j]``.
+
+    x [T, H] float16/bfloat16/float32 (float32 runs tf32 tensor cores); expert_ids [T, topk]
+    int32/int64; gates [T, topk] float32 or x's dtype; w1 [E, H, F], w2 [E, F, H], b1 [E, F],
+    b2 [E, H] in x's dtype, all contiguous on one device; H and F multiples of 8 (4 for float32).
+    ``activation``: relu, gelu (tanh approximation), silu or identity.
+
+    check=True validates that every id is in [0, E) and every gate is finite with torch ops and
+    synchronises with the host once to read the verdict. check=False never synchronises: pairs
+    with out-of-range ids are skipped (they add nothing), NaN gates propagate."""
+    import torch
+    from .runtime import TorchLaunch, check_tensor
+
+    check_tensor("x", x, DTYPES, ndim=2)
+    dt = _name(x)
+    T, H = x.shape
+    check_tensor("w1", w1, (dt,), ndim=3, shape=(None, H, None))
+    E, _, F = w1.shape
+    check_tensor("w2", w2, (dt,), ndim=3, shape=(E, F, H))
+    check_tensor("expert_ids", expert_ids, ("int32", "int64"), ndim=2, shape=(T, None))
+    topk = expert_ids.shape[1]
+    check_tensor("gates", gates, ("float32", dt), ndim=2, shape=(T, topk))
+    if b1 is not None:
+        check_tensor("b1", b1, (dt,), ndim=2, shape=(E, F))
+    if b2 is not None:
+        check_tensor("b2", b2, (dt,), ndim=2, shape=(E, H))
+    for name, t in (("w1", w1), ("w2", w2), ("expert_ids", expert_ids), ("gates", gates),
+                    ("b1", b1), ("b2", b2)):
+        if t is not None and t.device != x.device:
+            from .errors import DeviceError
+            raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
+    plan = plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
+        if t is not None:
+            _aligned(name, t)
+    if check and T * topk:
+        bad = torch.stack([((expert_ids < 0) | (expert_ids >= E)).sum(),
+                           (~torch.isfinite(gates)).sum()]).cpu()  # the one host sync
+        if bad[0]:
+            raise ShapeError(f"expert_ids: {int(bad[0])} ids outside [0, {E})")
+        if bad[1]:
+            raise ShapeError(f"gates: {int(bad[1])} values are NaN or infinite")
+
+    g = gates.to(torch.float32).contiguous()
+    direct = topk == 1
+    y = torch.zeros_like(x) if direct else torch.empty_like(x)
+    if T == 0:
+        return y
+    kernels = _kernels(plan)
+    inter = torch.empty((plan.pairs, F), dtype=x.dtype, device=x.device)
+    ws = y if direct else torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    with TorchLaunch() as launch:
+        launch.keep(x, expert_ids, g, w1, w2, inter, ws, y,
+                    *(b for b in (b1, b2) if b is not None))
+        s = launch.stream
+        (r, ntiles) = _route(kernels, plan, expert_ids, s, launch.keep)
+        idx = (r.row_pair.data_ptr(), r.tile_e.data_ptr(), r.tile_r.data_ptr(),
+               r.offsets.data_ptr(), ntiles.data_ptr())
+        block = (plan.threads, 1, 1)
+        kernels.launch("moe_gemm1", plan.gemm_grid(F), block, s, x.data_ptr(), w1.data_ptr(),
+                       0 if b1 is None else b1.data_ptr(), inter.data_ptr(), *idx, T, topk, E, H, F)
+        kernels.launch("moe_gemm2", plan.gemm_grid(H), block, s, inter.data_ptr(), w2.data_ptr(),
+                       0 if b2 is None else b2.data_ptr(), y.data_ptr(), ws.data_ptr(),
+                       g.data_ptr(), *idx, T, topk, E, F, H, int(direct))
+        if not direct:
+            n = T * H
+            kernels.launch("moe_finish", (min(-(-n // 256), 4096), 1, 1), (256, 1, 1), s,
+                           ws.data_ptr(), y.data_ptr(), np.int64(n))
+    return y
+
+
+# -- torch module (built lazily: importing pitgen.moe needs no torch) ---------------------------
+
+_MODULE_CLASS: Any = None
+
+
+def _build_module_class() -> Any:
+    import torch
+    from torch import nn
+
+    class MoE(nn.Module):
+        """Drop-in MoE FFN block: router ``nn.Linear(H, E, bias=False)``, softmax over experts,
+        top-k (gates are the top-k probabilities, not renormalised), then the fused expert FFN.
+
+        state_dict: ``router.weight [E, H]``, ``w1 [E, H, F]``, ``w2 [E, F, H]`` and, with
+        ``bias=True``, ``b1 [E, F]``, ``b2 [E, H]``; expert e computes
+        ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``. ``forward(x)`` takes [..., H] and returns
+        the same shape; it never synchronises with the host."""
+
+        def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int = 1,
+                     activation: str = "gelu", bias: bool = True, device: Any = None,
+                     dtype: Any = None) -> None:
+            super().__init__()
+            if activation not in ACTIVATIONS:
+                raise PlanError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+            if not 1 <= topk <= num_experts:
+                raise PlanError(f"topk = {topk} must be in [1, num_experts = {num_experts}]")
+            kw = {"device": device, "dtype": dtype}
+            self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
+            self.activation = activation
+            self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
+            self.w1 = nn.Parameter(torch.randn(num_experts, hidden, ffn, **kw) * hidden ** -0.5)
+            self.w2 = nn.Parameter(torch.randn(num_experts, ffn, hidden, **kw) * ffn ** -0.5)
+            if bias:
+                self.b1 = nn.Parameter(torch.zeros(num_experts, ffn, **kw))
+                self.b2 = nn.Parameter(torch.zeros(num_experts, hidden, **kw))
+            else:
+                self.register_parameter("b1", None)
+                self.register_parameter("b2", None)
+
+        def route(self, x2: Any) -> tuple[Any, Any]:
+            """(expert_ids [N, topk] int64, gates [N, topk] float32) for rows x2 [N, H]."""
+            probs = torch.softmax(self.router(x2).float(), dim=-1)
+            gates, ids = probs.topk(self.topk, dim=-1)
+            return ids, gates
+
+        def forward(self, x: Any) -> Any:
+            if x.shape[-1] != self.hidden:
+                raise ShapeError(f"x has shape {tuple(x.shape)}; last dim must be {self.hidden}")
+            x2 = x.reshape(-1, self.hidden).contiguous()
+            ids, gates = self.route(x2)
+            y = moe_ffn(x2, ids, gates, self.w1, self.w2, self.b1, self.b2, self.activation,
+                        check=False)
+            return y.reshape(x.shape)
+
+        def extra_repr(self) -> str:
+            return (f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts}, "
+                    f"topk={self.topk}, activation={self.activation}")
+
+    return MoE
+
+
+def __getattr__(name: str) -> Any:
+    """``pitgen.moe.MoE``: the torch module class, built on first access."""
+    global _MODULE_CLASS
+    if name == "MoE":
+        if _MODULE_CLASS is None:
+            _MODULE_CLASS = _build_module_class()
+        return _MODULE_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def weight_bytes(experts: int, hidden: int, ffn: int, itemsize: int = 2) -> int:
+    """Bytes of all expert weights (w1 and w2): what one layer call must read at least."""
+    return 2 * experts * hidden * ffn * itemsize
+
+
+def flops(pairs: int, hidden: int, ffn: int) -> int:
+    """Multiply-add FLOPs of both expert GEMMs over all routed pairs."""
+    return 4 * pairs * hidden * ffn
+
+
+__all__ = ["MoEPlan", "Routing", "plan_moe", "render_moe", "route_reference", "moe_reference",
+           "activation_reference", "moe_route", "moe_ffn", "weight_bytes", "flops",
+           "ACTIVATIONS"]

@@ -1,0 +1,280 @@
+"""SDDMM ``S[i,j] += Q[i,d] * K[j,d]`` only where a dynamic mask is set.
+
+The rules say i and j are spatial and invariant (tiles of S can be computed in any order and
+written to their own place: SRead of Q's and K's rows, SWrite of S) and d is a reduction. So the
+non-empty tiles of the mask are found on the GPU every call (atomic appends, buffers sized for the
+upper bound, no host sync), each CTA multiplies a row group of Q by the gathered K rows of its
+listed tiles on tensor cores, and masked elements get the product, the others an exact 0.
+
+A ``(1, L)`` tile of S is an ``(L, 1)`` tile of Sᵀ = K Qᵀ: it runs the same kernel with Q and K,
+and the mask's and output's strides, swapped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError, ShapeError
+from .rules import analyse
+
+EXPR = "S[i,j] += Q[i,d] * K[j,d]"
+DTYPES = ("float16", "bfloat16", "float32")
+EXTENTS = (16, 32, 64)           # tile extents along the dense-row side (mma's m16 multiple)
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # tile extents along the gathered side (divide BN = 64)
+BN = 64
+GRID_Y_MAX = 65535
+INDEX_THREADS = 256
+SIGNATURES = {"pit_sddmm_index": "PiiiiiPP",
+              "pit_sddmm_tiles": "PiiPiiPiiiiiifPPPiiPPPP"}
+
+
+@dataclass(frozen=True)
+class SddmmConfig:
+    """What the template needs for one problem: tile in the kernels' (untransposed) view, dtype,
+    which axis adjacent threads walk when loading Q, K and the mask."""
+
+    dtype: str
+    th: int
+    tw: int
+    transposed: bool
+    strategy: str            # index: "thread" (one thread per tile) or "warp"
+    lanes_along_cols: bool   # index, warp strategy: lanes along the mask's columns
+    q_dfast: bool            # adjacent threads load adjacent d of Q (else adjacent rows)
+    k_dfast: bool
+    q_vec: int = 1           # elements per 16-byte load of Q along d (1: element loads)
+    k_vec: int = 1
+
+    def context(self) -> dict[str, Any]:
+        """Template context: tile, CTA shape and load orders."""
+        return {"dtype": self.dtype, "th": self.th, "tw": self.tw, "bn": BN,
+                "bk": 16 if self.dtype == "float32" else 32, "wm": 1 if self.th == 16 else 2,
+                "strategy": self.strategy, "lanes_along_cols": self.lanes_along_cols,
+                "q_dfast": self.q_dfast, "k_dfast": self.k_dfast, "q_vec": self.q_vec,
+                "k_vec": self.k_vec}
+
+
+@lru_cache(maxsize=None)
+def derive(tile: tuple[int, int]) -> None:
+    """Check through the rule engine what the kernels permute: i and j (tiles are gathered and
+    scattered in any order; a (th, tw) tile permutes both) and d (reduced in chunks)."""
+    rules = analyse(EXPR)
+    rules.require_invariant("i")
+    rules.require_invariant("j")
+    if rules.axes["d"].role != "reduction":
+        raise PlanError(f"d is not the reduction axis of {EXPR!r}")
+
+
+def normalise_tile(tile: Any) -> tuple[int, int]:
+    """``(th, tw)``: (L, 1), (1, L) micro-tiles or (b, b') blocks; PlanError naming the rule."""
+    try:
+        th, tw = (int(t) for t in tile)
+    except (TypeError, ValueError):
+        raise PlanError(f"tile must be a pair (rows, cols), got {tile!r}") from None
+    if th in EXTENTS and tw in WIDTHS or th == 1 and tw in EXTENTS:
+        return th, tw
+    raise PlanError(f"tile {(th, tw)} is not supported: use (L, w) with L in {EXTENTS} and w in "
+                    f"{WIDTHS}, or (1, L) with L in {EXTENTS}")
+
+
+def vector_width(dtype: str, D: int, strides: tuple[int, int], ptr: int) -> int:
+    """Elements per 16-byte load along d when the operand allows it (d contiguous, rows and
+    base 16-byte aligned, D a multiple), else 1."""
+    v = 4 if dtype == "float32" else 8
+    ok = strides[1] == 1 and strides[0] % v == 0 and D % v == 0 and ptr % 16 == 0
+    return v if ok else 1
+
+
+@lru_cache(maxsize=1024)
+def plan_sddmm(dtype: str, tile: Any, q_strides: tuple[int, int], k_strides: tuple[int, int],
+               mask_strides: tuple[int, int], vecs: tuple[int, int] = (1, 1)) -> SddmmConfig:
+    """Choose the kernel variant: (1, L) tiles run transposed; loads walk each operand's
+    contiguous axis (16 bytes at a time where ``vecs``, from :func:`vector_width` of q and k,
+    allow); the index uses one thread per tile where the mask's tile columns are adjacent in
+    memory, else one warp per tile with lanes along the contiguous axis."""
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype {dtype!r} has no SDDMM kernel (supported: {', '.join(DTYPES)})")
+    th, tw = normalise_tile(tile)
+    derive((th, tw))
+    transposed = th == 1
+    if transposed:
+        th, tw = tw, th
+        q_strides, k_strides = k_strides, q_strides
+        mask_strides = mask_strides[::-1]
+        vecs = vecs[::-1]
+    sm_m, sm_n = mask_strides
+    thread = tw == 1 and abs(sm_n) <= abs(sm_m)
+    return SddmmConfig(dtype, th, tw, transposed, "thread" if thread else "warp",
+                       abs(sm_n) <= abs(sm_m), abs(q_strides[1]) <= abs(q_strides[0]),
+                       abs(k_strides[1]) <= abs(k_strides[0]), vecs[0], vecs[1])
+
+
+def grid_of(cfg: SddmmConfig, M: int, N: int) -> dict[str, tuple[int, int, int]]:
+    """Launch grids in the kernels' view (M rows by N columns of S): index over (tiles, groups),
+    compute over (groups, chunks of BN/tw listed tiles): the upper bound, empty chunks exit."""
+    groups, items = -(-M // cfg.th), -(-N // cfg.tw)
+    per = INDEX_THREADS if cfg.strategy == "thread" else INDEX_THREADS // 32
+    chunks = -(-items // (BN // cfg.tw))
+    if groups > GRID_Y_MAX or chunks > GRID_Y_MAX:
+        raise ShapeError(f"S of {M}x{N} has too many tiles of {cfg.th}x{cfg.tw} for one launch "
+                         f"({groups} groups, {chunks} chunks; at most {GRID_Y_MAX})")
+    return {"index": (-(-items // per), groups, 1), "tiles": (groups, chunks, 1)}
+
+
+# -- NumPy references (float64) -----------------------------------------------------------------
+
+def reference_index(mask: np.ndarray, tile: Any) -> set[tuple[int, int]]:
+    """The (tile row, tile col) of every tile of ``mask`` holding a set element."""
+    th, tw = normalise_tile(tile)
+    M, N = mask.shape
+    gm, gn = -(-M // th), -(-N // tw)
+    pad = np.zeros((gm * th, gn * tw), bool)
+    pad[:M, :N] = mask != 0
+    hit = pad.reshape(gm, th, gn, tw).any(axis=(1, 3))
+    return {(int(r), int(c)) for r, c in zip(*np.nonzero(hit))}
+
+
+def reference_sddmm(q: np.ndarray, k: np.ndarray, mask: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """Dense float64 S ⊙ mask."""
+    s = scale * (q.astype(np.float64) @ k.astype(np.float64).T)
+    return np.where(mask != 0, s, 0.0)
+
+
+def reference_tiles(q: np.ndarray, k: np.ndarray, mask: np.ndarray, tile: Any,
+                    scale: float = 1.0) -> dict[tuple[int, int], np.ndarray]:
+    """Float64 values [th, tw] of every non-empty tile (elements outside S are 0)."""
+    th, tw = normalise_tile(tile)
+    s = reference_sddmm(q, k, mask, scale)
+    M, N = s.shape
+    pad = np.zeros((-(-M // th) * th, -(-N // tw) * tw))
+    pad[:M, :N] = s
+    return {(r, c): pad[r * th:(r + 1) * th, c * tw:(c + 1) * tw]
+            for r, c in reference_index(mask, tile)}
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+@dataclass
+class SparseTiles:
+    """Compact SDDMM result: tile ``t < count`` covers rows ``tile_rows[t]*th ..`` and columns
+    ``tile_cols[t]*tw ..`` of S with ``values[t]`` (zeros where the mask is 0 or outside S).
+    Slots past ``count`` are undefined; ``count`` stays on the device (reading it syncs)."""
+
+    values: Any
+    tile_rows: Any
+    tile_cols: Any
+    count: Any
+    shape: tuple[int, int]
+    tile: tuple[int, int]
+
+    def to_dense(self) -> Any:
+        """Dense [M, N] S ⊙ mask with torch ops on the device (no host sync)."""
+        import torch
+        th, tw = self.tile
+        M, N = self.shape
+        cap = self.values.shape[0]
+        dev = self.values.device
+        dense = torch.zeros((-(-M // th)) * th, (-(-N // tw)) * tw, dtype=self.values.dtype,
+                            device=dev)
+        if cap == 0:
+            return dense[:M, :N]
+        valid = torch.arange(cap, device=dev, dtype=torch.int32) < self.count
+        zero = torch.zeros((), dtype=torch.int32, device=dev)
+        r = torch.where(valid, self.tile_rows, zero).long()
+        c = torch.where(valid, self.tile_cols, zero).long()
+        rows = r[:, None, None] * th + torch.arange(th, device=dev)[None, :, None]
+        cols = c[:, None, None] * tw + torch.arange(tw, device=dev)[None, None, :]
+        flat = (rows * dense.shape[1] + cols).reshape(-1)
+        vals = torch.where(valid[:, None, None], self.values,
+                           torch.zeros((), dtype=self.values.dtype, device=dev))
+        dense.view(-1).scatter_add_(0, flat, vals.reshape(-1))  # slots past count add 0 at 0
+        return dense[:M, :N]
+
+
+_LOADED: dict[SddmmConfig, Any] = {}
+
+
+def _kernels(cfg: SddmmConfig) -> Any:
+    """The compiled module of one configuration, once per process."""
+    if cfg not in _LOADED:
+        from .runtime import load_kernels
+        _LOADED[cfg] = load_kernels("sddmm.cu.j2", SIGNATURES, **cfg.context())
+    return _LOADED[cfg]
+
+
+def _check_int32(name: str, x: Any) -> None:
+    span = sum((n - 1) * abs(s) for n, s in zip(x.shape, x.stride())) + 1
+    if span >= 2 ** 31:
+        raise ShapeError(f"{name} spans {span} elements; int32 offsets overflow")
+
+
+def sddmm(q: Any, k: Any, mask: Any, tile: Any = (32, 1), out: Any = None,
+          scale: float = 1.0) -> Any:
+    """``S = scale · Q Kᵀ`` where ``mask`` is set, on the GPU, no host synchronisation.
+
+    q [M, D], k [N, D]: float16, bfloat16 or float32 (tf32 tensor cores), same dtype, any
+    strides (dYᵀ as a view needs no copy). mask: bool or uint8 [M, N], any strides. tile:
+    ``(L, 1)``/``(1, L)`` micro-tiles or ``(b, b')`` blocks. Returns :class:`SparseTiles`, or with
+    ``out`` (dense [M, N], q's dtype) writes S ⊙ mask into it (0 where the mask is 0) and returns it.
+    """
+    import torch
+
+    from .runtime import TorchLaunch, check_tensor
+    check_tensor("q", q, DTYPES, ndim=2, contiguous=False)
+    dtype = str(q.dtype).replace("torch.", "")
+    check_tensor("k", k, (dtype,), ndim=2, shape=(None, q.shape[1]), contiguous=False)
+    M, D = q.shape
+    N = k.shape[0]
+    check_tensor("mask", mask, ("bool", "uint8"), ndim=2, shape=(M, N), contiguous=False)
+    if out is not None:
+        check_tensor("out", out, (dtype,), ndim=2, shape=(M, N), contiguous=False)
+        if 0 in out.stride() and out.numel() > 1:
+            raise ShapeError(f"out has a zero stride {tuple(out.stride())}; pass a writable tensor")
+    for name, x in (("q", q), ("k", k), ("mask", mask)) + ((("out", out),) if out is not None else ()):
+        _check_int32(name, x)
+    vecs = (vector_width(dtype, D, q.stride(), q.data_ptr()),
+            vector_width(dtype, D, k.stride(), k.data_ptr()))
+    cfg = plan_sddmm(dtype, normalise_tile(tile), tuple(q.stride()), tuple(k.stride()),
+                     tuple(mask.stride()), vecs)  # cached: the rules run once per layout
+    th, tw = normalise_tile(tile)
+    qa, ka, m_str = (k, q, mask.stride()[::-1]) if cfg.transposed else (q, k, mask.stride())
+    Mv, Nv = qa.shape[0], ka.shape[0]
+    grids = grid_of(cfg, Mv, Nv)
+    groups, items = grids["tiles"][0], -(-Nv // cfg.tw)
+    dev = q.device
+    counts = torch.zeros(groups, dtype=torch.int32, device=dev)
+    ids = torch.empty(groups * items, dtype=torch.int32, device=dev)
+    m8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    if out is None:
+        cap = groups * items
+        values = torch.empty(cap, th, tw, dtype=q.dtype, device=dev)
+        tile_rows = torch.empty(cap, dtype=torch.int32, device=dev)
+        tile_cols = torch.empty(cap, dtype=torch.int32, device=dev)
+        total = torch.zeros(1, dtype=torch.int32, device=dev)
+        vptr, rptr, cptr, tptr = (values.data_ptr(), tile_rows.data_ptr(), tile_cols.data_ptr(),
+                                  total.data_ptr())
+        if cfg.transposed:
+            rptr, cptr = cptr, rptr
+        optr, o_str = 0, (0, 0)
+    else:
+        out.zero_()  # elements of tiles the mask leaves empty
+        vptr = rptr = cptr = tptr = 0
+        optr, o_str = out.data_ptr(), out.stride()[::-1] if cfg.transposed else out.stride()
+    kern = _kernels(cfg)
+    with TorchLaunch() as L:
+        L.keep(q, k, m8, counts, ids)
+        kern.launch("pit_sddmm_index", grids["index"], (INDEX_THREADS, 1, 1), L.stream,
+                    m8.data_ptr(), m_str[0], m_str[1], Mv, Nv, items, counts.data_ptr(),
+                    ids.data_ptr())
+        kern.launch("pit_sddmm_tiles", grids["tiles"], (128, 1, 1), L.stream,
+                    qa.data_ptr(), qa.stride(0), qa.stride(1), ka.data_ptr(), ka.stride(0),
+                    ka.stride(1), m8.data_ptr(), m_str[0], m_str[1], Mv, Nv, D, items,
+                    np.float32(scale), counts.data_ptr(), ids.data_ptr(), optr, o_str[0],
+                    o_str[1], vptr, rptr, cptr, tptr)
+        if out is not None:
+            L.keep(out)
+            return out
+        L.keep(values, tile_rows, tile_cols, total)
+    return SparseTiles(values, tile_rows, tile_cols, total, (M, N), (th, tw))

@@ -1,0 +1,190 @@
+"""CPU tests of the GPU-format layer: schedule spaces and planning (PIT rules), host-side
+validation before anything reaches the GPU, the hyb bucket-order rules that the GPU layout
+reproduces, template rendering, and nvcc compilation of the variants for sm_80 and sm_90."""
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from pitgen import PlanError, ShapeError, compiler
+from pitgen.formats import CSR, Hyb
+from pitgen.graph_ops import (GROUPS, HYB_WIDTHS, _resolve, _rules, default_schedule,
+                              schedule_space)
+from pitgen.device_formats import hyb_atomic
+from pitgen.render import render_template
+
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None and not compiler.os.path.exists("/usr/local/cuda/bin/nvcc"),
+    reason="nvcc is not installed")
+
+
+# -- planning ---------------------------------------------------------------------------------
+
+def test_rules_of_the_graph_operators():
+    spmm = _rules("spmm")
+    assert spmm.require_invariant("j").role == "reduction"
+    assert spmm.require_invariant("i").role == "spatial"
+    sddmm = _rules("sddmm")
+    assert {sddmm.require_invariant(a).role for a in "ij"} == {"spatial"}
+    assert sddmm.require_invariant("f").role == "reduction"
+
+
+@given(st.sampled_from(["spmm", "sddmm"]), st.sampled_from(["csr", "ell", "bsr", "hyb"]),
+       st.sampled_from([1, 32, 33, 64, 96, 130, 512]), st.sampled_from(["float32", "float16"]))
+def test_schedule_space_is_valid_and_holds_the_default(op, fmt, feat, dtype):
+    space = schedule_space(op, fmt, feat, dtype)
+    assert space and default_schedule(op, fmt, feat, dtype) in space
+    size = 4 if dtype == "float32" else 2
+    for s in space:
+        assert feat % s["vec"] == 0 and s["vec"] * size <= 16
+        assert s["threads"] in (128, 256)
+        groups = s["groups"] if "groups" in s else [s["group"]]
+        assert ("groups" in s) == (op == "spmm" and fmt == "hyb")
+        assert all(g in GROUPS for g in groups) and len(groups) in (1, HYB_WIDTHS)
+        assert _resolve(s, op, fmt, feat, dtype) == s
+    assert len({repr(s) for s in space}) == len(space)
+
+
+def test_default_schedules():
+    assert default_schedule("spmm", "csr", 32, "float32") == {"group": 8, "vec": 4, "threads": 256}
+    assert default_schedule("spmm", "csr", 512, "float16") == {"group": 32, "vec": 8,
+                                                              "threads": 256}
+    assert default_schedule("spmm", "ell", 33, "float16")["vec"] == 1
+    assert default_schedule("sddmm", "hyb", 32, "float32") == {"group": 4, "vec": 4,
+                                                              "threads": 256}
+    assert default_schedule("spmm", "hyb", 64, "float32")["groups"] == [16] * HYB_WIDTHS
+
+
+def test_schedule_errors():
+    with pytest.raises(PlanError, match="unknown graph operator"):
+        schedule_space("gemm", "csr", 32, "float32")
+    with pytest.raises(PlanError, match="unknown sparse format"):
+        default_schedule("spmm", "coo", 32, "float32")
+    with pytest.raises(ShapeError, match="dtype"):
+        schedule_space("spmm", "csr", 32, "float64")
+    with pytest.raises(ShapeError, match="feature size"):
+        schedule_space("spmm", "csr", 0, "float32")
+    with pytest.raises(PlanError, match="unknown"):
+        _resolve({"warps": 2}, "spmm", "csr", 32, "float32")
+    with pytest.raises(PlanError, match="vec"):
+        _resolve({"vec": 8}, "spmm", "csr", 32, "float32")
+    with pytest.raises(PlanError, match="groups"):
+        _resolve({"groups": [8, 8]}, "spmm", "hyb", 32, "float32")
+    with pytest.raises(PlanError, match="threads"):
+        _resolve({"threads": 64}, "sddmm", "ell", 32, "float32")
+
+
+def test_hyb_atomic_rule():
+    assert hyb_atomic(2, 3, 1, False)  # several column parts: every bucket
+    assert not hyb_atomic(1, 3, 8, False)  # no cut row: no collision
+    assert hyb_atomic(1, 3, 8, True) and not hyb_atomic(1, 3, 4, True)  # cut rows: widest only
+
+
+# -- host validation before the GPU ------------------------------------------------------------
+
+@pytest.mark.parametrize("indptr,indices,what", [
+    ([0, 2, 3], [1, 0, 2], "unsorted"),
+    ([0, 2, 3], [1, 1, 2], "duplicate"),
+    ([0, 2, 1], [0, 1], "not monotone"),
+    ([0, 1, 3], [0, 1, 5], "out of range"),
+    ([0, 1, 3], [0, -1, 2], "out of range"),
+])
+def test_bad_csr_refused_on_the_host(indptr, indices, what):
+    with pytest.raises(ShapeError, match=what):
+        CSR((2, 4), np.array(indptr, np.int32), np.array(indices, np.int32))
+
+
+def test_mixed_index_dtypes_refused():
+    with pytest.raises(ShapeError, match="mixed index dtypes"):
+        CSR((2, 4), np.array([0, 1, 2], np.int64), np.array([0, 1], np.int32))
+
+
+# -- the hyb order the GPU layout reproduces ---------------------------------------------------
+
+@given(st.integers(1, 30), st.integers(1, 40), st.integers(1, 4), st.integers(0, 3),
+       st.integers(0, 2**32 - 1))
+def test_hyb_bucket_rows_follow_the_sort_key(rows, cols, c, k, seed):
+    """The GPU numbers bucket rows by sorting (bucket = part * (k+1) + log2 width, row) and
+    cutting each group into ceil(n / 2^k) consecutive pieces: the reference's order."""
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((rows, cols)) * (rng.random((rows, cols)) < 0.3)
+    csr = CSR.from_dense(dense)
+    hyb = Hyb.from_csr(csr, c, k)
+    part = max(1, -(-cols // c))
+    counts = np.zeros((rows, c), int)
+    np.add.at(counts, (csr.row_ids(), csr.indices // part), 1)
+    expected = []
+    for b in range(c * (k + 1)):
+        p, e = divmod(b, k + 1)
+        for r in range(rows):
+            n = counts[r, p]
+            if n and min(int(np.ceil(np.log2(n))) if n > 1 else 0, k) == e:
+                expected += [(p, 1 << e, r)] * (-(-n // (1 << k)))
+    got = [(bk.part, bk.width, int(r)) for bk in hyb.buckets for r in bk.row_ids]
+    assert got == expected
+
+
+# -- rendering and compilation -----------------------------------------------------------------
+
+def _hyb_buckets(c: int, k: int, groups: list[int], cut: bool) -> list[dict]:
+    return [{"width": 1 << (b % (k + 1)), "group": groups[b % (k + 1)],
+             "atomic": hyb_atomic(c, k, 1 << (b % (k + 1)), cut)} for b in range(c * (k + 1))]
+
+
+VARIANTS = {  # name: (template, context); each compiled for one architecture below
+    "convert-f32-mask": ("convert.cu.j2", {"dtype": "float32", "src_dtype": "uint8"}),
+    "convert-f16": ("convert.cu.j2", {"dtype": "float16", "src_dtype": "float16"}),
+    "spmm-csr-f16": ("spmm.cu.j2", {"dtype": "float16", "fmt": "csr", "vec": 8, "threads": 256,
+                                    "group": 32, "out_f32": False}),
+    "spmm-ell-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "ell", "vec": 1, "threads": 128,
+                                    "group": 4, "out_f32": False}),
+    "spmm-bsr-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "bsr", "vec": 4, "threads": 256,
+                                    "group": 8, "block": 16, "out_f32": False}),
+    "spmm-hyb-f16": ("spmm.cu.j2", {"dtype": "float16", "fmt": "hyb", "vec": 2, "threads": 256,
+                                    "out_f32": True,
+                                    "buckets": _hyb_buckets(2, 3, [4, 8, 16, 32], False)}),
+    "spmm-hyb-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "hyb", "vec": 4, "threads": 128,
+                                    "out_f32": False,
+                                    "buckets": _hyb_buckets(1, 6, [8] * 7, True)}),
+    "sddmm-bsr-f16": ("graph_sddmm.cu.j2", {"dtype": "float16", "fmt": "bsr", "vec": 8,
+                                            "threads": 256, "group": 8, "block": 32}),
+}
+RENDER_ONLY = {
+    f"sddmm-{fmt}-{dt}": ("graph_sddmm.cu.j2", {"dtype": dt, "fmt": fmt, "vec": 2,
+                                                "threads": 128, "group": 16, "block": 8})
+    for fmt in ("csr", "ell", "hyb") for dt in ("float32", "float16")}
+ARCH = {name: ("sm_80", "sm_90")[i % 2] for i, name in enumerate(VARIANTS)}
+
+
+def test_templates_render_every_variant():
+    for name, (tpl, ctx) in {**VARIANTS, **RENDER_ONLY}.items():
+        src = render_template(tpl, **ctx)
+        assert src == render_template(tpl, **ctx), name
+        kernels = ("pit_spmm",) if tpl == "spmm.cu.j2" else \
+            ("pit_sddmm",) if tpl == "graph_sddmm.cu.j2" else \
+            ("pit_to_ell", "pit_bsr_fill", "pit_hyb_fill", "pit_dense_to_csr")
+        for k in kernels:
+            assert f"{k}(" in src, (name, k)
+    hyb = render_template(*VARIANTS["spmm-hyb-f32"][0:1], **VARIANTS["spmm-hyb-f32"][1])
+    # one fused launch, one body per bucket; atomics only in the widest bucket (cut rows)
+    assert hyb.count("hyb_bucket<") == 7
+    assert "hyb_bucket<64, 8, true>" in hyb and "hyb_bucket<32, 8, false>" in hyb
+
+
+@needs_nvcc
+def test_variants_compile_for_sm80_and_sm90():
+    def build(name: str) -> str | None:
+        tpl, ctx = VARIANTS[name]
+        try:
+            compiler.compile_source(render_template(tpl, **ctx), ARCH[name])
+        except Exception as e:  # report every failure, not only the first
+            return f"{name} ({ARCH[name]}): {e}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        errors = [e for e in pool.map(build, VARIANTS) if e]
+    assert not errors, "\n".join(errors)

@@ -1,0 +1,205 @@
+"""GPU tests of dynamic sparse attention: the GPU block index equals the NumPy index, the fused
+kernel matches float64 NumPy on every mask pattern (poisoned outputs), the module matches
+nn.MultiheadAttention with the same weights, and bad input raises pitgen errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pitgen
+from pitgen import attention as A
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+
+TOL = 1e-2
+PATTERNS = ("block64", "block128", "micro1x64", "micro16x16", "longformer", "rows_masked",
+            "empty", "full", "element")
+
+
+def make_mask(rng: np.random.Generator, pattern: str, sq: int, sk: int, density: float) -> np.ndarray:
+    """One [Sq, Sk] mask of the pattern."""
+    if pattern == "empty":
+        return np.zeros((sq, sk), bool)
+    if pattern == "full":
+        return np.ones((sq, sk), bool)
+    if pattern == "longformer":
+        return A.longformer_mask(sq, sk, 32, A.random_global_tokens(rng, min(sq, sk), 3))
+    if pattern == "rows_masked":   # dense-ish, with whole rows masked out
+        m = A.tile_mask(rng, sq, sk, (1, 1), 0.5)
+        m[rng.random(sq) < 0.4] = False
+        return m
+    tile = {"block64": (64, 64), "block128": (128, 128), "micro1x64": (1, 64),
+            "micro16x16": (16, 16), "element": (1, 1)}[pattern]
+    return A.tile_mask(rng, sq, sk, tile, density)
+
+
+def check(out, ref: np.ndarray) -> None:
+    got = out.detach().double().cpu().numpy()
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any(), "NaN in the output (unwritten element or bad read)"
+    norm = np.linalg.norm(ref)
+    if norm == 0:
+        assert np.count_nonzero(got) == 0
+        return
+    err = np.linalg.norm(got - ref) / norm
+    assert err <= TOL, f"relative error {err:.3g} > {TOL}"
+
+
+def operands(rng, b, h, sq, sk, d, dtype):
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to("cuda", tdt)
+               for s in ((b, h, sq, d), (b, h, sk, d), (b, h, sk, d)))
+    return q, k, v
+
+
+def sorted_ids(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The GPU lists in ascending order, -1 past each count (comparable with the reference)."""
+    out = np.full_like(ids, -1)
+    for s in range(ids.shape[0]):
+        for qb in range(ids.shape[1]):
+            c = counts[s, qb]
+            out[s, qb, :c] = np.sort(ids[s, qb, :c])
+    return out
+
+
+def poison(monkeypatch):
+    """Make torch.empty_like (the output allocation) return NaNs so unwritten rows show."""
+    real = torch.empty_like
+
+    def nan_like(x, *a, **k):
+        y = real(x, *a, **k)
+        if y.is_floating_point():
+            y.fill_(float("nan"))
+        return y
+    monkeypatch.setattr(torch, "empty_like", nan_like)
+
+
+@settings(max_examples=15, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 3), sq=st.sampled_from([1, 17, 64, 100, 193]),
+       sk=st.sampled_from([1, 40, 64, 130, 256]), d=st.sampled_from([64, 128]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), pattern=st.sampled_from(PATTERNS),
+       mask_dims=st.sampled_from([2, 3, 4]), density=st.sampled_from([0.1, 0.5, 0.9]),
+       as_uint8=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, density, as_uint8,
+                                   seed):
+    rng = np.random.default_rng(seed)
+    lead = {2: (), 3: (h,), 4: (b, h)}[mask_dims]
+    mask = np.stack([make_mask(rng, pattern, sq, sk, density)
+                     for _ in range(int(np.prod(lead, dtype=int)))]).reshape(*lead, sq, sk)
+    q, k, v = operands(rng, b, h, sq, sk, d, dtype)
+    tmask = torch.from_numpy(mask).cuda()
+    if as_uint8:
+        tmask = tmask.to(torch.uint8) * 3   # any non-zero byte attends
+    with pytest.MonkeyPatch.context() as mp:
+        poison(mp)
+        out = A.sparse_attention(q, k, v, tmask)
+    ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+    check(out, ref)
+
+    counts, ids = A.block_index(q, k, v, tmask)
+    rc, rids = A.block_index_reference(mask)
+    c = counts.cpu().numpy()
+    np.testing.assert_array_equal(c, rc)
+    np.testing.assert_array_equal(sorted_ids(c, ids.cpu().numpy()), rids)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_sequence_with_scale_and_unaligned_mask(d):
+    rng = np.random.default_rng(d)
+    sq, sk = 1000, 1203   # Sk % 16 != 0: the byte index path
+    mask = A.longformer_mask(sq, sk, 128, A.random_global_tokens(rng, sq, 8))
+    mask &= A.tile_mask(rng, sq, sk, (16, 16), 0.7)
+    q, k, v = operands(rng, 1, 2, sq, sk, d, "float16")
+    out = A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), scale=0.3)
+    ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask, scale=0.3)
+    check(out, ref)
+
+
+def test_mask_changes_every_call_and_index_reuse():
+    rng = np.random.default_rng(1)
+    q, k, v = operands(rng, 1, 2, 256, 256, 64, "float16")
+    for density in (0.05, 0.5, 1.0):
+        mask = A.tile_mask(rng, 256, 256, (1, 64), density)
+        tm = torch.from_numpy(mask).cuda()
+        ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+        check(A.sparse_attention(q, k, v, tm), ref)
+        check(A.sparse_attention(q, k, v, tm, index=A.block_index(q, k, v, tm)), ref)
+
+
+def test_module_matches_multihead_attention():
+    torch.manual_seed(0)
+    e, heads, n, length, src = 256, 4, 2, 150, 97
+    mha = torch.nn.MultiheadAttention(e, heads, bias=True, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_bias.normal_(0, 0.1)
+        mha.out_proj.bias.normal_(0, 0.1)
+    mod = pitgen.attention.SparseAttention(e, heads).cuda().half()
+    mod.load_state_dict(mha.state_dict())
+    assert set(mod.state_dict()) == set(mha.state_dict())
+    x = torch.randn(n, length, e)
+    kv = torch.randn(n, src, e)
+    rng = np.random.default_rng(0)
+    allowed = A.tile_mask(rng, length, src, (1, 16), 0.3)
+    allowed[:, 0] = True   # no fully masked row: nn.MultiheadAttention gives NaN there
+    attn_mask = torch.from_numpy(~allowed)
+    with torch.no_grad():
+        ref, _ = mha.double()(x.double(), kv.double(), kv.double(), attn_mask=attn_mask,
+                              need_weights=False)
+    xh, kvh = x.cuda().half(), kv.cuda().half()
+    out, w = mod(xh, kvh, kvh, attn_mask=attn_mask.cuda())
+    assert w is None
+    check(out, ref.numpy())
+    out2, _ = mod(xh, kvh, kvh, mask=torch.from_numpy(allowed).cuda())
+    check(out2, ref.numpy())
+    per_head = attn_mask.expand(n * heads, length, src).cuda()
+    out3, _ = mod(xh, kvh, kvh, attn_mask=per_head)
+    check(out3, ref.numpy())
+
+
+def test_bad_input_is_refused_clearly():
+    rng = np.random.default_rng(0)
+    q, k, v = operands(rng, 1, 2, 64, 64, 64, "float16")
+    m = torch.ones(64, 64, dtype=torch.bool, device="cuda")
+    with pytest.raises(pitgen.ShapeError, match="head dim"):
+        A.sparse_attention(*operands(rng, 1, 2, 64, 64, 32, "float16"), m)
+    with pytest.raises(pitgen.ShapeError, match="dtype"):
+        A.sparse_attention(q.float(), k.float(), v.float(), m)
+    with pytest.raises(pitgen.ShapeError, match="dtype"):
+        A.sparse_attention(q, k.bfloat16(), v, m)
+    with pytest.raises(pitgen.ShapeError, match="mask has shape"):
+        A.sparse_attention(q, k, v, m[:, :63])
+    with pytest.raises(pitgen.ShapeError, match="mask has shape"):
+        A.sparse_attention(q, k, v, torch.ones(3, 64, 64, dtype=torch.bool, device="cuda"))
+    with pytest.raises(pitgen.ShapeError, match="mask has dtype"):
+        A.sparse_attention(q, k, v, m.float())
+    with pytest.raises(pitgen.ShapeError, match="not contiguous"):
+        A.sparse_attention(q.transpose(2, 3), k, v, m)
+    with pytest.raises(pitgen.ShapeError, match="shape"):
+        A.sparse_attention(q, k[:, :, :32].contiguous(), v, m)
+    with pytest.raises(pitgen.DeviceError, match="cpu"):
+        A.sparse_attention(q, k, v, m.cpu())
+    with pytest.raises(pitgen.DeviceError, match="cpu"):
+        A.sparse_attention(q.cpu(), k, v, m)
+    odd = torch.empty(2 * 64 * 64 + 4, dtype=torch.float16, device="cuda")[4:]
+    with pytest.raises(pitgen.ShapeError, match="aligned"):
+        A.sparse_attention(q, odd.view(1, 2, 64, 64), v, m)
+    mod = pitgen.attention.SparseAttention(128, 2).cuda().half()
+    x = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
+    with pytest.raises(pitgen.PlanError, match="need_weights"):
+        mod(x, x, x, mask=torch.ones(8, 8, dtype=torch.bool, device="cuda"), need_weights=True)
+    with pytest.raises(pitgen.ShapeError, match="exactly one"):
+        mod(x, x, x)
+    with pytest.raises(pitgen.ShapeError, match="only bool"):
+        mod(x, x, x, attn_mask=torch.zeros(8, 8, device="cuda"))
+
+
+def test_empty_problems():
+    rng = np.random.default_rng(0)
+    q, k, v = operands(rng, 1, 1, 0, 5, 64, "float16")
+    assert A.sparse_attention(q, k, v, torch.ones(0, 5, dtype=torch.bool, device="cuda")).shape == (1, 1, 0, 64)
+    q, k, v = operands(rng, 1, 1, 5, 0, 64, "float16")
+    out = A.sparse_attention(q, k, v, torch.ones(5, 0, dtype=torch.bool, device="cuda"))
+    assert out.shape == (1, 1, 5, 64) and not out.any()

@@ -1,0 +1,295 @@
+"""GPU tests of the sparse formats: every conversion on the GPU equals its NumPy reference
+(pitgen.formats) slot for slot; SpMM and SDDMM in every format x dtype x feature size agree with
+float64 references; outputs are poisoned first; bad input raises pitgen errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pitgen import DeviceError, PlanError, ShapeError
+from pitgen import formats as fm
+from pitgen.device_formats import DeviceCSR, to_format
+from pitgen.graph_ops import default_schedule, schedule_space, sddmm, spmm
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+
+TOL = {"float32": 1e-5, "float16": 1e-2}
+DTYPES = ("float32", "float16")
+LAYOUTS = [("csr", {}), ("ell", {}), ("bsr", {"block": 8}), ("bsr", {"block": 16}),
+           ("hyb", {"c": 1, "k": 2}), ("hyb", {"c": 3, "k": 3}), ("hyb", {"c": 1, "k": 0})]
+FEATS = (32, 33, 64, 130)
+GPU_SETTINGS = settings(max_examples=10, deadline=None)
+
+
+def random_csr(rng: np.random.Generator, kind: str, rows: int, cols: int, density: float):
+    """A float64 CSR of the given kind: random, with empty rows, one dense row, one column,
+    long rows (cut by hyb), nnz = 0, or an empty shape."""
+    if kind == "empty":
+        rows, cols = (0, cols) if rng.random() < 0.5 else (rows, 0)
+    if kind == "one_col":
+        cols = 1
+    mask = rng.random((rows, cols)) < density
+    if kind == "empty_rows" and rows:
+        mask[rng.random(rows) < 0.5] = False
+    if kind == "dense_row" and rows:
+        mask[rng.integers(rows)] = True
+    if kind == "long_rows" and rows:
+        mask[rng.random(rows) < 0.2] = True
+    if kind == "nnz0":
+        mask[:] = False
+    vals = rng.standard_normal((rows, cols)) * mask
+    vals[mask & (vals == 0)] = 1.0
+    return fm.CSR.from_dense(vals)
+
+
+@st.composite
+def matrices(draw):
+    kind = draw(st.sampled_from(["random", "empty_rows", "dense_row", "one_col", "long_rows",
+                                 "nnz0", "empty"]))
+    rows, cols = draw(st.integers(1, 70)), draw(st.integers(1, 90))
+    density = draw(st.sampled_from([0.02, 0.1, 0.4]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return random_csr(rng, kind, rows, cols, density)
+
+
+def rounded(csr: fm.CSR, dtype: str) -> fm.CSR:
+    """The CSR with its values rounded to dtype: what the device holds, exactly."""
+    return fm.CSR(csr.shape, csr.indptr, csr.indices,
+                  csr.values().astype(dtype).astype(np.float64))
+
+
+def dense_operand(rng, shape, dtype):
+    x = rng.standard_normal(shape).astype(np.float32)
+    t = torch.from_numpy(x).to("cuda", getattr(torch, dtype))
+    return t, t.double().cpu().numpy()
+
+
+def check(got, ref: np.ndarray, dtype: str) -> None:
+    got = got.double().cpu().numpy()
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any(), "NaN in the output (unwritten element or bad read)"
+    norm = np.linalg.norm(ref)
+    if norm == 0:
+        assert np.count_nonzero(got) == 0
+        return
+    err = np.linalg.norm(got - ref) / norm
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+
+def reference_layout(csr: fm.CSR, fmt: str, params: dict):
+    if fmt == "csr":
+        return csr
+    if fmt == "ell":
+        return fm.ELL.from_csr(csr)
+    if fmt == "bsr":
+        return fm.BSR.from_csr(csr, params["block"])
+    return fm.Hyb.from_csr(csr, params["c"], params["k"])
+
+
+def assert_same_layout(got, want, fmt: str) -> None:
+    if fmt == "csr":
+        np.testing.assert_array_equal(got.indptr, want.indptr)
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_array_equal(got.values(), want.values())
+    elif fmt == "ell":
+        np.testing.assert_array_equal(got.cols, want.cols)
+        np.testing.assert_array_equal(got.vals, want.vals)
+    elif fmt == "bsr":
+        for name in ("indptr", "indices", "blocks", "mask"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    else:
+        assert [(b.part, b.width) for b in got.buckets] == [(b.part, b.width) for b in want.buckets]
+        for g, w in zip(got.buckets, want.buckets):
+            np.testing.assert_array_equal(g.row_ids, w.row_ids)
+            np.testing.assert_array_equal(g.cols, w.cols)
+            np.testing.assert_array_equal(g.vals, w.vals)
+            assert g.needs_atomics == w.needs_atomics
+
+
+@GPU_SETTINGS
+@given(matrices(), st.sampled_from(DTYPES))
+def test_conversions_match_numpy_reference(csr, dtype):
+    ref = rounded(csr, dtype)
+    d = DeviceCSR.from_host(csr, dtype)
+    for fmt, params in LAYOUTS:
+        m = to_format(d, fmt, **params)
+        assert to_format(d, fmt, **params) is m  # converted once per pattern
+        assert_same_layout(m.to_host(), reference_layout(ref, fmt, params), fmt)
+        np.testing.assert_array_equal(m.to_dense().double().cpu().numpy(), ref.to_dense())
+
+
+@GPU_SETTINGS
+@given(st.integers(0, 40), st.integers(0, 100), st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+       st.sampled_from(["bool", "uint8", "float32", "float16"]), st.integers(0, 2**32 - 1))
+def test_from_dense_on_gpu(rows, cols, density, src, seed):
+    rng = np.random.default_rng(seed)
+    mask = rng.random((rows, cols)) < density
+    vals = rng.standard_normal((rows, cols)).astype(np.float32) * mask
+    vals[mask & (vals == 0)] = 1.0
+    host = mask if src == "bool" else mask.astype(np.uint8) if src == "uint8" else vals.astype(src)
+    d = DeviceCSR.from_dense(torch.from_numpy(host).cuda())
+    want = fm.CSR.from_dense(host.astype(np.float64) if src != "bool" else host)
+    np.testing.assert_array_equal(d.indptr.cpu().numpy(), want.indptr)
+    np.testing.assert_array_equal(d.indices.cpu().numpy(), want.indices)
+    np.testing.assert_array_equal(d.values.double().cpu().numpy(), want.values())
+    assert d.dtype == ("float16" if src == "float16" else "float32")
+
+
+@GPU_SETTINGS
+@given(matrices(), st.sampled_from(DTYPES), st.sampled_from(FEATS), st.integers(0, 2**32 - 1))
+def test_spmm_every_format(csr, dtype, feat, seed):
+    rng = np.random.default_rng(seed)
+    ref_csr = rounded(csr, dtype)
+    x, x64 = dense_operand(rng, (csr.shape[1], feat), dtype)
+    want = fm.spmm(ref_csr, x64)
+    d = DeviceCSR.from_host(csr, dtype)
+    for fmt, params in LAYOUTS:
+        out = torch.full((csr.shape[0], feat), float("nan"), dtype=x.dtype, device="cuda")
+        got = spmm(to_format(d, fmt, **params), x, out=out)
+        assert got is out
+        check(got, want, dtype)
+    check(spmm(d, x), want, dtype)  # a DeviceCSR runs as "csr"
+
+
+@GPU_SETTINGS
+@given(matrices(), st.sampled_from(DTYPES), st.sampled_from(FEATS), st.integers(0, 2**32 - 1))
+def test_sddmm_every_format_in_csr_order(csr, dtype, feat, seed):
+    rng = np.random.default_rng(seed)
+    u, u64 = dense_operand(rng, (csr.shape[0], feat), dtype)
+    v, v64 = dense_operand(rng, (csr.shape[1], feat), dtype)
+    want = fm.sddmm(csr, u64, v64)
+    d = DeviceCSR.from_host(csr, dtype)
+    for fmt, params in LAYOUTS:
+        got = sddmm(to_format(d, fmt, **params), u, v)
+        assert got.shape == (csr.nnz,) and got.dtype == u.dtype
+        check(got, want, dtype)
+
+
+def power_law(seed: int, rows: int, cols: int) -> fm.CSR:
+    """Row lengths from a power law (some rows far longer than 2^k), random columns."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum((rng.pareto(1.2, rows) * 3).astype(int), cols)
+    lengths[rng.integers(rows)] = cols  # one dense row
+    lengths[:5] = 0  # empty rows
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    indices = np.concatenate([np.sort(rng.choice(cols, n, replace=False)) for n in lengths])
+    return fm.CSR((rows, cols), indptr, indices.astype(np.int32),
+                  rng.standard_normal(indices.size))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("feat", [32, 512])
+def test_power_law_graph_all_formats(dtype, feat):
+    csr = power_law(1, 1500, 1200)
+    rng = np.random.default_rng(2)
+    x, x64 = dense_operand(rng, (csr.shape[1], feat), dtype)
+    u, u64 = dense_operand(rng, (csr.shape[0], feat), dtype)
+    want_y = fm.spmm(rounded(csr, dtype), x64)
+    want_e = fm.sddmm(csr, u64, x64)
+    d = DeviceCSR.from_host(csr, dtype)
+    for fmt, params in [("csr", {}), ("ell", {}), ("bsr", {"block": 32}),
+                        ("hyb", {"c": 1, "k": 4}), ("hyb", {"c": 8, "k": 6})]:
+        m = to_format(d, fmt, **params)
+        if fmt == "hyb" and params["c"] == 1:
+            assert m.info["any_cut"] and m.info["atomic"][-1] and not m.info["atomic"][0]
+        check(spmm(m, x), want_y, dtype)
+        check(sddmm(m, u, x), want_e, dtype)
+
+
+@pytest.mark.parametrize("fmt,params", LAYOUTS[:3] + LAYOUTS[4:6])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_schedules_from_the_space(fmt, params, dtype):
+    csr = power_law(3, 300, 250)
+    rng = np.random.default_rng(4)
+    feat = 96
+    x, x64 = dense_operand(rng, (csr.shape[1], feat), dtype)
+    u, u64 = dense_operand(rng, (csr.shape[0], feat), dtype)
+    want_y, want_e = fm.spmm(rounded(csr, dtype), x64), fm.sddmm(csr, u64, x64)
+    m = to_format(DeviceCSR.from_host(csr, dtype), fmt, **params)
+    for op, want in (("spmm", want_y), ("sddmm", want_e)):
+        space = schedule_space(op, fmt, feat, dtype)
+        assert default_schedule(op, fmt, feat, dtype) in space
+        for sched in (space[0], space[len(space) // 2], space[-1]):
+            got = spmm(m, x, schedule=sched) if op == "spmm" else sddmm(m, u, x, schedule=sched)
+            check(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_misaligned_operands_fall_back_to_scalar_loads(dtype):
+    csr = power_law(5, 100, 80)
+    feat = 64
+    tdt = getattr(torch, dtype)
+    x = torch.randn(80 * feat + 1, device="cuda", dtype=tdt)[1:].view(80, feat)
+    u = torch.randn(100 * feat + 1, device="cuda", dtype=tdt)[1:].view(100, feat)
+    out = torch.full((100 * feat + 1,), float("nan"), device="cuda", dtype=tdt)[1:].view(100, feat)
+    x64, u64 = x.double().cpu().numpy(), u.double().cpu().numpy()
+    d = DeviceCSR.from_host(csr, dtype)
+    for fmt, params in [("csr", {}), ("ell", {}), ("hyb", {"c": 2, "k": 3})]:
+        m = to_format(d, fmt, **params)
+        check(spmm(m, x, out=out), fm.spmm(rounded(csr, dtype), x64), dtype)
+        check(sddmm(m, u, x), fm.sddmm(csr, u64, x64), dtype)
+
+
+def test_with_values_reuses_the_layout():
+    csr = power_law(7, 200, 150)
+    rng = np.random.default_rng(8)
+    d = DeviceCSR.from_host(csr)
+    x, x64 = dense_operand(rng, (150, 32), "float32")
+    new = rng.standard_normal(csr.nnz)
+    new_csr = fm.CSR(csr.shape, csr.indptr, csr.indices, new.astype(np.float32))
+    for fmt, params in [("csr", {}), ("ell", {}), ("bsr", {"block": 8}), ("hyb", {"c": 2, "k": 2})]:
+        m = to_format(d, fmt, **params).with_values(
+            torch.from_numpy(new.astype(np.float32)).cuda())
+        check(spmm(m, x), fm.spmm(new_csr, x64), "float32")
+
+
+def test_row_stats_and_to_torch():
+    csr = power_law(9, 300, 200)
+    d = DeviceCSR.from_host(csr)
+    s = d.row_stats()
+    lengths = csr.row_lengths()
+    assert (s["rows"], s["cols"], s["nnz"], s["max_row"]) == (300, 200, csr.nnz, lengths.max())
+    assert s["mean_row"] == pytest.approx(lengths.mean())
+    assert s["std_row"] == pytest.approx(lengths.std())
+    assert s["empty_fraction"] == pytest.approx((lengths == 0).mean())
+    np.testing.assert_allclose(d.to_torch().to_dense().double().cpu().numpy(), csr.to_dense(),
+                               rtol=1e-6)
+    assert DeviceCSR.from_scipy(pytest.importorskip("scipy.sparse").csr_matrix(
+        csr.to_dense())).nnz == csr.nnz
+
+
+def test_bad_input_raises_pitgen_errors():
+    csr = power_law(10, 50, 40)
+    d = DeviceCSR.from_host(csr)
+    x = torch.randn(40, 32, device="cuda")
+    with pytest.raises(ShapeError, match="dtype"):
+        spmm(d, x.half())
+    with pytest.raises(ShapeError, match="shape"):
+        spmm(d, torch.randn(41, 32, device="cuda"))
+    with pytest.raises(DeviceError):
+        spmm(d, x.cpu())
+    with pytest.raises(ShapeError, match="shape"):
+        spmm(d, x, out=torch.empty(50, 31, device="cuda"))
+    with pytest.raises(ShapeError, match="shape"):
+        sddmm(d, torch.randn(50, 32, device="cuda"), torch.randn(40, 16, device="cuda"))
+    with pytest.raises(PlanError, match="unknown sparse format"):
+        to_format(d, "coo")
+    with pytest.raises(PlanError, match="block"):
+        to_format(d, "bsr", block=5)
+    with pytest.raises(PlanError, match="hyb"):
+        to_format(d, "hyb", c=9, k=2)
+    with pytest.raises(PlanError, match="parameters"):
+        to_format(d, "ell", block=8)
+    with pytest.raises(ShapeError, match="too small"):
+        to_format(d, "ell", width=1)
+    with pytest.raises(PlanError, match="unknown"):
+        spmm(d, x, schedule={"warps": 4})
+    with pytest.raises(PlanError, match="group"):
+        spmm(d, x, schedule={"group": 3})
+    with pytest.raises(ShapeError, match="int32"):
+        DeviceCSR(d.shape, d.indptr.long(), d.indices, d.values)
+    with pytest.raises(ShapeError, match="value dtype"):
+        DeviceCSR.from_host(csr, "float64")

@@ -1,0 +1,174 @@
+"""GPU tests of SDDMM (marker ``gpu``): index, compact tiles and dense-out mode against float64
+NumPy references, for every tile kind and dtype, odd shapes, empty/full masks and rows/columns."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pitgen
+from pitgen.sddmm import reference_index, reference_sddmm, reference_tiles, sddmm
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+
+TOL = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 5e-4}
+TILES = [(32, 1), (1, 32), (16, 1), (1, 64), (32, 32), (16, 16), (64, 64), (64, 8)]
+PATTERNS = ("random", "tiles", "empty", "full", "rows", "cols")
+
+
+def make_mask(rng: np.random.Generator, M: int, N: int, pattern: str, tile) -> np.ndarray:
+    """Masks with the structures that stress the index: elements, whole tiles, empty/full
+    rows and columns, nothing, everything."""
+    if pattern == "empty":
+        return np.zeros((M, N), bool)
+    if pattern == "full":
+        return np.ones((M, N), bool)
+    if pattern == "tiles":
+        th, tw = tile
+        grid = rng.random((-(-M // th), -(-N // tw))) < 0.3
+        return np.kron(grid, np.ones(tile, bool))[:M, :N] & (rng.random((M, N)) < 0.7)
+    m = rng.random((M, N)) < 0.1
+    if pattern == "rows":
+        m[rng.random(M) < 0.3, :] = True
+        m[rng.random(M) < 0.3, :] = False
+    elif pattern == "cols":
+        m[:, rng.random(N) < 0.3] = True
+        m[:, rng.random(N) < 0.3] = False
+    return m
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    assert not np.isnan(got).any(), "NaN in the result"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def operands(rng, M, N, D, dtype, transposed_views: bool):
+    """q [M, D], k [N, D] on the GPU (as transposed views of [D, M] / [D, N] when asked)."""
+    dt = getattr(torch, dtype)
+    if transposed_views:
+        q = torch.randn(D, M, device="cuda").to(dt).t()
+        k = torch.randn(D, N, device="cuda").to(dt).t()
+    else:
+        q = torch.randn(M, D, device="cuda").to(dt)
+        k = torch.randn(N, D, device="cuda").to(dt)
+    return q, k
+
+
+@settings(max_examples=15, deadline=None)
+@given(tile=st.sampled_from(TILES), dtype=st.sampled_from(sorted(TOL)),
+       M=st.integers(1, 150), N=st.integers(1, 150), D=st.integers(1, 100),
+       pattern=st.sampled_from(PATTERNS), views=st.booleans(), seed=st.integers(0, 2**31))
+def test_compact_tiles_match_reference(tile, dtype, M, N, D, pattern, views, seed):
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    q, k = operands(rng, M, N, D, dtype, views)
+    mask_np = make_mask(rng, M, N, pattern, tile)
+    mask = torch.from_numpy(mask_np).cuda()
+    res = sddmm(q, k, mask, tile=tile, scale=0.5)
+    count = int(res.count.item())
+    rows = res.tile_rows[:count].cpu().numpy()
+    cols = res.tile_cols[:count].cpu().numpy()
+    got_index = set(zip(rows.tolist(), cols.tolist()))
+    assert len(got_index) == count, "a tile was listed twice"
+    assert got_index == reference_index(mask_np, tile)
+    qn, kn = q.double().cpu().numpy(), k.double().cpu().numpy()
+    want = reference_tiles(qn, kn, mask_np, tile, scale=0.5)
+    vals = res.values[:count].double().cpu().numpy()
+    got = np.stack([vals[t] for t in range(count)]) if count else np.zeros((0,) + tuple(tile))
+    ref = np.stack([want[(r, c)] for r, c in zip(rows, cols)]) if count else got
+    assert rel_err(got, ref) < TOL[dtype]
+    th, tw = tile
+    pad = np.zeros((-(-M // th) * th, -(-N // tw) * tw), bool)
+    pad[:M, :N] = mask_np
+    for t, (r, c) in enumerate(zip(rows, cols)):  # exact masking inside every listed tile
+        off = ~pad[r * th:(r + 1) * th, c * tw:(c + 1) * tw]
+        assert np.all(got[t][off] == 0)
+    dense = res.to_dense().double().cpu().numpy()
+    assert dense.shape == (M, N)
+    assert np.all(dense[~mask_np] == 0)
+    assert rel_err(dense, reference_sddmm(qn, kn, mask_np, 0.5)) < TOL[dtype]
+
+
+@settings(max_examples=15, deadline=None)
+@given(tile=st.sampled_from(TILES), dtype=st.sampled_from(sorted(TOL)),
+       M=st.integers(1, 200), N=st.integers(1, 200), D=st.integers(1, 130),
+       pattern=st.sampled_from(PATTERNS), views=st.booleans(), seed=st.integers(0, 2**31))
+def test_dense_out_writes_masked_product_and_zeros(tile, dtype, M, N, D, pattern, views, seed):
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    q, k = operands(rng, M, N, D, dtype, views)
+    mask_np = make_mask(rng, M, N, pattern, tile)
+    mask = torch.from_numpy(mask_np.astype(np.uint8)).cuda()
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=q.dtype)  # poison
+    assert sddmm(q, k, mask, tile=tile, out=out) is out
+    got = out.double().cpu().numpy()
+    want = reference_sddmm(q.double().cpu().numpy(), k.double().cpu().numpy(), mask_np)
+    assert np.all(got[~mask_np] == 0), "an element outside the mask is not exactly 0"
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def test_dense_out_into_a_transposed_view_and_mask_changing_every_call():
+    torch.manual_seed(0)
+    q = torch.randn(96, 72, device="cuda", dtype=torch.float16)
+    k = torch.randn(130, 72, device="cuda", dtype=torch.float16)
+    base = torch.empty(130, 96, device="cuda", dtype=torch.float16)
+    for step in range(3):
+        mask = torch.rand(96, 130, device="cuda") < 0.2 * (step + 1)
+        base.fill_(float("nan"))
+        sddmm(q, k, mask, tile=(32, 1), out=base.t())
+        want = (q.double() @ k.double().t()) * mask
+        assert torch.linalg.norm(base.t().double() - want) / torch.linalg.norm(want) < 1e-2
+        assert torch.all(base.t()[~mask] == 0)
+
+
+@pytest.mark.parametrize("dtype", sorted(TOL))
+@pytest.mark.parametrize("tile", [(32, 1), (1, 32), (32, 32), (16, 8)])
+def test_sixteen_byte_loads_with_odd_rows_and_columns(dtype, tile):
+    torch.manual_seed(3)
+    dt = getattr(torch, dtype)
+    q = torch.randn(77, 96, device="cuda").to(dt)    # D = 96: 16-byte loads along d
+    k = torch.randn(101, 96, device="cuda").to(dt)
+    mask = torch.rand(77, 101, device="cuda") < 0.3
+    out = torch.full((77, 101), float("nan"), device="cuda", dtype=dt)
+    sddmm(q, k, mask, tile=tile, out=out)
+    want = (q.double() @ k.double().t()) * mask
+    assert rel_err(out.double().cpu().numpy(), want.cpu().numpy()) < TOL[dtype]
+    assert torch.all(out[~mask] == 0)
+    dense = sddmm(q, k, mask, tile=tile).to_dense()
+    assert torch.equal(dense, out)
+
+
+def test_no_host_sync_in_the_call():
+    q = torch.randn(256, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(256, 64, device="cuda", dtype=torch.float16)
+    mask = torch.rand(256, 256, device="cuda") < 0.1
+    sddmm(q, k, mask)  # compile outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        res = sddmm(q, k, mask, tile=(32, 1))
+        res.to_dense()
+        sddmm(q, k, mask, out=torch.empty(256, 256, device="cuda", dtype=torch.float16))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_bad_inputs_raise_pitgen_errors():
+    q = torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    k = torch.randn(48, 32, device="cuda", dtype=torch.float16)
+    mask = torch.ones(64, 48, device="cuda", dtype=torch.bool)
+    with pytest.raises(pitgen.ShapeError, match="mask"):
+        sddmm(q, k, mask.t())
+    with pytest.raises(pitgen.ShapeError, match="dtype"):
+        sddmm(q, k.float(), mask)
+    with pytest.raises(pitgen.ShapeError, match="k has shape"):
+        sddmm(q, k[:, :16], mask)
+    with pytest.raises(pitgen.DeviceError):
+        sddmm(q.cpu(), k, mask)
+    with pytest.raises(pitgen.ShapeError, match="mask"):
+        sddmm(q, k, mask.float())
+    with pytest.raises(pitgen.PlanError, match="tile"):
+        sddmm(q, k, mask, tile=(3, 5))
+    with pytest.raises(pitgen.ShapeError, match="out"):
+        sddmm(q, k, mask, out=torch.empty(64, 47, device="cuda", dtype=torch.float16))

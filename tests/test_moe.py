@@ -1,0 +1,177 @@
+"""CPU tests of the MoE layer: the NumPy routing index and layer references, plan decisions
+(rules, tiles, upper bounds, refusals), rendering, and nvcc compilation of the template's
+variants for sm_80 and sm_90. No torch or GPU needed."""
+from __future__ import annotations
+
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import pitgen
+import pitgen.moe as moe
+from pitgen import compiler
+from pitgen.errors import PlanError, RuleError, ShapeError
+
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None and not compiler.os.path.exists("/usr/local/cuda/bin/nvcc"),
+    reason="nvcc is not installed")
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 300), topk=st.integers(1, 3), E=st.integers(1, 40),
+       bm=st.sampled_from([64, 128]), seed=st.integers(0, 2**16))
+def test_route_reference_invariants(T, topk, E, bm, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-2, E + 2, size=(T, topk))
+    r = moe.route_reference(ids, E, bm)
+    valid = (ids >= 0) & (ids < E)
+    assert r.counts.sum() == valid.sum() and r.offsets[-1] == valid.sum()
+    assert np.array_equal(np.diff(r.offsets), r.counts)
+    flat = ids.reshape(-1)
+    for e in range(E):   # each segment lists exactly the pairs routed to e
+        seg = r.row_pair[r.offsets[e]:r.offsets[e + 1]]
+        assert np.array_equal(np.sort(seg), np.flatnonzero(flat == e))
+    # tiles: ceil(count / bm) per expert, consecutive row starts, within the upper bound
+    assert len(r.tile_e) == sum(-(-c // bm) for c in r.counts)
+    plan_bound = -(-T * topk // bm) + E
+    assert len(r.tile_e) <= plan_bound
+    for e, r0 in zip(r.tile_e, r.tile_r):
+        assert r.offsets[e] <= r0 < r.offsets[e + 1] and (r0 - r.offsets[e]) % bm == 0
+
+
+def test_routing_empty_and_one_expert():
+    r = moe.route_reference(np.full((70, 1), 2), 4, 64)
+    assert r.counts.tolist() == [0, 0, 70, 0]
+    assert r.tile_e.tolist() == [2, 2] and r.tile_r.tolist() == [0, 64]
+    r = moe.route_reference(np.full((5, 2), 9), 4, 64)   # every id out of range
+    assert r.counts.sum() == 0 and len(r.tile_e) == 0 and len(r.row_pair) == 0
+
+
+@pytest.mark.parametrize("act", moe.ACTIVATIONS)
+def test_layer_reference_matches_dense_formula(act):
+    """Routing-based reference == the dense definition sum_j g * FFN_e(x) computed per token."""
+    rng = np.random.default_rng(1)
+    T, topk, E, H, F = 23, 2, 5, 8, 16
+    x = rng.standard_normal((T, H))
+    ids = rng.integers(0, E, (T, topk))
+    ids[3, 1] = E      # skipped
+    g = rng.random((T, topk))
+    w1, w2 = rng.standard_normal((E, H, F)), rng.standard_normal((E, F, H))
+    b1, b2 = rng.standard_normal((E, F)), rng.standard_normal((E, H))
+    y = moe.moe_reference(x, ids, g, w1, w2, b1, b2, act)
+    f = {"relu": lambda v: np.maximum(v, 0), "identity": lambda v: v,
+         "silu": lambda v: v / (1 + np.exp(-v)),
+         "gelu": lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))}[act]
+    want = np.zeros((T, H))
+    for t in range(T):
+        for j in range(topk):
+            e = ids[t, j]
+            if 0 <= e < E:
+                want[t] += g[t, j] * (f(x[t] @ w1[e] + b1[e]) @ w2[e] + b2[e])
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+
+
+def test_gelu_reference_is_close_to_exact_gelu():
+    from math import erf, sqrt
+    v = np.linspace(-6, 6, 101)
+    exact = np.array([0.5 * a * (1 + erf(a / sqrt(2))) for a in v])
+    assert np.abs(moe.activation_reference(v, "gelu") - exact).max() < 1e-3
+
+
+def test_plan_decisions():
+    p = moe.plan_moe(4096, 1, 64, 768, 3072)
+    assert (p.bm, p.bn, p.bk, p.stages, p.threads) == (64, 128, 32, 4, 256)
+    assert p.max_tiles == 4096 // 64 + 64
+    assert p.gemm_grid(3072) == (128, 24, 1) and p.gemm_grid(768) == (128, 6, 1)
+    assert p.smem == 4 * (64 * 40 + 32 * 136) * 2 and p.smem <= 227 * 1024
+    big = moe.plan_moe(8192, 2, 8, 1024, 4096, "bfloat16", "silu", "int64")
+    assert big.bm == 128 and big.id_type == "long long" and big.smem <= 227 * 1024
+    f32 = moe.plan_moe(100, 1, 4, 64, 64, "float32")
+    assert f32.vec == 4 and f32.smem == 3 * (64 * 36 + 32 * 132) * 4
+    assert moe.plan_moe(1, 1, 1, 8, 8).max_tiles == 2
+    assert moe.weight_bytes(64, 768, 3072) == 2 * 64 * 768 * 3072 * 2
+
+
+def test_plan_uses_the_rules(monkeypatch):
+    """The plan asks the rule engine about t; an expression where t is not invariant is refused."""
+    monkeypatch.setattr(moe, "GEMM1", "I[t,f] += X[t+f,h] * W1[h,f]")
+    moe.plan_moe.cache_clear()
+    with pytest.raises(RuleError, match="not permutation invariant"):
+        moe.plan_moe(16, 1, 2, 8, 8)
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(hidden=12), ShapeError, "multiple of 8"),
+    (dict(ffn=0), ShapeError, "multiple of 8"),
+    (dict(dtype="float64"), ShapeError, "float64"),
+    (dict(activation="tanh"), PlanError, "tanh"),
+    (dict(id_dtype="int16"), ShapeError, "int16"),
+    (dict(topk=0), ShapeError, "topk"),
+    (dict(tokens=2**31), ShapeError, "too large"),
+])
+def test_plan_refuses(kw, err, msg):
+    args = dict(tokens=64, topk=1, experts=4, hidden=64, ffn=64)
+    args.update(kw)
+    with pytest.raises(err, match=msg):
+        moe.plan_moe(**args)
+
+
+def test_float32_allows_multiples_of_4():
+    assert moe.plan_moe(10, 1, 2, 12, 20, "float32").vec == 4
+
+
+def test_signatures_match_kernel_parameters():
+    """Every PyCUDA signature has one letter per parameter of its kernel in the rendered source."""
+    src = moe.render_moe(moe.plan_moe(64, 2, 4, 64, 64))
+    for name, sig in moe.SIGNATURES.items():
+        m = re.search(r"\b" + name + r"\(([^)]*)\)", src)
+        assert m, name
+        params = [p.strip() for p in m.group(1).split(",")]
+        assert len(params) == len(sig), name
+        for p, c in zip(params, sig):
+            if c == "P":
+                assert "*" in p, (name, p)
+            elif c == "i":
+                assert p.startswith("int "), (name, p)
+            else:
+                assert p.startswith("long long "), (name, p)
+
+
+def test_render_variants():
+    src = moe.render_moe(moe.plan_moe(64, 1, 4, 64, 64, "bfloat16", "silu", "int64"))
+    assert "typedef long long eid_t;" in src and "__nv_bfloat16 elem_t" in src
+    assert "__expf" in src and "BM = 64" in src
+    src = moe.render_moe(moe.plan_moe(64, 1, 4, 64, 64, "float32", "identity"))
+    assert "tf32" in src and "return v;" in src
+
+
+def test_import_without_torch_and_lazy_module():
+    assert "torch" not in moe.__dict__
+    with pytest.raises(AttributeError):
+        moe.NotThere  # noqa: B018
+    assert isinstance(pitgen.moe.ACTIVATIONS, tuple)
+
+
+VARIANTS = [("float16", "gelu", "int32", 4096, "sm_90"), ("float16", "relu", "int64", 4096, "sm_80"),
+            ("bfloat16", "silu", "int64", 100000, "sm_90"), ("bfloat16", "identity", "int32", 64, "sm_80"),
+            ("float32", "gelu", "int32", 64, "sm_90"), ("float32", "silu", "int64", 100000, "sm_80")]
+
+
+@needs_nvcc
+def test_compile_variants(tmp_path, monkeypatch):
+    """Every dtype and activation, both id types and both tile heights compile for sm_80/sm_90."""
+    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
+
+    def build(v):
+        dtype, act, ids, T, arch = v
+        plan = moe.plan_moe(T, 1, 8, 64, 128, dtype, act, ids)
+        return plan.bm, compiler.compile_source(moe.render_moe(plan), arch)
+
+    with ThreadPoolExecutor(2) as pool:
+        out = list(pool.map(build, VARIANTS))
+    assert {bm for bm, _ in out} == {64, 128}
+    assert all(len(cubin) > 1000 for _, cubin in out)
