@@ -3,7 +3,7 @@ GEMMs) against a PyTorch loop over experts, torch._grouped_mm and stk block-spar
 style), all timed in the same run with CUDA events (L2 flushed, median), routing included.
 
 Workload: T=4096 tokens, H=768, F=3072, top-1, skewed (Zipf-like, seeded) expert popularity,
-E = 64 and 128, fp16. Writes <out>/moe.md and <out>/moe.json.
+E = 64 and 128, fp16. Writes <out>/moe_layer.md and <out>/moe_layer.json (moe.md is bench.py's MoE workload).
 
     python scripts/bench_moe.py --out docs/bench
 """
@@ -25,7 +25,7 @@ FLOOR_TBPS = 3.0  # HBM bytes per second used for the weight-read floor (TB/s)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/bench", help="folder for moe.md and moe.json")
+    ap.add_argument("--out", default="docs/bench", help="folder for moe_layer.md and moe_layer.json")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--ffn", type=int, default=3072)
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     for E in (int(e) for e in a.experts.split(",")):
         rows += run_case(timer, a.tokens, a.hidden, a.ffn, E, a.seed, a)
         torch.cuda.empty_cache()
-    (out / "moe.md").write_text(table(rows, device))
-    (out / "moe.json").write_text(json.dumps({"device": device, "torch": torch.__version__,
+    (out / "moe_layer.md").write_text(table(rows, device))
+    (out / "moe_layer.json").write_text(json.dumps({"device": device, "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     print(table(rows, device))
 

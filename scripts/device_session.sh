@@ -46,7 +46,8 @@ for step in "$@"; do
     moe|attention|training|graphs)
       timeout ${STEP_TIMEOUT:-300} python3 scripts/bench_$step.py --out "$LOGS/bench" ${STEP_ARGS:-} \
         >"$LOGS/bench-$step.log" 2>&1; r=$?
-      echo "bench $step: exit $r"; tail -30 "$LOGS/bench/$step.md" 2>/dev/null || tail -30 "$LOGS/bench-$step.log"
+      md=$step; [ $step = moe ] && md=moe_layer
+      echo "bench $step: exit $r"; tail -30 "$LOGS/bench/$md.md" 2>/dev/null || tail -30 "$LOGS/bench-$step.log"
       rc=$((rc | r)) ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
