@@ -209,21 +209,8 @@ class FormatKernel:
         return per_feat[feat]
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        names = self.form.inputs
-        if len(args) > len(names):
-            raise ShapeError(f"{self.operator.text!r} takes {len(names)} operands "
-                             f"({', '.join(names)}), got {len(args)}")
-        bound = dict(zip(names, args))
-        for k, v in kwargs.items():
-            if k not in names:
-                raise ShapeError(f"unknown operand {k!r} (operands: {', '.join(names)})")
-            if k in bound:
-                raise ShapeError(f"operand {k!r} given twice")
-            bound[k] = v
-        missing = [n for n in names if n not in bound]
-        if missing:
-            raise ShapeError(f"missing operand(s) {', '.join(missing)}")
-        return bound
+        from .kernel import bind_operands
+        return bind_operands(self.operator.text, self.form.inputs, args, kwargs)
 
     def __call__(self, *args: Any, sample: Any = None, out: Any = None, **kwargs: Any) -> Any:
         from . import graph_ops

@@ -16,6 +16,26 @@ if TYPE_CHECKING:
     from .graph_kernel import FormatKernel
 
 
+def bind_operands(text: str, names: Sequence[str], args: tuple,
+                  kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Positional and keyword operands of a call matched to the expression's input names, with
+    a ShapeError naming what is missing, unknown or given twice."""
+    if len(args) > len(names):
+        raise ShapeError(f"{text!r} takes {len(names)} operands ({', '.join(names)}), "
+                         f"got {len(args)}")
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise ShapeError(f"unknown operand {k!r} (operands: {', '.join(names)})")
+        if k in bound:
+            raise ShapeError(f"operand {k!r} given twice")
+        bound[k] = v
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise ShapeError(f"missing operand(s) {', '.join(missing)}")
+    return bound
+
+
 class SparseKernel:
     """A compiled dynamic-sparse operator. ``micro_tile='auto'`` plans on the first call from
     coverage counts computed on the GPU (one small device-to-host copy) and keeps that choice;
@@ -53,19 +73,7 @@ class SparseKernel:
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         names = self.operator.input_names
-        if len(args) > len(names):
-            raise ShapeError(f"{self.operator.text!r} takes {len(names)} operands "
-                             f"({', '.join(names)}), got {len(args)}")
-        bound = dict(zip(names, args))
-        for k, v in kwargs.items():
-            if k not in names:
-                raise ShapeError(f"unknown operand {k!r} (operands: {', '.join(names)})")
-            if k in bound:
-                raise ShapeError(f"operand {k!r} given twice")
-            bound[k] = v
-        missing = [n for n in names if n not in bound]
-        if missing:
-            raise ShapeError(f"missing operand(s) {', '.join(missing)}")
+        bound = bind_operands(self.operator.text, names, args, kwargs)
         return {n: as_operand(n, bound[n]) for n in names}
 
     def _schedule(self, plan: Plan) -> Schedule:

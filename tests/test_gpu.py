@@ -3,6 +3,7 @@ the reason where no CUDA device, torch or pycuda is present)."""
 from __future__ import annotations
 
 import numpy as np
+from checks import assert_close
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -59,15 +60,7 @@ def operands(rng, form: str, M: int, N: int, K: int, dtype: str, mask_of_s):
 
 
 def check(out, ref: np.ndarray, dtype: str) -> None:
-    got = out.double().cpu().numpy()
-    assert got.shape == ref.shape
-    assert not np.isnan(got).any(), "NaN in the output (unwritten element or bad read)"
-    norm = np.linalg.norm(ref)
-    if norm == 0:
-        assert np.count_nonzero(got) == 0
-        return
-    err = np.linalg.norm(got - ref) / norm
-    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+    assert_close(out, ref, TOL[dtype])
 
 
 def _shape_for(kind: str, form: str, t_m: int, t_k: int) -> tuple[int, int] | str:

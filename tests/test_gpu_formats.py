@@ -4,6 +4,7 @@ float64 references; outputs are poisoned first; bad input raises pitgen errors."
 from __future__ import annotations
 
 import numpy as np
+from checks import assert_close
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,15 +69,7 @@ def dense_operand(rng, shape, dtype):
 
 
 def check(got, ref: np.ndarray, dtype: str) -> None:
-    got = got.double().cpu().numpy()
-    assert got.shape == ref.shape
-    assert not np.isnan(got).any(), "NaN in the output (unwritten element or bad read)"
-    norm = np.linalg.norm(ref)
-    if norm == 0:
-        assert np.count_nonzero(got) == 0
-        return
-    err = np.linalg.norm(got - ref) / norm
-    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+    assert_close(got, ref, TOL[dtype])
 
 
 def reference_layout(csr: fm.CSR, fmt: str, params: dict):
