@@ -214,17 +214,11 @@ def _mask_u8(mask: Any) -> Any:
     return mask
 
 
-_LOADED: dict[tuple, Any] = {}
-
-
 def _kernels(plan: AttentionPlan) -> Any:
-    """The loaded module of this plan's variant, kept per variant: rendering costs milliseconds."""
+    """The loaded module of this plan's variant (load_kernels remembers each configuration)."""
     from .runtime import load_kernels
-    key = tuple(sorted(plan.context().items()))
-    if key not in _LOADED:
-        _LOADED[key] = load_kernels("attention.cu.j2", _SIGNATURES, {"pit_attention": plan.smem},
-                                    **plan.context())
-    return _LOADED[key]
+    return load_kernels("attention.cu.j2", _SIGNATURES, {"pit_attention": plan.smem},
+                        **plan.context())
 
 
 def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:

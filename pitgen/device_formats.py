@@ -39,7 +39,6 @@ CONVERT_SIGNATURES = {
     "pit_hyb_classify": "PiiiiPP",
     "pit_hyb_fill": "PPPiiiiiiPPPPiiPPPPP",
 }
-_CONVERT: dict[tuple[str, str], Any] = {}
 
 
 def _torch():
@@ -50,11 +49,8 @@ def _torch():
 def _convert_kernels(dtype: str, src_dtype: str | None = None):
     """The conversion module for these value / dense-source dtypes, loaded once per process."""
     from .runtime import load_kernels
-    key = (dtype, src_dtype or dtype)
-    if key not in _CONVERT:
-        _CONVERT[key] = load_kernels("convert.cu.j2", CONVERT_SIGNATURES, dtype=key[0],
-                                     src_dtype=key[1])
-    return _CONVERT[key]
+    return load_kernels("convert.cu.j2", CONVERT_SIGNATURES, dtype=dtype,
+                        src_dtype=src_dtype or dtype)
 
 
 def _grid(n: int, per_block: int = THREADS) -> tuple[int, int, int]:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from .device_formats import FORMATS, VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from .errors import PlanError, ShapeError
+from .runtime import load_kernels
 
 __all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "SPMM_EXPR", "SDDMM_EXPR"]
 
@@ -27,7 +28,6 @@ THREADS = (128, 256)
 HYB_WIDTHS = 7  # hyb "groups": one lane count per bucket width 1, 2, 4, ..., 64
 SPMM_SIGNATURE = {"pit_spmm": "PPPPPPiiiii"}
 SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
-_KERNELS: dict[tuple, Any] = {}
 
 
 @lru_cache(maxsize=None)
@@ -129,14 +129,6 @@ def _vec_for(vec: int, feat: int, dtype: str, *tensors: Any) -> int:
     return vec
 
 
-def _kernels(template: str, signature: Mapping[str, str], **ctx: Any) -> Any:
-    from .runtime import load_kernels
-    key = (template, repr(sorted(ctx.items())))
-    if key not in _KERNELS:
-        _KERNELS[key] = load_kernels(template, signature, **ctx)
-    return _KERNELS[key]
-
-
 def _matrix(a: DeviceMatrix | DeviceCSR) -> DeviceMatrix:
     if isinstance(a, DeviceCSR):
         return to_format(a, "csr")
@@ -183,7 +175,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
     sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
     vec = _vec_for(sched["vec"], feat, m.dtype, x, out)
     ctx = spmm_context(m, sched, vec)
-    kern = _kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
+    kern = load_kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
     b, threads = m.buffers, sched["threads"]
     target = out
     if m.fmt == "hyb":
@@ -250,7 +242,7 @@ def sddmm(a: DeviceMatrix | DeviceCSR, u: Any, v: Any, schedule: Mapping | None 
     else:
         ctx["block"] = m.params["block"]
         slots, args = m.info["slots"], (b["brows"], b["bcols"], b["perm"], m.info["slots"], 0)
-    kern = _kernels("graph_sddmm.cu.j2", SDDMM_SIGNATURE, **ctx)
+    kern = load_kernels("graph_sddmm.cu.j2", SDDMM_SIGNATURE, **ctx)
     args = (*args, u, v, e, n_rows, n_cols, m.nnz, feat)
     with TorchLaunch() as tl:
         tl.keep(*(t for t in args if hasattr(t, "data_ptr")))

@@ -204,9 +204,8 @@ def moe_reference(x: np.ndarray, expert_ids: np.ndarray, gates: np.ndarray, w1: 
 
 # -- GPU path ----------------------------------------------------------------------------------
 
-@lru_cache(maxsize=64)
 def _kernels(plan: MoEPlan) -> Any:
-    """Loaded kernels of ``plan``, kept per plan (rendering on every call would cost host time)."""
+    """Loaded kernels of ``plan`` (load_kernels remembers each configuration)."""
     from .runtime import load_kernels
     return load_kernels("moe.cu.j2", SIGNATURES,
                         {"moe_gemm1": plan.smem, "moe_gemm2": plan.smem}, **plan.context())

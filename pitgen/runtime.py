@@ -415,16 +415,25 @@ class Kernels:
 
 
 _KERNELS: dict[tuple[str, str], Kernels] = {}
+_CONFIGS: dict[tuple[str, str, str], Kernels] = {}
 
 
 def load_kernels(template: str, signatures: Mapping[str, str],
                  smem: Mapping[str, int] | None = None, **ctx: Any) -> Kernels:
-    """Render ``template`` with ``ctx``, compile and load it once per process per source.
-    Rendering is not free: callers keep the returned object per configuration."""
+    """``template`` rendered with ``ctx``, compiled and loaded once per process. A configuration
+    seen before returns at once (no rendering: it costs milliseconds, and operators call this on
+    every launch); configurations that render to the same source share one module. A hit does
+    not ask the driver for the device again: these operators assume one GPU architecture per
+    process."""
+    config = (template, repr(sorted(ctx.items())), repr(sorted((smem or {}).items())))
+    hit = _CONFIGS.get(config)
+    if hit is not None:
+        return hit
     source = render_template(template, **ctx)
     key = (hashlib.sha256(source.encode()).hexdigest(), device_arch())
     if key not in _KERNELS:
         _KERNELS[key] = Kernels(source, signatures, smem or {})
+    _CONFIGS[config] = _KERNELS[key]
     return _KERNELS[key]
 
 

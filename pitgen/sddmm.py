@@ -193,15 +193,10 @@ class SparseTiles:
         return dense[:M, :N]
 
 
-_LOADED: dict[SddmmConfig, Any] = {}
-
-
 def _kernels(cfg: SddmmConfig) -> Any:
-    """The compiled module of one configuration, once per process."""
-    if cfg not in _LOADED:
-        from .runtime import load_kernels
-        _LOADED[cfg] = load_kernels("sddmm.cu.j2", SIGNATURES, **cfg.context())
-    return _LOADED[cfg]
+    """The compiled module of one configuration (load_kernels loads it once per process)."""
+    from .runtime import load_kernels
+    return load_kernels("sddmm.cu.j2", SIGNATURES, **cfg.context())
 
 
 def _check_int32(name: str, x: Any) -> None:

@@ -139,3 +139,33 @@ def test_compile_error_is_a_pitgen_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
     with pytest.raises(pitgen.CompileError, match="nvcc failed"):
         compiler.compile_source("this is not CUDA", "sm_90")
+
+
+def test_load_kernels_renders_each_configuration_once(monkeypatch):
+    """Operators call load_kernels on every launch: a configuration seen before must come back
+    without rendering, and configurations rendering to one source share one module. Module
+    loading is faked (no GPU here); rendering is real."""
+    from pitgen import runtime
+
+    renders, loads = [], []
+    real_render = runtime.render_template
+
+    def counting_render(name, **ctx):
+        renders.append(name)
+        return real_render(name, **ctx)
+
+    class FakeKernels:
+        def __init__(self, source, signatures, smem):
+            loads.append(source)
+
+    monkeypatch.setattr(runtime, "render_template", counting_render)
+    monkeypatch.setattr(runtime, "Kernels", FakeKernels)
+    monkeypatch.setattr(runtime, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(runtime, "_KERNELS", {})
+    monkeypatch.setattr(runtime, "_CONFIGS", {})
+    sig = {"pit_csr_rows": "PPii"}
+    a = runtime.load_kernels("convert.cu.j2", sig, dtype="float32", src_dtype="float32")
+    b = runtime.load_kernels("convert.cu.j2", sig, src_dtype="float32", dtype="float32")
+    assert a is b and renders == ["convert.cu.j2"] and len(loads) == 1
+    c = runtime.load_kernels("convert.cu.j2", sig, dtype="float16", src_dtype="float16")
+    assert c is not a and len(renders) == 2 and len(loads) == 2
