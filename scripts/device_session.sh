@@ -26,7 +26,7 @@ for step in "$@"; do
       grep -v Warning "$LOGS/gpu-tests.log" | grep -v warner | tail -15; rc=$((rc | r)) ;;
     sanitize)
       for tool in memcheck racecheck; do
-        timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_launches.py \
+        timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_launches.py \
           >"$LOGS/sanitize-$tool.log" 2>&1; r=$?
         echo "compute-sanitizer $tool: exit $r"; tail -2 "$LOGS/sanitize-$tool.log"; rc=$((rc | r))
       done ;;

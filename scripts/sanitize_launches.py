@@ -25,3 +25,62 @@ for dtype in ("float16", "float32"):
         pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype=dtype, micro_tile=micro)(A, B, mask=mask)
     torch.cuda.synchronize()
     print(f"{dtype} masked index: ok")
+
+# The whole-operator kernels: MoE (routing, grouped GEMMs, scatter), attention (block index,
+# fused kernel), SDDMM (both outputs), GPU format conversion + SpMM/SDDMM in every format, and
+# the sparse-training autograd path.
+import numpy as np
+
+from pitgen.attention import sparse_attention, tile_mask
+from pitgen.device_formats import DeviceCSR, to_format
+from pitgen.graph_ops import sddmm as graph_sddmm, spmm
+from pitgen.moe import moe_ffn
+from pitgen.sddmm import sddmm
+
+g = torch.Generator(device="cuda").manual_seed(0)
+T, H, F, E = 200, 64, 96, 5
+x = torch.randn(T, H, device="cuda", dtype=torch.float16)
+for topk in (1, 2):
+    ids = torch.randint(0, E, (T, topk), device="cuda", dtype=torch.int32)
+    gates = torch.rand(T, topk, device="cuda")
+    w1 = torch.randn(E, H, F, device="cuda", dtype=torch.float16) / 8
+    w2 = torch.randn(E, F, H, device="cuda", dtype=torch.float16) / 8
+    moe_ffn(x, ids, gates, w1, w2, torch.randn(E, F, device="cuda", dtype=torch.float16),
+            torch.randn(E, H, device="cuda", dtype=torch.float16))
+torch.cuda.synchronize()
+print("moe top-1/top-2: ok")
+
+rng = np.random.default_rng(0)
+for d in (64, 128):
+    q, k, v = (torch.randn(1, 2, 200, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    m = torch.from_numpy(tile_mask(rng, 200, 200, (1, 64), 0.7)).cuda()
+    sparse_attention(q, k, v, m)
+torch.cuda.synchronize()
+print("attention d 64/128: ok")
+
+q = torch.randn(150, 64, device="cuda", dtype=torch.float16)
+k = torch.randn(170, 64, device="cuda", dtype=torch.float16)
+mask = torch.rand(150, 170, device="cuda") < 0.1
+for tile in ((32, 1), (1, 32), (16, 16)):
+    sddmm(q, k, mask, tile)
+    sddmm(q, k, mask, tile, out=torch.empty(150, 170, device="cuda", dtype=torch.float16))
+torch.cuda.synchronize()
+print("sddmm tiles/dense out: ok")
+
+adj = (torch.rand(300, 280, device="cuda") < 0.05).float()
+adj[7] = 1.0  # one dense row: cut rows in hyb
+csr = DeviceCSR.from_dense(adj)
+for fmt, params in (("csr", {}), ("ell", {}), ("bsr", {"block": 16}), ("hyb", {"c": 2, "k": 3})):
+    a = to_format(csr, fmt, **params)
+    spmm(a, torch.randn(280, 64, device="cuda"))
+    graph_sddmm(a, torch.randn(300, 32, device="cuda"), torch.randn(280, 32, device="cuda"))
+torch.cuda.synchronize()
+print("formats csr/ell/bsr/hyb spmm+sddmm: ok")
+
+from pitgen.autograd import sparse_weight_linear
+
+w = torch.randn(96, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+xin = torch.randn(64, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+sparse_weight_linear(xin, w, torch.rand(96, 128, device="cuda") < 0.2).float().sum().backward()
+torch.cuda.synchronize()
+print("sparse training fwd+bwd: ok")
