@@ -6,12 +6,14 @@ spatial and invariant (a CTA per (b, h, query block) writes back to its own rows
 ``O[b,h,i,d] += P[b,h,i,j] * V[b,h,j,d]`` the key axis j is an invariant *reduction* axis: key
 blocks may be visited in any order. With an online softmax (running max and sum, also
 order-free) the kernel can therefore walk a compact, unordered list of the non-empty key blocks
-of its query block, which the GPU builds every call with atomics (no sort, no host sync).
+of its query block, which the GPU builds every call (no sort, no host sync).
 
-Pipeline per call: zero the list counters → index kernel (reads the mask once; per (mask slice,
-query block) the key blocks holding a set element, flagged full/partial) → attention kernel
-(one CTA per (query block, head, batch); mma.sync m16n8k16; element mask only on partial
-blocks). Fully masked rows give zeros.
+Pipeline per call: index kernel (reads the mask once, 16-byte loads; writes a state byte per
+(mask slice, query block, key block): empty, partial or full; every entry is written, so
+nothing is reset first) → attention kernel (one CTA per (query block, head, batch) compacts its
+row of states into a list in shared memory with warp ballots, then runs mma.sync m16n8k16 over
+it with a STAGES-deep cp.async pipeline; element mask only on partial blocks). Fully masked rows
+give zeros.
 
 ``SparseAttention`` (a drop-in for ``torch.nn.MultiheadAttention(batch_first=True)``) is built
 on first access, so importing this module needs no torch.
@@ -36,8 +38,16 @@ DTYPES = ("float16", "bfloat16")
 BM, BN = 64, 64
 #: Mask columns one index CTA covers (KPC = INDEX_COLUMNS // BN key blocks) and its threads.
 INDEX_COLUMNS, INDEX_THREADS = 512, 256
-_SIGNATURES = {"pit_attn_index_vec": "PiiiPP", "pit_attn_index_byte": "PiiiPP",
-               "pit_attention": "PPPPPPPiiiiiif"}
+#: Per head dim: K/V pipeline stages, and CTAs per SM that __launch_bounds__ budgets registers
+#: for (D=64: 128 registers a thread and 4 CTAs of 48 KiB stages fit an SM).
+STAGES = {64: 3, 128: 2}
+MIN_BLOCKS = {64: 4, 128: 2}
+#: Dynamic shared memory an SM grants one CTA.
+SMEM_LIMIT = 227 * 1024
+#: Index state bytes.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_SIGNATURES = {"pit_attn_index_vec": "PiiiP", "pit_attn_index_byte": "PiiiP",
+               "pit_attention": "PPPPPPiiiiiif"}
 
 
 # -- rules and plan -----------------------------------------------------------------------------
@@ -68,6 +78,14 @@ class AttentionPlan:
     mask_heads: int     # 1 or heads
     bm: int = BM
     bn: int = BN
+    stages: int = 0      # 0: STAGES[d]
+    min_blocks: int = 0  # 0: MIN_BLOCKS[d]
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            object.__setattr__(self, "stages", STAGES[self.d])
+        if not self.min_blocks:
+            object.__setattr__(self, "min_blocks", MIN_BLOCKS[self.d])
 
     @property
     def warps(self) -> int:
@@ -91,8 +109,8 @@ class AttentionPlan:
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory of the attention kernel: Q tile + two K and two V stages."""
-        return (self.bm + 4 * self.bn) * self.d * 2
+        """Dynamic shared memory of the attention kernel: K and V stages + the block list."""
+        return 2 * self.stages * self.bn * self.d * 2 + 4 * self.n_kb
 
     @property
     def mask_strides(self) -> tuple[int, int]:
@@ -108,7 +126,8 @@ class AttentionPlan:
     def context(self) -> dict[str, Any]:
         """Template context (everything the CUDA source depends on)."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
-                "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS}
+                "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
+                "stages": self.stages, "min_blocks": self.min_blocks}
 
 
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
@@ -133,33 +152,29 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
         raise ShapeError(f"batch {batch} or heads {heads} exceeds the grid limit 65535")
     if max(batch * heads * max(sq, sk) * d, mb * mh * sq * sk) >= 2 ** 62:
         raise ShapeError("problem too large for 64-bit offsets")
-    return AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh)
+    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh)
+    if plan.smem > SMEM_LIMIT:
+        raise ShapeError(f"Sk={sk} keys make a block list of {plan.n_kb} entries that does not fit "
+                         f"shared memory; sparse_attention runs Sk up to "
+                         f"{(SMEM_LIMIT - plan.smem + 4 * plan.n_kb) // 4 * plan.bn}")
+    return plan
 
 
 # -- NumPy references ---------------------------------------------------------------------------
 
-def block_index_reference(mask: np.ndarray, bm: int = BM, bn: int = BN
-                          ) -> tuple[np.ndarray, np.ndarray]:
-    """The GPU index in NumPy: ``counts[slice, qb]`` and ``ids[slice, qb, :]`` holding the entries
-    2 * kb + full of the non-empty key blocks in ascending order, -1 after ``counts``."""
+def block_index_reference(mask: np.ndarray, bm: int = BM, bn: int = BN) -> np.ndarray:
+    """The GPU index in NumPy: ``states[slice, qb, kb]`` (uint8) EMPTY when the block holds no
+    set element, FULL when every in-range element is set, PARTIAL otherwise."""
     m = np.asarray(mask) != 0
     sq, sk = m.shape[-2:]
     m = m.reshape(-1, sq, sk)
     nq, nk = -(-sq // bm), -(-sk // bn)
     pad = np.ones((m.shape[0], nq * bm, nk * bn), bool)   # out-of-range elements: "set" for all
     pad[:, :sq, :sk] = m
-    blocks = pad.reshape(m.shape[0], nq, bm, nk, bn)
-    anyp = np.zeros((m.shape[0], nq * bm, nk * bn), bool)
-    anyp[:, :sq, :sk] = m
-    any_ = anyp.reshape(m.shape[0], nq, bm, nk, bn).any(axis=(2, 4))
-    all_ = blocks.all(axis=(2, 4))
-    counts = any_.sum(axis=2).astype(np.int32)
-    ids = np.full((m.shape[0], nq, nk), -1, np.int32)
-    for s in range(m.shape[0]):
-        for q in range(nq):
-            kb = np.flatnonzero(any_[s, q])
-            ids[s, q, :kb.size] = 2 * kb + all_[s, q, kb]
-    return counts, ids
+    all_ = pad.reshape(m.shape[0], nq, bm, nk, bn).all(axis=(2, 4))
+    pad[:, sq:, :] = pad[:, :, sk:] = False                # ... and "unset" for any
+    any_ = pad.reshape(m.shape[0], nq, bm, nk, bn).any(axis=(2, 4))
+    return np.where(any_, np.where(all_, FULL, PARTIAL), EMPTY).astype(np.uint8)
 
 
 def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
@@ -217,8 +232,7 @@ def _mask_u8(mask: Any) -> Any:
 def _kernels(plan: AttentionPlan) -> Any:
     """The loaded module of this plan's variant (load_kernels remembers each configuration)."""
     from .runtime import load_kernels
-    return load_kernels("attention.cu.j2", _SIGNATURES, {"pit_attention": plan.smem},
-                        **plan.context())
+    return load_kernels("attention.cu.j2", _SIGNATURES, **plan.context())
 
 
 def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
@@ -240,23 +254,23 @@ def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
     return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape))
 
 
-def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> tuple[Any, Any]:
-    """Enqueue the counter reset and the index kernel on ``launch``'s stream."""
+def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> Any:
+    """Enqueue the index kernel on ``launch``'s stream; returns the state map it fills."""
     import torch
-    counts = torch.zeros((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
-    ids = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.int32, device=mask.device)
+    states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
+                         device=mask.device)
     vec = plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
-    launch.keep(mask, counts, ids)
+    launch.keep(mask, states)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
-                   plan.n_kb, counts.data_ptr(), ids.data_ptr())
-    return counts, ids
+                   plan.n_kb, states.data_ptr())
+    return states
 
 
-def block_index(q: Any, k: Any, v: Any, mask: Any) -> tuple[Any, Any]:
-    """The block index that ``sparse_attention`` builds, on the GPU, no host sync: ``counts``
-    [slices, nQB] int32 and ``ids`` [slices, nQB, nKB] int32 whose first ``counts`` entries are
-    2 * kb + full, in no particular order (slices = the mask's leading dims, flattened)."""
+def block_index(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    """The block index that ``sparse_attention`` builds, on the GPU, no host sync: a uint8
+    state map [slices, nQB, nKB] (slices = the mask's leading dims, flattened) of EMPTY, PARTIAL
+    and FULL 64x64 blocks, as ``block_index_reference``."""
     from .runtime import TorchLaunch
     plan = _check(q, k, v, mask)
     with TorchLaunch() as launch:
@@ -264,7 +278,7 @@ def block_index(q: Any, k: Any, v: Any, mask: Any) -> tuple[Any, Any]:
 
 
 def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = None,
-                     index: tuple[Any, Any] | None = None) -> Any:
+                     index: Any = None) -> Any:
     """out[b,h,i] = sum_j softmax_j(scale * q_i . k_j over {j : mask[.., i, j]}) v_j.
 
     q [B, H, Sq, D], k/v [B, H, Sk, D]: contiguous, 16-byte aligned CUDA tensors, float16 or
@@ -290,22 +304,22 @@ def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = No
     sb, sh = plan.mask_strides
     with TorchLaunch() as launch:
         if index is None:
-            counts, ids = _index(kernels, plan, mask, launch)
+            states = _index(kernels, plan, mask, launch)
         else:
-            counts, ids = index
-            want = {"counts": (plan.slices, plan.n_qb), "ids": (plan.slices, plan.n_qb, plan.n_kb)}
-            for name, x in zip(want, (counts, ids)):
-                if tuple(x.shape) != want[name] or x.dtype != torch.int32 or not x.is_contiguous():
-                    raise ShapeError(f"index {name} has shape {tuple(x.shape)} {x.dtype}; expected "
-                                     f"contiguous int32 {want[name]} from block_index")
-                if x.device != q.device:
-                    raise ShapeError(f"index {name} is on {x.device} but q is on {q.device}")
-            launch.keep(counts, ids)
-        launch.keep(q, k, v, out, mask)
+            states = index
+            want = (plan.slices, plan.n_qb, plan.n_kb)
+            if (not isinstance(states, torch.Tensor) or tuple(states.shape) != want
+                    or states.dtype != torch.uint8 or not states.is_contiguous()):
+                raise ShapeError(f"index must be the contiguous uint8 state map {want} from "
+                                 f"block_index, got {getattr(states, 'shape', type(states))} "
+                                 f"{getattr(states, 'dtype', '')}")
+            if states.device != q.device:
+                raise ShapeError(f"index is on {states.device} but q is on {q.device}")
+        launch.keep(q, k, v, out, mask, states)
         kernels.launch("pit_attention", plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                       mask.data_ptr(), counts.data_ptr(), ids.data_ptr(), plan.sq, plan.sk,
-                       plan.heads, sb, sh, plan.n_kb, scale * math.log2(math.e))
+                       mask.data_ptr(), states.data_ptr(), plan.sq, plan.sk,
+                       plan.heads, sb, sh, plan.n_kb, scale * math.log2(math.e), smem=plan.smem)
     return out
 
 

@@ -26,6 +26,9 @@ OPS = {"spmm": (SPMM_EXPR, ("i", "j")), "sddmm": (SDDMM_EXPR, ("i", "j", "f"))}
 GROUPS = (4, 8, 16, 32)
 THREADS = (128, 256)
 HYB_WIDTHS = 7  # hyb "groups": one lane count per bucket width 1, 2, 4, ..., 64
+#: SpMM neighbours gathered at once per lane (loads in flight); SPMM_UNROLL is the default.
+UNROLLS = (1, 2, 4, 8)
+SPMM_UNROLL = 4
 SPMM_SIGNATURE = {"pit_spmm": "PPPPPPiiiii"}
 SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
 
@@ -81,7 +84,11 @@ def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
                 ramp = [max(groups[0], min(groups[-1], 1 << e)) for e in range(HYB_WIDTHS)]
                 if ramp not in choices:
                     choices.append(ramp)
-                out += [{"groups": g, "vec": vec, "threads": threads} for g in choices]
+                out += [{"groups": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL}
+                        for g in choices]
+            elif op == "spmm":
+                out += [{"group": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL}
+                        for g in groups]
             else:
                 out += [{"group": g, "vec": vec, "threads": threads} for g in groups]
     return out
@@ -96,7 +103,9 @@ def default_schedule(op: str, fmt: str, feat: int, dtype: str) -> dict:
     group = next((g for g in GROUPS if g >= loads), GROUPS[-1])
     group = max(g for g in _useful_groups(feat, vec) if g <= group)
     if op == "spmm" and fmt == "hyb":
-        return {"groups": [group] * HYB_WIDTHS, "vec": vec, "threads": 256}
+        return {"groups": [group] * HYB_WIDTHS, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL}
+    if op == "spmm":
+        return {"group": group, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL}
     return {"group": group, "vec": vec, "threads": 256}
 
 
@@ -118,6 +127,8 @@ def _resolve(schedule: Mapping | None, op: str, fmt: str, feat: int, dtype: str)
         raise PlanError(f"hyb groups must list {HYB_WIDTHS} lane counts, got {gs!r}")
     if any(g not in GROUPS for g in gs):
         raise PlanError(f"group sizes must be in {GROUPS}, got {gs!r}")
+    if "unroll" in s and s["unroll"] not in UNROLLS:
+        raise PlanError(f"unroll must be one of {UNROLLS}, got {s['unroll']!r}")
     return s
 
 
@@ -140,7 +151,7 @@ def _matrix(a: DeviceMatrix | DeviceCSR) -> DeviceMatrix:
 def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int) -> dict:
     """Template context of the SpMM kernel for this matrix, schedule and vector width."""
     ctx = {"dtype": m.dtype, "fmt": m.fmt, "vec": vec, "threads": sched["threads"],
-           "out_f32": False}
+           "unroll": sched["unroll"], "out_f32": False}
     if m.fmt == "hyb":
         k = m.params["k"]
         ctx["buckets"] = [{"width": w, "group": sched["groups"][b % (k + 1)], "atomic": at}

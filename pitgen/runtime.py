@@ -398,20 +398,29 @@ class Kernels:
         self.module = drv.module_from_buffer(compile_source(source, device_arch()))
         self.smem = dict(smem)
         self.functions: dict[str, Any] = {}
+        self._smem_limit: dict[str, int] = {}
         for name, sig in signatures.items():
             f = self.module.get_function(name)
             f.prepare(sig)
-            if self.smem.get(name, 0) > 48 * 1024:
-                f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem[name])
             self.functions[name] = f
+            self._allow_smem(name, self.smem.get(name, 0))
+
+    def _allow_smem(self, name: str, size: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit to ``size`` (needed past 48 KiB)."""
+        if size > max(48 * 1024, self._smem_limit.get(name, 0)):
+            self.functions[name].set_attribute(
+                _drv().function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, size)
+            self._smem_limit[name] = size
 
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: Any,
-               *args: Any) -> None:
-        """Enqueue ``name`` on ``stream`` (None: the legacy default stream); nothing waits."""
+               *args: Any, smem: int | None = None) -> None:
+        """Enqueue ``name`` on ``stream`` (None: the legacy default stream); nothing waits.
+        ``smem`` overrides the configured dynamic shared memory for a size known per launch."""
         if 0 in grid:
             return
-        self.functions[name].prepared_async_call(grid, block, stream, *args,
-                                                 shared_size=self.smem.get(name, 0))
+        size = self.smem.get(name, 0) if smem is None else smem
+        self._allow_smem(name, size)
+        self.functions[name].prepared_async_call(grid, block, stream, *args, shared_size=size)
 
 
 _KERNELS: dict[tuple[str, str], Kernels] = {}

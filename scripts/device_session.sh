@@ -4,6 +4,8 @@
 #   sanitize  compute-sanitizer memcheck + racecheck on one launch of every kernel kind
 #   example   build and run the standalone example against generated/ (make -C generated/example run)
 #   tune      schedule sweep (scripts/tune_schedules.py)
+#   tune-attention, tune-spmm
+#             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
 #   matmul    sparse-matmul benchmark vs cuBLAS (scripts/bench_matmul.py)
 #   peers     benchmark suite vs the peers (scripts/bench.py; BENCH_ARGS adds options)
@@ -21,7 +23,7 @@ rc=0
 for step in "$@"; do
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -n 8 \
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS:-tests/} -p no:cacheprovider -n 8 \
         >"$LOGS/gpu-tests.log" 2>&1; r=$?
       grep -v Warning "$LOGS/gpu-tests.log" | grep -v warner | tail -15; rc=$((rc | r)) ;;
     sanitize)
@@ -35,6 +37,9 @@ for step in "$@"; do
       echo "example: exit $r"; tail -15 "$LOGS/example.log"; rc=$((rc | r)) ;;
     tune)
       timeout 240 python3 scripts/tune_schedules.py >"$LOGS/tune.log" 2>&1; tail -30 "$LOGS/tune.log" ;;
+    tune-attention|tune-spmm)
+      timeout ${STEP_TIMEOUT:-300} python3 scripts/${step/-/_}.py ${STEP_ARGS:-} >"$LOGS/$step.log" 2>&1; r=$?
+      echo "$step: exit $r"; tail -40 "$LOGS/$step.log" ;;
     profile)
       timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
     matmul)

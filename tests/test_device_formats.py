@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from pitgen import PlanError, ShapeError, compiler
 from pitgen.formats import CSR, Hyb
-from pitgen.graph_ops import (GROUPS, HYB_WIDTHS, _resolve, _rules, default_schedule,
+from pitgen.graph_ops import (GROUPS, HYB_WIDTHS, SPMM_UNROLL, _resolve, _rules, default_schedule,
                               schedule_space)
 from pitgen.device_formats import hyb_atomic
 from pitgen.render import render_template
@@ -50,9 +50,10 @@ def test_schedule_space_is_valid_and_holds_the_default(op, fmt, feat, dtype):
 
 
 def test_default_schedules():
-    assert default_schedule("spmm", "csr", 32, "float32") == {"group": 8, "vec": 4, "threads": 256}
+    assert default_schedule("spmm", "csr", 32, "float32") == {"group": 8, "vec": 4, "threads": 256,
+                                                              "unroll": SPMM_UNROLL}
     assert default_schedule("spmm", "csr", 512, "float16") == {"group": 32, "vec": 8,
-                                                              "threads": 256}
+                                                              "threads": 256, "unroll": SPMM_UNROLL}
     assert default_schedule("spmm", "ell", 33, "float16")["vec"] == 1
     assert default_schedule("sddmm", "hyb", 32, "float32") == {"group": 4, "vec": 4,
                                                               "threads": 256}
@@ -72,6 +73,10 @@ def test_schedule_errors():
         _resolve({"warps": 2}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="vec"):
         _resolve({"vec": 8}, "spmm", "csr", 32, "float32")
+    with pytest.raises(PlanError, match="unroll"):
+        _resolve({"unroll": 3}, "spmm", "csr", 32, "float32")
+    with pytest.raises(PlanError, match="unknown"):   # SDDMM has no gather loop to unroll
+        _resolve({"unroll": 4}, "sddmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="groups"):
         _resolve({"groups": [8, 8]}, "spmm", "hyb", 32, "float32")
     with pytest.raises(PlanError, match="threads"):
@@ -139,16 +144,16 @@ VARIANTS = {  # name: (template, context); each compiled for one architecture be
     "convert-f32-mask": ("convert.cu.j2", {"dtype": "float32", "src_dtype": "uint8"}),
     "convert-f16": ("convert.cu.j2", {"dtype": "float16", "src_dtype": "float16"}),
     "spmm-csr-f16": ("spmm.cu.j2", {"dtype": "float16", "fmt": "csr", "vec": 8, "threads": 256,
-                                    "group": 32, "out_f32": False}),
+                                    "group": 32, "unroll": 4, "out_f32": False}),
     "spmm-ell-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "ell", "vec": 1, "threads": 128,
-                                    "group": 4, "out_f32": False}),
+                                    "group": 4, "unroll": 1, "out_f32": False}),
     "spmm-bsr-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "bsr", "vec": 4, "threads": 256,
-                                    "group": 8, "block": 16, "out_f32": False}),
+                                    "group": 8, "unroll": 8, "block": 16, "out_f32": False}),
     "spmm-hyb-f16": ("spmm.cu.j2", {"dtype": "float16", "fmt": "hyb", "vec": 2, "threads": 256,
-                                    "out_f32": True,
+                                    "unroll": 2, "out_f32": True,
                                     "buckets": _hyb_buckets(2, 3, [4, 8, 16, 32], False)}),
     "spmm-hyb-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "hyb", "vec": 4, "threads": 128,
-                                    "out_f32": False,
+                                    "unroll": 4, "out_f32": False,
                                     "buckets": _hyb_buckets(1, 6, [8] * 7, True)}),
     "sddmm-bsr-f16": ("graph_sddmm.cu.j2", {"dtype": "float16", "fmt": "bsr", "vec": 8,
                                             "threads": 256, "group": 8, "block": 32}),

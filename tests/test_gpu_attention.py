@@ -48,16 +48,6 @@ def operands(rng, b, h, sq, sk, d, dtype):
     return q, k, v
 
 
-def sorted_ids(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """The GPU lists in ascending order, -1 past each count (comparable with the reference)."""
-    out = np.full_like(ids, -1)
-    for s in range(ids.shape[0]):
-        for qb in range(ids.shape[1]):
-            c = counts[s, qb]
-            out[s, qb, :c] = np.sort(ids[s, qb, :c])
-    return out
-
-
 def poison(monkeypatch):
     """Make torch.empty_like (the output allocation) return NaNs so unwritten rows show."""
     real = torch.empty_like
@@ -92,11 +82,8 @@ def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, d
     ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
     check(out, ref)
 
-    counts, ids = A.block_index(q, k, v, tmask)
-    rc, rids = A.block_index_reference(mask)
-    c = counts.cpu().numpy()
-    np.testing.assert_array_equal(c, rc)
-    np.testing.assert_array_equal(sorted_ids(c, ids.cpu().numpy()), rids)
+    states = A.block_index(q, k, v, tmask)
+    np.testing.assert_array_equal(states.cpu().numpy(), A.block_index_reference(mask))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -120,6 +107,9 @@ def test_mask_changes_every_call_and_index_reuse():
         ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
         check(A.sparse_attention(q, k, v, tm), ref)
         check(A.sparse_attention(q, k, v, tm, index=A.block_index(q, k, v, tm)), ref)
+        # any state byte but EMPTY and FULL reads as partial: masked element by element, exact
+        junk = torch.randint(3, 256, (1, 4, 4), dtype=torch.uint8, device="cuda")
+        check(A.sparse_attention(q, k, v, tm, index=junk), ref)
 
 
 def test_module_matches_multihead_attention():
@@ -179,6 +169,10 @@ def test_bad_input_is_refused_clearly():
     odd = torch.empty(2 * 64 * 64 + 4, dtype=torch.float16, device="cuda")[4:]
     with pytest.raises(pitgen.ShapeError, match="aligned"):
         A.sparse_attention(q, odd.view(1, 2, 64, 64), v, m)
+    with pytest.raises(pitgen.ShapeError, match="state map"):
+        A.sparse_attention(q, k, v, m, index=torch.zeros(1, 1, 1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(pitgen.ShapeError, match="state map"):
+        A.sparse_attention(q, k, v, m, index=torch.zeros(1, 2, 1, dtype=torch.uint8, device="cuda"))
     mod = pitgen.attention.SparseAttention(128, 2).cuda().half()
     x = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
     with pytest.raises(pitgen.PlanError, match="need_weights"):

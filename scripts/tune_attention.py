@@ -1,0 +1,70 @@
+"""Sweep the attention kernel's pipeline depth (stages) and register budget (CTAs per SM) per
+head dim on this GPU: fp16, B=1, 12 heads, sequence 4096, the three masks of
+bench_attention.py; compute-only time (index built once) and index time, CUDA events, median,
+L2 flushed. Prints one line per variant; pitgen/attention.py's STAGES and MIN_BLOCKS follow the
+results (docs/attention.md).
+
+    python scripts/tune_attention.py [--repeats N]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from bench import Timer
+from bench_attention import B, H, S, masks
+from pitgen import attention as A
+from pitgen.compiler import compile_source
+from pitgen.render import render_template
+from pitgen.runtime import device_arch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    timer = Timer(args.repeats)
+    print(torch.cuda.get_device_name())
+    ms = {name: torch.from_numpy(m).cuda() for name, m in masks(np.random.default_rng(0)).items()}
+    defaults = dict(A.STAGES), dict(A.MIN_BLOCKS)
+    variants = {64: [(s, b) for s in (2, 3, 4) for b in (2, 3, 4)],
+                128: [(s, b) for s in (2, 3, 4) for b in (1, 2)]}
+    # compile every variant in parallel first (the sweep then times kernels, not nvcc)
+    plans = [dataclasses.replace(A.plan_attention(B, H, S, S, d, "float16", (S, S)),
+                                 stages=s, min_blocks=b) for d in variants for s, b in variants[d]]
+    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        list(ex.map(lambda p: compile_source(render_template("attention.cu.j2", **p.context()),
+                                             device_arch()), plans))
+    for d in A.HEAD_DIMS:
+        q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        dense = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        print(f"D={d}: dense SDPA {dense:.4f} ms")
+        ref = {}
+        for stages, blocks in variants[d]:
+            A.STAGES[d], A.MIN_BLOCKS[d] = stages, blocks
+            try:
+                cells = []
+                for name, m in ms.items():
+                    idx = A.block_index(q, k, v, m)
+                    out = A.sparse_attention(q, k, v, m, index=idx)
+                    if name not in ref:
+                        ref[name] = out.float()
+                    err = float((out.float() - ref[name]).norm() / ref[name].norm())
+                    t = timer(lambda: A.sparse_attention(q, k, v, m, index=idx))
+                    t_idx = timer(lambda: A.block_index(q, k, v, m))
+                    cells.append(f"{name[:8]} {t:.4f}+{t_idx:.4f} ({(t + t_idx) / dense:.2f}x, "
+                                 f"err {err:.0e})")
+                print(f"  stages {stages} min_blocks {blocks}: " + " | ".join(cells), flush=True)
+            except Exception as e:  # noqa: BLE001 - a variant that does not fit is reported
+                print(f"  stages {stages} min_blocks {blocks}: {type(e).__name__}: {e}"[:200])
+    A.STAGES.update(defaults[0])
+    A.MIN_BLOCKS.update(defaults[1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Sweep SpMM's gather unroll (neighbours whose X rows one lane requests before using any) on
+the layouts and schedules bench_graphs.py's tuner chose (docs/bench/graphs.json), against
+cuSPARSE in the same run: CUDA events, median, L2 flushed. Prints one line per case and the
+geometric-mean speed-up per unroll; graph_ops.SPMM_UNROLL follows the results
+(docs/formats.md).
+
+    python scripts/tune_spmm.py [--results docs/bench/graphs.json] [--graphs DIR] [--skip G ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from bench import Timer
+from bench_graphs import device_csr, graph_file, rel_err
+from pitgen import graph_ops
+from pitgen.compiler import compile_source
+from pitgen.device_formats import DeviceCSR, to_format
+from pitgen.render import render_template
+from pitgen.runtime import device_arch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default="docs/bench/graphs.json")
+    ap.add_argument("--graphs", default=os.path.join(tempfile.gettempdir(), "pitgen-graphs"))
+    ap.add_argument("--skip", nargs="*", default=["ogbn-proteins", "reddit"])
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    os.makedirs(args.graphs, exist_ok=True)
+    rows = [r for r in json.load(open(args.results))["rows"]
+            if r["op"] == "spmm" and r["graph"] not in args.skip]
+    timer = Timer(args.repeats)
+    print(torch.cuda.get_device_name())
+    unrolls = graph_ops.UNROLLS
+    speed: dict[tuple[str, int], list[float]] = {}
+    graphs: dict[tuple[str, str], DeviceCSR] = {}
+    cases = []
+    for r in rows:   # layouts and operands first, so every variant compiles in one parallel pass
+        key = (r["graph"], r["dtype"])
+        if key not in graphs:
+            graphs[key] = device_csr(graph_file(r["graph"], args.graphs), r["dtype"])
+        a = graphs[key]
+        m = to_format(a, r["choice"], **r["params"])
+        tdt = getattr(torch, r["dtype"])
+        x = torch.randn(a.shape[1], r["feat"], device="cuda").to(tdt)
+        y = torch.empty(a.shape[0], r["feat"], device="cuda", dtype=tdt)
+        scheds = [{**r["schedule"], "unroll": u} for u in unrolls]
+        cases.append((r, a, m, x, y, scheds))
+    sources = {render_template("spmm.cu.j2", **graph_ops.spmm_context(
+        m, s, graph_ops._vec_for(s["vec"], r["feat"], r["dtype"], x, y)))
+        for r, a, m, x, y, scheds in cases for s in scheds}
+    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        list(ex.map(lambda src: compile_source(src, device_arch()), sources))
+    print(f"{len(sources)} variants compiled", flush=True)
+    for r, a, m, x, y, scheds in cases:
+        a_t = a.to_torch()
+        ref = torch.sparse.mm(a_t, x)
+        peer = timer(lambda: torch.sparse.mm(a_t, x))
+        cells = []
+        for u, s in zip(unrolls, scheds):
+            y.fill_(float("nan"))
+            graph_ops.spmm(m, x, schedule=s, out=y)
+            err = rel_err(y, ref)
+            t = timer(lambda: graph_ops.spmm(m, x, schedule=s, out=y))
+            speed.setdefault((r["dtype"], u), []).append(peer / t if err < 1e-2 else 0.0)
+            cells.append(f"u{u} {t:.4f} ({peer / t:.2f}x{'' if err < 1e-2 else ' WRONG'})")
+        print(f"{r['graph']:14s} {r['dtype']} F={r['feat']:3d} {r['choice']} peer {peer:.4f} | "
+              + " | ".join(cells), flush=True)
+    for (dtype, u), xs in sorted(speed.items()):
+        g = math.exp(sum(math.log(max(v, 1e-9)) for v in xs) / len(xs))
+        print(f"geomean {dtype} unroll {u}: {g:.3f}x over {len(xs)} cases")
+
+
+if __name__ == "__main__":
+    main()
