@@ -37,9 +37,10 @@ def main() -> None:
     # compile every variant in parallel first (the sweep then times kernels, not nvcc)
     plans = [dataclasses.replace(A.plan_attention(B, H, S, S, d, "float16", (S, S)),
                                  stages=s, min_blocks=b) for d in variants for s, b in variants[d]]
+    arch = device_arch()   # in this thread: PyCUDA's context is current only here
     with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
         list(ex.map(lambda p: compile_source(render_template("attention.cu.j2", **p.context()),
-                                             device_arch()), plans))
+                                             arch), plans))
     for d in A.HEAD_DIMS:
         q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=torch.float16) for _ in range(3))
         dense = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))

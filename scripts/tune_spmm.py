@@ -56,8 +56,9 @@ def main() -> None:
     sources = {render_template("spmm.cu.j2", **graph_ops.spmm_context(
         m, s, graph_ops._vec_for(s["vec"], r["feat"], r["dtype"], x, y)))
         for r, a, m, x, y, scheds in cases for s in scheds}
+    arch = device_arch()   # in this thread: PyCUDA's context is current only here
     with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        list(ex.map(lambda src: compile_source(src, device_arch()), sources))
+        list(ex.map(lambda src: compile_source(src, arch), sources))
     print(f"{len(sources)} variants compiled", flush=True)
     for r, a, m, x, y, scheds in cases:
         a_t = a.to_torch()
