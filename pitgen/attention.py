@@ -152,7 +152,7 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
         raise ShapeError(f"batch {batch} or heads {heads} exceeds the grid limit 65535")
     if max(batch * heads * max(sq, sk) * d, mb * mh * sq * sk) >= 2 ** 62:
         raise ShapeError("problem too large for 64-bit offsets")
-    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh)
+    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM)
     if plan.smem > SMEM_LIMIT:
         raise ShapeError(f"Sk={sk} keys make a block list of {plan.n_kb} entries that does not fit "
                          f"shared memory; sparse_attention runs Sk up to "

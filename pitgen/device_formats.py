@@ -411,8 +411,21 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     count64 = count.to(torch.int64)
     gstart = (torch.cumsum(count64, 0) - count64).to(torch.int32)
     any_cut = (count > cap).any().to(torch.int64).view(1)
-    host = torch.cat([bucket_rows, any_cut]).tolist()  # the one sync: sizes the buckets
+    # Rows that several bucket rows share (every non-empty row when c > 1, cut rows when c == 1)
+    # accumulate in an fp32 workspace row ws_index[row]; they and the empty rows are "fix" rows
+    # that SpMM's finish pass writes. Every other row is stored once by its bucket row.
+    per_row = count.view(n_rows, c)
+    nonempty = (per_row > 0).any(1)
+    shared = nonempty if c > 1 else per_row[:, 0] > cap
+    fix = shared | ~nonempty
+    ws_index = torch.where(shared, torch.cumsum(shared, 0) - 1, -1).to(torch.int32)
+    fix_rows = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
+    fix_rows.scatter_(0, torch.where(fix, torch.cumsum(fix, 0) - 1, n_rows),
+                      torch.arange(n_rows, dtype=torch.int32, device=dev))
+    sizes = torch.stack([shared.sum(), fix.sum()]).to(torch.int64)
+    host = torch.cat([bucket_rows, any_cut, sizes]).tolist()  # the one sync: sizes the buffers
     rows_h, cut = host[:nb], bool(host[nb])
+    n_ws, n_fix = host[nb + 1], host[nb + 2]
     widths_h = [1 << (b % (k + 1)) for b in range(nb)]
     n_brows = sum(rows_h)
     n_slots = sum(r * w for r, w in zip(rows_h, widths_h))
@@ -432,9 +445,10 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     slot_offsets = np.concatenate([[0], np.cumsum(slot_sizes)[:-1]]).astype(int).tolist()
     info = {"c": c, "k": k, "bucket_rows": rows_h, "widths": widths_h,
             "row_offsets": row_offsets, "slot_offsets": slot_offsets, "brows": n_brows,
-            "slots": n_slots, "any_cut": cut,
+            "slots": n_slots, "any_cut": cut, "ws_rows": n_ws, "fix_rows": n_fix,
             "atomic": [hyb_atomic(c, k, w, cut) for w in widths_h],
             "padding_ratio": n_slots / csr.nnz if csr.nnz else 1.0}
     return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, csr.nnz, csr.dtype,
                         {"table": table, "brow_row": brow_row, "cols": cols, "vals": vals,
-                         "perm": perm, "slot_row": slot_row}, csr, info)
+                         "perm": perm, "slot_row": slot_row, "ws_index": ws_index,
+                         "fix_rows": fix_rows[:n_fix]}, csr, info)

@@ -28,8 +28,12 @@ THREADS = (128, 256)
 HYB_WIDTHS = 7  # hyb "groups": one lane count per bucket width 1, 2, 4, ..., 64
 #: SpMM neighbours gathered at once per lane (loads in flight); SPMM_UNROLL is the default.
 UNROLLS = (1, 2, 4, 8)
-SPMM_UNROLL = 4
+SPMM_UNROLL = 2
+#: SpMM vectors per lane per pass, at most (``packs``): a row's features in fewer passes.
+PACKS = (1, 2, 4)
+SPMM_PACKS = 4
 SPMM_SIGNATURE = {"pit_spmm": "PPPPPPiiiii"}
+HYB_SPMM_SIGNATURE = {"pit_spmm": "PPPPPPPPiiiiii", "pit_spmm_finish": "PiPiPPii"}
 SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
 
 
@@ -84,11 +88,11 @@ def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
                 ramp = [max(groups[0], min(groups[-1], 1 << e)) for e in range(HYB_WIDTHS)]
                 if ramp not in choices:
                     choices.append(ramp)
-                out += [{"groups": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL}
-                        for g in choices]
+                out += [{"groups": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL,
+                         "packs": SPMM_PACKS} for g in choices]
             elif op == "spmm":
-                out += [{"group": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL}
-                        for g in groups]
+                out += [{"group": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL,
+                         "packs": SPMM_PACKS} for g in groups]
             else:
                 out += [{"group": g, "vec": vec, "threads": threads} for g in groups]
     return out
@@ -103,9 +107,11 @@ def default_schedule(op: str, fmt: str, feat: int, dtype: str) -> dict:
     group = next((g for g in GROUPS if g >= loads), GROUPS[-1])
     group = max(g for g in _useful_groups(feat, vec) if g <= group)
     if op == "spmm" and fmt == "hyb":
-        return {"groups": [group] * HYB_WIDTHS, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL}
+        return {"groups": [group] * HYB_WIDTHS, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL,
+                "packs": SPMM_PACKS}
     if op == "spmm":
-        return {"group": group, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL}
+        return {"group": group, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL,
+                "packs": SPMM_PACKS}
     return {"group": group, "vec": vec, "threads": 256}
 
 
@@ -129,6 +135,8 @@ def _resolve(schedule: Mapping | None, op: str, fmt: str, feat: int, dtype: str)
         raise PlanError(f"group sizes must be in {GROUPS}, got {gs!r}")
     if "unroll" in s and s["unroll"] not in UNROLLS:
         raise PlanError(f"unroll must be one of {UNROLLS}, got {s['unroll']!r}")
+    if "packs" in s and s["packs"] not in PACKS:
+        raise PlanError(f"packs must be one of {PACKS}, got {s['packs']!r}")
     return s
 
 
@@ -148,17 +156,23 @@ def _matrix(a: DeviceMatrix | DeviceCSR) -> DeviceMatrix:
     return a
 
 
-def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int) -> dict:
-    """Template context of the SpMM kernel for this matrix, schedule and vector width."""
+def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
+    """Template context of the SpMM kernel for this matrix, schedule, vector width and feature
+    size (a body of g lanes takes min(packs, ceil(F / (g * vec))) vectors per lane per pass)."""
+    def packs(group: int) -> int:
+        return max(1, min(sched["packs"], -(-feat // (group * vec))))
+
     ctx = {"dtype": m.dtype, "fmt": m.fmt, "vec": vec, "threads": sched["threads"],
-           "unroll": sched["unroll"], "out_f32": False}
+           "unroll": sched["unroll"]}
     if m.fmt == "hyb":
         k = m.params["k"]
-        ctx["buckets"] = [{"width": w, "group": sched["groups"][b % (k + 1)], "atomic": at}
-                          for b, (w, at) in enumerate(zip(m.info["widths"], m.info["atomic"]))]
-        ctx["out_f32"] = m.dtype == "float16" and any(m.info["atomic"])
+        ctx["buckets"] = []
+        for b, (w, at) in enumerate(zip(m.info["widths"], m.info["atomic"])):
+            g = sched["groups"][b % (k + 1)]
+            ctx["buckets"].append({"width": w, "group": g, "packs": packs(g), "atomic": at})
     else:
         ctx["group"] = sched["group"]
+        ctx["packs"] = packs(sched["group"])
     if m.fmt == "bsr":
         ctx["block"] = m.params["block"]
     return ctx
@@ -185,36 +199,39 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
     _rules("spmm")
     sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
     vec = _vec_for(sched["vec"], feat, m.dtype, x, out)
-    ctx = spmm_context(m, sched, vec)
-    kern = load_kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
+    ctx = spmm_context(m, sched, vec, feat)
     b, threads = m.buffers, sched["threads"]
-    target = out
-    if m.fmt == "hyb":
-        if ctx["out_f32"]:
-            target = torch.zeros((n_rows, feat), dtype=torch.float32, device=x.device)
-        else:
-            out.zero_()  # rows in no bucket (empty rows) stay zero
-        grid = sum(-(-rows // (threads // ctx_b["group"]))
-                   for rows, ctx_b in zip(m.info["bucket_rows"], ctx["buckets"]))
-        args = (b["brow_row"], b["cols"], b["vals"], b["table"], x, target,
-                n_rows, n_cols, m.info["slots"], m.info["brows"], feat)
-    else:
-        grid = -(-n_rows // (threads // sched["group"]))
-        if m.fmt == "csr":
-            args = (b["indptr"], b["indices"], b["values"], 0, x, out,
-                    n_rows, n_cols, m.nnz, 0, feat)
-        elif m.fmt == "ell":
-            args = (0, b["cols"], b["vals"], 0, x, out,
-                    n_rows, n_cols, m.info["slots"], m.info["width"], feat)
-        else:
-            args = (b["indptr"], b["bcols"], b["blocks"], 0, x, out,
-                    n_rows, n_cols, m.info["slots"], m.info["blocks"], feat)
+    if m.fmt == "hyb":  # the workspace is zeroed on torch's stream, before the launches' twin
+        n_ws, n_fix = m.info["ws_rows"], m.info["fix_rows"]
+        ws = torch.zeros((max(n_ws, 1), feat), dtype=torch.float32, device=x.device)
     with TorchLaunch() as tl:
+        if m.fmt == "hyb":
+            kern = load_kernels("spmm.cu.j2", HYB_SPMM_SIGNATURE, **ctx)
+            grid = sum(-(-rows // (threads // ctx_b["group"]))
+                       for rows, ctx_b in zip(m.info["bucket_rows"], ctx["buckets"]))
+            args = (b["brow_row"], b["cols"], b["vals"], b["table"], x, out, ws, b["ws_index"],
+                    n_rows, n_cols, m.info["slots"], m.info["brows"], n_ws, feat)
+            finish = (b["fix_rows"], n_fix, b["ws_index"], n_ws, ws, out, n_rows, feat)
+        else:
+            kern = load_kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
+            grid = -(-n_rows // (threads // sched["group"]))
+            if m.fmt == "csr":
+                args = (b["indptr"], b["indices"], b["values"], 0, x, out,
+                        n_rows, n_cols, m.nnz, 0, feat)
+            elif m.fmt == "ell":
+                args = (0, b["cols"], b["vals"], 0, x, out,
+                        n_rows, n_cols, m.info["slots"], m.info["width"], feat)
+            else:
+                args = (b["indptr"], b["bcols"], b["blocks"], 0, x, out,
+                        n_rows, n_cols, m.info["slots"], m.info["blocks"], feat)
+            finish = None
         tl.keep(*(t for t in args if hasattr(t, "data_ptr")))
         kern.launch("pit_spmm", (grid, 1, 1), (threads, 1, 1), tl.stream,
                     *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in args))
-    if target is not out:
-        out.copy_(target)
+        if finish is not None:
+            blocks = min(-(-n_fix * feat // threads), 65535)
+            kern.launch("pit_spmm_finish", (blocks, 1, 1), (threads, 1, 1), tl.stream,
+                        *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in finish))
     return out
 
 

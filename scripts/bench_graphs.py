@@ -224,7 +224,7 @@ def warm_sources() -> list[tuple[str, dict]]:
                                   "atomic": [hyb_atomic(c, k, w, cut) for w in widths]}))
                 for m in layouts:
                     sched = graph_ops.default_schedule("spmm", fmt, feat, dtype)
-                    ctx = graph_ops.spmm_context(m, sched, sched["vec"])
+                    ctx = graph_ops.spmm_context(m, sched, sched["vec"], feat)
                     out[repr(("spmm", sorted(ctx.items())))] = ("spmm.cu.j2", ctx)
                     sched = graph_ops.default_schedule("sddmm", fmt, feat, dtype)
                     ctx = {"dtype": dtype, "fmt": fmt, "vec": sched["vec"],

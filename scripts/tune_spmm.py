@@ -1,7 +1,8 @@
-"""Sweep SpMM's gather unroll (neighbours whose X rows one lane requests before using any) on
+"""Sweep SpMM's gather unroll (neighbours whose X rows one lane requests before using any) and
+packs (feature vectors per lane per pass) on
 the layouts and schedules bench_graphs.py's tuner chose (docs/bench/graphs.json), against
 cuSPARSE in the same run: CUDA events, median, L2 flushed. Prints one line per case and the
-geometric-mean speed-up per unroll; graph_ops.SPMM_UNROLL follows the results
+geometric-mean speed-up per variant; graph_ops.SPMM_UNROLL and SPMM_PACKS follow the results
 (docs/formats.md).
 
     python scripts/tune_spmm.py [--results docs/bench/graphs.json] [--graphs DIR] [--skip G ...]
@@ -38,8 +39,8 @@ def main() -> None:
             if r["op"] == "spmm" and r["graph"] not in args.skip]
     timer = Timer(args.repeats)
     print(torch.cuda.get_device_name())
-    unrolls = graph_ops.UNROLLS
-    speed: dict[tuple[str, int], list[float]] = {}
+    variants = [(1, 1), (2, 1), (2, 4), (4, 4)]   # (unroll, packs)
+    speed: dict[tuple[str, int, int], list[float]] = {}
     graphs: dict[tuple[str, str], DeviceCSR] = {}
     cases = []
     for r in rows:   # layouts and operands first, so every variant compiles in one parallel pass
@@ -51,10 +52,10 @@ def main() -> None:
         tdt = getattr(torch, r["dtype"])
         x = torch.randn(a.shape[1], r["feat"], device="cuda").to(tdt)
         y = torch.empty(a.shape[0], r["feat"], device="cuda", dtype=tdt)
-        scheds = [{**r["schedule"], "unroll": u} for u in unrolls]
+        scheds = [{**r["schedule"], "unroll": u, "packs": p} for u, p in variants]
         cases.append((r, a, m, x, y, scheds))
     sources = {render_template("spmm.cu.j2", **graph_ops.spmm_context(
-        m, s, graph_ops._vec_for(s["vec"], r["feat"], r["dtype"], x, y)))
+        m, s, graph_ops._vec_for(s["vec"], r["feat"], r["dtype"], x, y), r["feat"]))
         for r, a, m, x, y, scheds in cases for s in scheds}
     arch = device_arch()   # in this thread: PyCUDA's context is current only here
     with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
@@ -65,18 +66,18 @@ def main() -> None:
         ref = torch.sparse.mm(a_t, x)
         peer = timer(lambda: torch.sparse.mm(a_t, x))
         cells = []
-        for u, s in zip(unrolls, scheds):
+        for (u, p), s in zip(variants, scheds):
             y.fill_(float("nan"))
             graph_ops.spmm(m, x, schedule=s, out=y)
             err = rel_err(y, ref)
             t = timer(lambda: graph_ops.spmm(m, x, schedule=s, out=y))
-            speed.setdefault((r["dtype"], u), []).append(peer / t if err < 1e-2 else 0.0)
-            cells.append(f"u{u} {t:.4f} ({peer / t:.2f}x{'' if err < 1e-2 else ' WRONG'})")
+            speed.setdefault((r["dtype"], u, p), []).append(peer / t if err < 1e-2 else 0.0)
+            cells.append(f"u{u}p{p} {t:.4f} ({peer / t:.2f}x{'' if err < 1e-2 else ' WRONG'})")
         print(f"{r['graph']:14s} {r['dtype']} F={r['feat']:3d} {r['choice']} peer {peer:.4f} | "
               + " | ".join(cells), flush=True)
-    for (dtype, u), xs in sorted(speed.items()):
+    for (dtype, u, p), xs in sorted(speed.items()):
         g = math.exp(sum(math.log(max(v, 1e-9)) for v in xs) / len(xs))
-        print(f"geomean {dtype} unroll {u}: {g:.3f}x over {len(xs)} cases")
+        print(f"geomean {dtype} unroll {u} packs {p}: {g:.3f}x over {len(xs)} cases")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from pitgen import PlanError, ShapeError, compiler
 from pitgen.formats import CSR, Hyb
-from pitgen.graph_ops import (GROUPS, HYB_WIDTHS, SPMM_UNROLL, _resolve, _rules, default_schedule,
+from pitgen.graph_ops import (GROUPS, HYB_WIDTHS, SPMM_PACKS, SPMM_UNROLL, _resolve, _rules, default_schedule,
                               schedule_space)
 from pitgen.device_formats import hyb_atomic
 from pitgen.render import render_template
@@ -51,9 +51,10 @@ def test_schedule_space_is_valid_and_holds_the_default(op, fmt, feat, dtype):
 
 def test_default_schedules():
     assert default_schedule("spmm", "csr", 32, "float32") == {"group": 8, "vec": 4, "threads": 256,
-                                                              "unroll": SPMM_UNROLL}
+                                                              "unroll": SPMM_UNROLL, "packs": SPMM_PACKS}
     assert default_schedule("spmm", "csr", 512, "float16") == {"group": 32, "vec": 8,
-                                                              "threads": 256, "unroll": SPMM_UNROLL}
+                                                              "threads": 256, "unroll": SPMM_UNROLL,
+                                                              "packs": SPMM_PACKS}
     assert default_schedule("spmm", "ell", 33, "float16")["vec"] == 1
     assert default_schedule("sddmm", "hyb", 32, "float32") == {"group": 4, "vec": 4,
                                                               "threads": 256}
@@ -75,6 +76,8 @@ def test_schedule_errors():
         _resolve({"vec": 8}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="unroll"):
         _resolve({"unroll": 3}, "spmm", "csr", 32, "float32")
+    with pytest.raises(PlanError, match="packs"):
+        _resolve({"packs": 8}, "spmm", "hyb", 32, "float32")
     with pytest.raises(PlanError, match="unknown"):   # SDDMM has no gather loop to unroll
         _resolve({"unroll": 4}, "sddmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="groups"):
@@ -136,7 +139,7 @@ def test_hyb_bucket_rows_follow_the_sort_key(rows, cols, c, k, seed):
 # -- rendering and compilation -----------------------------------------------------------------
 
 def _hyb_buckets(c: int, k: int, groups: list[int], cut: bool) -> list[dict]:
-    return [{"width": 1 << (b % (k + 1)), "group": groups[b % (k + 1)],
+    return [{"width": 1 << (b % (k + 1)), "group": groups[b % (k + 1)], "packs": 1 + b % 2,
              "atomic": hyb_atomic(c, k, 1 << (b % (k + 1)), cut)} for b in range(c * (k + 1))]
 
 
@@ -144,16 +147,17 @@ VARIANTS = {  # name: (template, context); each compiled for one architecture be
     "convert-f32-mask": ("convert.cu.j2", {"dtype": "float32", "src_dtype": "uint8"}),
     "convert-f16": ("convert.cu.j2", {"dtype": "float16", "src_dtype": "float16"}),
     "spmm-csr-f16": ("spmm.cu.j2", {"dtype": "float16", "fmt": "csr", "vec": 8, "threads": 256,
-                                    "group": 32, "unroll": 4, "out_f32": False}),
+                                    "group": 32, "unroll": 4, "packs": 2}),
     "spmm-ell-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "ell", "vec": 1, "threads": 128,
-                                    "group": 4, "unroll": 1, "out_f32": False}),
+                                    "group": 4, "unroll": 1, "packs": 1}),
     "spmm-bsr-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "bsr", "vec": 4, "threads": 256,
-                                    "group": 8, "unroll": 8, "block": 16, "out_f32": False}),
+                                    "group": 8, "unroll": 8, "packs": 4,
+                                    "block": 16}),
     "spmm-hyb-f16": ("spmm.cu.j2", {"dtype": "float16", "fmt": "hyb", "vec": 2, "threads": 256,
-                                    "unroll": 2, "out_f32": True,
+                                    "unroll": 2,
                                     "buckets": _hyb_buckets(2, 3, [4, 8, 16, 32], False)}),
     "spmm-hyb-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "hyb", "vec": 4, "threads": 128,
-                                    "unroll": 4, "out_f32": False,
+                                    "unroll": 4,
                                     "buckets": _hyb_buckets(1, 6, [8] * 7, True)}),
     "sddmm-bsr-f16": ("graph_sddmm.cu.j2", {"dtype": "float16", "fmt": "bsr", "vec": 8,
                                             "threads": 256, "group": 8, "block": 32}),
@@ -177,7 +181,8 @@ def test_templates_render_every_variant():
     hyb = render_template(*VARIANTS["spmm-hyb-f32"][0:1], **VARIANTS["spmm-hyb-f32"][1])
     # one fused launch, one body per bucket; atomics only in the widest bucket (cut rows)
     assert hyb.count("hyb_bucket<") == 7
-    assert "hyb_bucket<64, 8, true>" in hyb and "hyb_bucket<32, 8, false>" in hyb
+    assert "hyb_bucket<64, 8, 1, true>" in hyb and "hyb_bucket<32, 8, 2, false>" in hyb
+    assert "pit_spmm_finish(" in hyb
 
 
 @needs_nvcc
