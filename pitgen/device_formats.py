@@ -410,13 +410,15 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     slot_off = torch.cumsum(bucket_rows * widths, 0) - bucket_rows * widths
     count64 = count.to(torch.int64)
     gstart = (torch.cumsum(count64, 0) - count64).to(torch.int32)
-    any_cut = (count > cap).any().to(torch.int64).view(1)
-    # Rows that several bucket rows share (every non-empty row when c > 1, cut rows when c == 1)
-    # accumulate in an fp32 workspace row ws_index[row]; they and the empty rows are "fix" rows
-    # that SpMM's finish pass writes. Every other row is stored once by its bucket row.
+    cut_any = (count > cap).any()
+    any_cut = cut_any.to(torch.int64).view(1)
+    # Rows of the buckets whose writes may collide (hyb_atomic: every bucket when c > 1, the
+    # widest one when some row is cut) accumulate in an fp32 workspace row ws_index[row]; they
+    # and the empty rows are "fix" rows that SpMM's finish pass writes. Every other row is
+    # stored once, directly, by its only bucket row.
     per_row = count.view(n_rows, c)
     nonempty = (per_row > 0).any(1)
-    shared = nonempty if c > 1 else per_row[:, 0] > cap
+    shared = nonempty if c > 1 else (per_row[:, 0] > cap // 2) & cut_any
     fix = shared | ~nonempty
     ws_index = torch.where(shared, torch.cumsum(shared, 0) - 1, -1).to(torch.int32)
     fix_rows = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)

@@ -321,6 +321,19 @@ class Hyb:
                 needs_atomics=bool(c > 1 or br_cut[lo:hi].any())))
         return hyb
 
+    def shared_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The GPU SpMM's row split: ``ws_index[row]`` numbers (ascending) the rows of buckets
+        that need atomics, which accumulate in a workspace, -1 elsewhere; ``fix_rows`` lists
+        those rows and the rows in no bucket (empty), which a finish pass writes."""
+        n_rows = self.shape[0]
+        shared = np.zeros(n_rows, bool)
+        present = np.zeros(n_rows, bool)
+        for bk in self.buckets:
+            present[bk.row_ids] = True
+            shared[bk.row_ids] |= bk.needs_atomics
+        ws_index = np.where(shared, np.cumsum(shared) - 1, -1)
+        return ws_index, np.flatnonzero(shared | ~present)
+
     def to_dense(self) -> np.ndarray:
         """Sum of every bucket's contribution (cut rows and parts add up to the original)."""
         out = np.zeros(self.shape)

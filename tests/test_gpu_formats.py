@@ -102,19 +102,6 @@ def assert_same_layout(got, want, fmt: str) -> None:
             assert g.needs_atomics == w.needs_atomics
 
 
-def expected_fix_rows(csr: fm.CSR, c: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """hyb's shared rows (several bucket rows: any non-empty row when c > 1, a row longer than
-    2^k when c == 1) numbered in order, and the rows SpMM's finish pass writes (shared or empty)."""
-    rows, cols = csr.shape
-    part = max(1, -(-cols // c))
-    count = np.zeros((rows, c), int)
-    np.add.at(count, (csr.row_ids(), csr.indices // part), 1)
-    nonempty = count.sum(1) > 0
-    shared = nonempty if c > 1 else count[:, 0] > (1 << k)
-    ws_index = np.where(shared, np.cumsum(shared) - 1, -1)
-    return ws_index, np.flatnonzero(shared | ~nonempty)
-
-
 @GPU_SETTINGS
 @given(matrices(), st.sampled_from(DTYPES))
 def test_conversions_match_numpy_reference(csr, dtype):
@@ -126,7 +113,7 @@ def test_conversions_match_numpy_reference(csr, dtype):
         assert_same_layout(m.to_host(), reference_layout(ref, fmt, params), fmt)
         np.testing.assert_array_equal(m.to_dense().double().cpu().numpy(), ref.to_dense())
         if fmt == "hyb":
-            ws_index, fix_rows = expected_fix_rows(csr, **params)
+            ws_index, fix_rows = reference_layout(ref, fmt, params).shared_rows()
             np.testing.assert_array_equal(m.buffers["ws_index"].cpu().numpy(), ws_index)
             np.testing.assert_array_equal(m.buffers["fix_rows"].cpu().numpy(), fix_rows)
             assert m.info["ws_rows"] == (ws_index >= 0).sum()
