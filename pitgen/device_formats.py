@@ -200,6 +200,8 @@ class DeviceMatrix:
     buffers: dict[str, Any]
     source: DeviceCSR
     info: dict[str, Any] = field(default_factory=dict)
+    #: per torch stream: hyb (c == 1) cut-row counters that SpMM launches on it share
+    counters: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def with_values(self, values: Any) -> DeviceMatrix:
         """The same layout filled from new CSR-order values [nnz] on the GPU (no sync)."""
@@ -410,24 +412,39 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     slot_off = torch.cumsum(bucket_rows * widths, 0) - bucket_rows * widths
     count64 = count.to(torch.int64)
     gstart = (torch.cumsum(count64, 0) - count64).to(torch.int32)
-    cut_any = (count > cap).any()
-    any_cut = cut_any.to(torch.int64).view(1)
-    # Rows of the buckets whose writes may collide (hyb_atomic: every bucket when c > 1, the
-    # widest one when some row is cut) accumulate in an fp32 workspace row ws_index[row]; they
-    # and the empty rows are "fix" rows that SpMM's finish pass writes. Every other row is
-    # stored once, directly, by its only bucket row.
+    any_cut = (count > cap).any().to(torch.int64).view(1)
+    # How SpMM writes each row (Hyb.write_plan states it in NumPy). c > 1: a non-empty row has
+    # a bucket row per column part; they add into an fp32 workspace row ws_index[row] and a
+    # finish pass writes every row ("fix" rows). c == 1: the pieces of a cut row store partial
+    # rows (cut_info[cut_index[row]] = first bucket row, pieces, first partial row) and the last
+    # piece to finish sums them; other rows have one bucket row that stores them directly, and
+    # the empty rows (the fix rows here) are zeroed in the same launch. Compact lists come from
+    # scatters, so the one sync below sizes everything.
     per_row = count.view(n_rows, c)
     nonempty = (per_row > 0).any(1)
-    shared = nonempty if c > 1 else (per_row[:, 0] > cap // 2) & cut_any
-    fix = shared | ~nonempty
-    ws_index = torch.where(shared, torch.cumsum(shared, 0) - 1, -1).to(torch.int32)
+    row_ids = torch.arange(n_rows, dtype=torch.int32, device=dev)
+
+    def numbering(flag: Any) -> Any:   # position among the flagged rows, n_rows elsewhere
+        return torch.where(flag, torch.cumsum(flag, 0) - 1, n_rows)
+
+    shared = nonempty if c > 1 else torch.zeros_like(nonempty)
+    cut = per_row[:, 0] > cap if c == 1 else torch.zeros_like(nonempty)
+    fix = nonempty.logical_not() | shared
+    ws_index = torch.where(shared, numbering(shared), -1).to(torch.int32)
+    cut_index = torch.where(cut, numbering(cut), -1).to(torch.int32)
     fix_rows = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
-    fix_rows.scatter_(0, torch.where(fix, torch.cumsum(fix, 0) - 1, n_rows),
-                      torch.arange(n_rows, dtype=torch.int32, device=dev))
-    sizes = torch.stack([shared.sum(), fix.sum()]).to(torch.int64)
+    fix_rows.scatter_(0, numbering(fix), row_ids)
+    row_pieces = torch.where(cut, pieces, 0).to(torch.int64) if c == 1 else \
+        torch.zeros(n_rows, dtype=torch.int64, device=dev)
+    cut_info = torch.zeros((n_rows + 1, 3), dtype=torch.int32, device=dev)
+    if c == 1:
+        cut_info[numbering(cut)] = torch.stack(
+            [first, row_pieces.to(torch.int32),
+             (torch.cumsum(row_pieces, 0) - row_pieces).to(torch.int32)], 1)
+    sizes = torch.stack([shared.sum(), fix.sum(), cut.sum(), row_pieces.sum()]).to(torch.int64)
     host = torch.cat([bucket_rows, any_cut, sizes]).tolist()  # the one sync: sizes the buffers
-    rows_h, cut = host[:nb], bool(host[nb])
-    n_ws, n_fix = host[nb + 1], host[nb + 2]
+    rows_h, cut_h = host[:nb], bool(host[nb])
+    n_ws, n_fix, n_cut, n_partials = host[nb + 1:nb + 5]
     widths_h = [1 << (b % (k + 1)) for b in range(nb)]
     n_brows = sum(rows_h)
     n_slots = sum(r * w for r, w in zip(rows_h, widths_h))
@@ -447,10 +464,12 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     slot_offsets = np.concatenate([[0], np.cumsum(slot_sizes)[:-1]]).astype(int).tolist()
     info = {"c": c, "k": k, "bucket_rows": rows_h, "widths": widths_h,
             "row_offsets": row_offsets, "slot_offsets": slot_offsets, "brows": n_brows,
-            "slots": n_slots, "any_cut": cut, "ws_rows": n_ws, "fix_rows": n_fix,
-            "atomic": [hyb_atomic(c, k, w, cut) for w in widths_h],
+            "slots": n_slots, "any_cut": cut_h, "ws_rows": n_ws, "fix_rows": n_fix,
+            "cut_rows": n_cut, "partial_rows": n_partials,
+            "atomic": [hyb_atomic(c, k, w, cut_h) for w in widths_h],
             "padding_ratio": n_slots / csr.nnz if csr.nnz else 1.0}
     return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, csr.nnz, csr.dtype,
                         {"table": table, "brow_row": brow_row, "cols": cols, "vals": vals,
                          "perm": perm, "slot_row": slot_row, "ws_index": ws_index,
-                         "fix_rows": fix_rows[:n_fix]}, csr, info)
+                         "fix_rows": fix_rows[:n_fix], "cut_index": cut_index,
+                         "cut_info": cut_info[:n_cut]}, csr, info)

@@ -321,18 +321,33 @@ class Hyb:
                 needs_atomics=bool(c > 1 or br_cut[lo:hi].any())))
         return hyb
 
-    def shared_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The GPU SpMM's row split: ``ws_index[row]`` numbers (ascending) the rows of buckets
-        that need atomics, which accumulate in a workspace, -1 elsewhere; ``fix_rows`` lists
-        those rows and the rows in no bucket (empty), which a finish pass writes."""
+    def write_plan(self) -> dict[str, np.ndarray]:
+        """How the GPU SpMM writes each row (device_formats builds the same arrays on the GPU).
+        c > 1: ``ws_index`` numbers the non-empty rows, whose parts add into workspace rows, and
+        ``fix_rows`` (every row) are written by a finish pass. c == 1: ``cut_index`` numbers the
+        rows cut into pieces and ``cut_info`` holds (first bucket row, pieces, first partial row)
+        per cut row; ``fix_rows`` are the empty rows; every other row has one bucket row."""
         n_rows = self.shape[0]
-        shared = np.zeros(n_rows, bool)
-        present = np.zeros(n_rows, bool)
+        brows = np.zeros(n_rows, np.int64)   # bucket rows per row
+        first = np.full(n_rows, -1, np.int64)
+        offset = 0
         for bk in self.buckets:
-            present[bk.row_ids] = True
-            shared[bk.row_ids] |= bk.needs_atomics
-        ws_index = np.where(shared, np.cumsum(shared) - 1, -1)
-        return ws_index, np.flatnonzero(shared | ~present)
+            ids = bk.row_ids.astype(np.int64)
+            np.add.at(brows, ids, 1)
+            rows, at = np.unique(ids, return_index=True)   # each row's first bucket row here
+            fresh = first[rows] < 0
+            first[rows[fresh]] = offset + at[fresh]
+            offset += ids.size
+        shared = brows > 0 if self.c > 1 else np.zeros(n_rows, bool)
+        cut = (brows > 1) if self.c == 1 else np.zeros(n_rows, bool)
+        pieces = np.where(cut, brows, 0)
+        base = np.cumsum(pieces) - pieces
+        return {
+            "ws_index": np.where(shared, np.cumsum(shared) - 1, -1),
+            "fix_rows": np.flatnonzero(shared | (brows == 0)),
+            "cut_index": np.where(cut, np.cumsum(cut) - 1, -1),
+            "cut_info": np.stack([first, pieces, base], 1)[cut].reshape(-1, 3),
+        }
 
     def to_dense(self) -> np.ndarray:
         """Sum of every bucket's contribution (cut rows and parts add up to the original)."""

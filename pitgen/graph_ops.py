@@ -33,7 +33,7 @@ SPMM_UNROLL = 2
 PACKS = (1, 2, 4)
 SPMM_PACKS = 4
 SPMM_SIGNATURE = {"pit_spmm": "PPPPPPiiiii"}
-HYB_SPMM_SIGNATURE = {"pit_spmm": "PPPPPPPPiiiiii", "pit_spmm_finish": "PiPiPPii"}
+HYB_SPMM_SIGNATURE = {"pit_spmm": "PPPPPPPPPPPPPiiiiiiiii", "pit_spmm_finish": "PiPiPPii"}
 SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
 
 
@@ -169,13 +169,26 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
         ctx["buckets"] = []
         for b, (w, at) in enumerate(zip(m.info["widths"], m.info["atomic"])):
             g = sched["groups"][b % (k + 1)]
-            ctx["buckets"].append({"width": w, "group": g, "packs": packs(g), "atomic": at})
+            mode = "direct" if not at else "atomic" if m.params["c"] > 1 else "pieces"
+            ctx["buckets"].append({"width": w, "group": g, "packs": packs(g), "mode": mode})
     else:
         ctx["group"] = sched["group"]
         ctx["packs"] = packs(sched["group"])
     if m.fmt == "bsr":
         ctx["block"] = m.params["block"]
     return ctx
+
+
+def _piece_counters(m: DeviceMatrix, stream: Any) -> Any:
+    """The cut-row counters of a c == 1 hyb layout for launches on ``stream``: zeroed once,
+    then reset by each row's last piece, so launches on one stream (which run in order) share
+    them and no launch has to clear them."""
+    import torch
+    cache, key = m.counters, stream.cuda_stream
+    if key not in cache:
+        cache[key] = torch.zeros(max(m.info["cut_rows"], 1), dtype=torch.int32,
+                                 device=m.buffers["cols"].device)
+    return cache[key]
 
 
 def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
@@ -201,17 +214,27 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
     vec = _vec_for(sched["vec"], feat, m.dtype, x, out)
     ctx = spmm_context(m, sched, vec, feat)
     b, threads = m.buffers, sched["threads"]
-    if m.fmt == "hyb":  # the workspace is zeroed on torch's stream, before the launches' twin
-        n_ws, n_fix = m.info["ws_rows"], m.info["fix_rows"]
-        ws = torch.zeros((max(n_ws, 1), feat), dtype=torch.float32, device=x.device)
+    if m.fmt == "hyb":  # allocated on torch's stream, before the launches' twin starts
+        info, c = m.info, m.params["c"]
+        n_ws, n_fix, n_cut, n_partials = (info["ws_rows"], info["fix_rows"], info["cut_rows"],
+                                          info["partial_rows"])
+        ws = torch.zeros((max(n_ws, 1), feat), dtype=torch.float32, device=x.device) \
+            if n_ws else out
+        partials = torch.empty((max(n_partials, 1), feat), dtype=torch.float32, device=x.device)
+        counters = _piece_counters(m, torch.cuda.current_stream(x.device))
     with TorchLaunch() as tl:
         if m.fmt == "hyb":
             kern = load_kernels("spmm.cu.j2", HYB_SPMM_SIGNATURE, **ctx)
+            n_zero = n_fix if c == 1 else 0   # c == 1: the empty rows, zeroed in this launch
             grid = sum(-(-rows // (threads // ctx_b["group"]))
-                       for rows, ctx_b in zip(m.info["bucket_rows"], ctx["buckets"]))
+                       for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
+            grid += -(-n_zero * feat // threads)
             args = (b["brow_row"], b["cols"], b["vals"], b["table"], x, out, ws, b["ws_index"],
-                    n_rows, n_cols, m.info["slots"], m.info["brows"], n_ws, feat)
-            finish = (b["fix_rows"], n_fix, b["ws_index"], n_ws, ws, out, n_rows, feat)
+                    b["cut_index"], b["cut_info"], partials, counters, b["fix_rows"],
+                    n_rows, n_cols, info["slots"], info["brows"], n_ws, n_cut, n_partials,
+                    n_zero, feat)
+            finish = (b["fix_rows"], n_fix, b["ws_index"], n_ws, ws, out, n_rows, feat) \
+                if c > 1 else None
         else:
             kern = load_kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
             grid = -(-n_rows // (threads // sched["group"]))

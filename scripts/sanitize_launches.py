@@ -70,7 +70,8 @@ print("sddmm tiles/dense out: ok")
 adj = (torch.rand(300, 280, device="cuda") < 0.05).float()
 adj[7] = 1.0  # one dense row: cut rows in hyb
 csr = DeviceCSR.from_dense(adj)
-for fmt, params in (("csr", {}), ("ell", {}), ("bsr", {"block": 16}), ("hyb", {"c": 2, "k": 3})):
+for fmt, params in (("csr", {}), ("ell", {}), ("bsr", {"block": 16}), ("hyb", {"c": 2, "k": 3}),
+                    ("hyb", {"c": 1, "k": 3})):
     a = to_format(csr, fmt, **params)
     spmm(a, torch.randn(280, 64, device="cuda"))
     graph_sddmm(a, torch.randn(300, 32, device="cuda"), torch.randn(280, 32, device="cuda"))

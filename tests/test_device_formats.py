@@ -139,8 +139,10 @@ def test_hyb_bucket_rows_follow_the_sort_key(rows, cols, c, k, seed):
 # -- rendering and compilation -----------------------------------------------------------------
 
 def _hyb_buckets(c: int, k: int, groups: list[int], cut: bool) -> list[dict]:
+    def mode(width: int) -> str:
+        return ("atomic" if c > 1 else "pieces") if hyb_atomic(c, k, width, cut) else "direct"
     return [{"width": 1 << (b % (k + 1)), "group": groups[b % (k + 1)], "packs": 1 + b % 2,
-             "atomic": hyb_atomic(c, k, 1 << (b % (k + 1)), cut)} for b in range(c * (k + 1))]
+             "mode": mode(1 << (b % (k + 1)))} for b in range(c * (k + 1))]
 
 
 VARIANTS = {  # name: (template, context); each compiled for one architecture below
@@ -181,8 +183,9 @@ def test_templates_render_every_variant():
     hyb = render_template(*VARIANTS["spmm-hyb-f32"][0:1], **VARIANTS["spmm-hyb-f32"][1])
     # one fused launch, one body per bucket; atomics only in the widest bucket (cut rows)
     assert hyb.count("hyb_bucket<") == 7
-    assert "hyb_bucket<64, 8, 1, true>" in hyb and "hyb_bucket<32, 8, 2, false>" in hyb
-    assert "pit_spmm_finish(" in hyb
+    assert "hyb_bucket<64, 8, 1, PIECES>" in hyb and "hyb_bucket<32, 8, 2, DIRECT>" in hyb
+    f16 = render_template(*VARIANTS["spmm-hyb-f16"][0:1], **VARIANTS["spmm-hyb-f16"][1])
+    assert f16.count(", ATOMIC>(") == 8 and "pit_spmm_finish(" in f16   # c = 2: all parts add
 
 
 @needs_nvcc

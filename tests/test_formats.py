@@ -102,32 +102,45 @@ def test_hyb_reproduces_matrix_with_minimal_buckets(m, c, k):
 
 
 @given(matrices(), st.integers(1, 4), st.integers(0, 3))
-def test_hyb_row_split_writes_every_row_once(m, c, k):
-    """The GPU SpMM's plan in NumPy: bucket rows of atomic buckets add into workspace rows,
-    other bucket rows store their row directly (each such row has exactly one bucket row), and
-    the finish pass writes the workspace and empty rows: together every row exactly once."""
+def test_hyb_write_plan_writes_every_row_once(m, c, k):
+    """The GPU SpMM's plan in NumPy: c > 1, bucket rows add into workspace rows and a finish
+    pass writes every row; c == 1, a cut row's pieces store partial rows that the last piece
+    sums, other rows are stored by their only bucket row, empty rows zeroed: every row is
+    written exactly once."""
     csr, dense = m
     hyb = Hyb.from_csr(csr, c, k)
-    ws_index, fix_rows = hyb.shared_rows()
+    plan = hyb.write_plan()
     x = np.random.default_rng(c * 10 + k).standard_normal((csr.shape[1], 3))
     y = np.full((csr.shape[0], 3), np.nan)
-    ws = np.zeros((int((ws_index >= 0).sum()), 3))
-    stored = np.zeros(csr.shape[0], int)
+    ws = np.zeros((int((plan["ws_index"] >= 0).sum()), 3))
+    info = plan["cut_info"]
+    partials = np.full((int(info[:, 1].sum()), 3), np.nan)
+    left = info[:, 1].copy()                 # pieces still to finish, per cut row
+    written = np.zeros(csr.shape[0], int)
+    br = 0
     for bk in hyb.buckets:
         for i, r in enumerate(bk.row_ids.tolist()):
             live = bk.cols[i] >= 0
             row = bk.vals[i, live] @ x[bk.cols[i, live]]
-            if bk.needs_atomics:
-                assert ws_index[r] >= 0
-                ws[ws_index[r]] += row
+            cid = plan["cut_index"][r]
+            if c > 1:
+                ws[plan["ws_index"][r]] += row
+            elif cid >= 0:
+                first, pieces, base = info[cid]
+                assert 0 <= br - first < pieces
+                partials[base + br - first] = row
+                left[cid] -= 1
+                if left[cid] == 0:           # the last piece sums the row
+                    y[r] = partials[base:base + pieces].sum(0)
+                    written[r] += 1
             else:
-                assert ws_index[r] < 0 and r not in fix_rows
                 y[r] = row
-                stored[r] += 1
-    for r in fix_rows.tolist():
-        y[r] = ws[ws_index[r]] if ws_index[r] >= 0 else 0.0
-        stored[r] += 1
-    assert (stored == 1).all()
+                written[r] += 1
+            br += 1
+    for r in plan["fix_rows"].tolist():
+        y[r] = ws[plan["ws_index"][r]] if plan["ws_index"][r] >= 0 else 0.0
+        written[r] += 1
+    assert (written == 1).all() and (left == 0).all()
     np.testing.assert_allclose(y, dense @ x, atol=1e-12)
 
 
