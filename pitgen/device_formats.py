@@ -412,39 +412,43 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     slot_off = torch.cumsum(bucket_rows * widths, 0) - bucket_rows * widths
     count64 = count.to(torch.int64)
     gstart = (torch.cumsum(count64, 0) - count64).to(torch.int32)
-    any_cut = (count > cap).any().to(torch.int64).view(1)
-    # How SpMM writes each row (Hyb.write_plan states it in NumPy). c > 1: a non-empty row has
-    # a bucket row per column part; they add into an fp32 workspace row ws_index[row] and a
-    # finish pass writes every row ("fix" rows). c == 1: the pieces of a cut row store partial
-    # rows (cut_info[cut_index[row]] = first bucket row, pieces, first partial row) and the last
-    # piece to finish sums them; other rows have one bucket row that stores them directly, and
-    # the empty rows (the fix rows here) are zeroed in the same launch. Compact lists come from
-    # scatters, so the one sync below sizes everything.
+    any_cut = (count > cap).any()
+    # How SpMM may write each row (Hyb.write_plan states it in NumPy; SpMM's "cut" schedule
+    # picks for c == 1). Shared rows, those of buckets whose writes collide (every non-empty
+    # row when c > 1; the widest bucket's rows when some row is cut, c == 1), may add into an
+    # fp32 workspace row ws_index[row] that a finish pass writes, with the empty rows ("fix"
+    # rows). With c == 1 the pieces of a cut row may instead store partial rows
+    # (cut_info[cut_index[row]] = first bucket row, pieces, first partial row) that the last
+    # piece sums, the empty rows zeroed in the same launch. Every other row has one bucket row
+    # that stores it. Compact lists come from scatters, so the one sync below sizes them all.
     per_row = count.view(n_rows, c)
     nonempty = (per_row > 0).any(1)
+    none = torch.zeros_like(nonempty)
     row_ids = torch.arange(n_rows, dtype=torch.int32, device=dev)
 
     def numbering(flag: Any) -> Any:   # position among the flagged rows, n_rows elsewhere
         return torch.where(flag, torch.cumsum(flag, 0) - 1, n_rows)
 
-    shared = nonempty if c > 1 else torch.zeros_like(nonempty)
-    cut = per_row[:, 0] > cap if c == 1 else torch.zeros_like(nonempty)
-    fix = nonempty.logical_not() | shared
+    def listed(flag: Any) -> Any:      # the flagged rows, ascending, then -1s
+        out = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
+        return out.scatter_(0, numbering(flag), row_ids)
+
+    shared = nonempty if c > 1 else (per_row[:, 0] > cap // 2) & any_cut
+    cut = per_row[:, 0] > cap if c == 1 else none
+    empty = nonempty.logical_not()
     ws_index = torch.where(shared, numbering(shared), -1).to(torch.int32)
     cut_index = torch.where(cut, numbering(cut), -1).to(torch.int32)
-    fix_rows = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
-    fix_rows.scatter_(0, numbering(fix), row_ids)
-    row_pieces = torch.where(cut, pieces, 0).to(torch.int64) if c == 1 else \
-        torch.zeros(n_rows, dtype=torch.int64, device=dev)
+    row_pieces = torch.where(cut, pieces, 0).to(torch.int64) if c == 1 else none.to(torch.int64)
     cut_info = torch.zeros((n_rows + 1, 3), dtype=torch.int32, device=dev)
     if c == 1:
         cut_info[numbering(cut)] = torch.stack(
             [first, row_pieces.to(torch.int32),
              (torch.cumsum(row_pieces, 0) - row_pieces).to(torch.int32)], 1)
-    sizes = torch.stack([shared.sum(), fix.sum(), cut.sum(), row_pieces.sum()]).to(torch.int64)
-    host = torch.cat([bucket_rows, any_cut, sizes]).tolist()  # the one sync: sizes the buffers
+    sizes = torch.stack([shared.sum(), (shared | empty).sum(), cut.sum(), row_pieces.sum(),
+                         empty.sum()]).to(torch.int64)
+    host = torch.cat([bucket_rows, any_cut.to(torch.int64).view(1), sizes]).tolist()  # one sync
     rows_h, cut_h = host[:nb], bool(host[nb])
-    n_ws, n_fix, n_cut, n_partials = host[nb + 1:nb + 5]
+    n_ws, n_fix, n_cut, n_partials, n_empty = host[nb + 1:nb + 6]
     widths_h = [1 << (b % (k + 1)) for b in range(nb)]
     n_brows = sum(rows_h)
     n_slots = sum(r * w for r, w in zip(rows_h, widths_h))
@@ -465,11 +469,12 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     info = {"c": c, "k": k, "bucket_rows": rows_h, "widths": widths_h,
             "row_offsets": row_offsets, "slot_offsets": slot_offsets, "brows": n_brows,
             "slots": n_slots, "any_cut": cut_h, "ws_rows": n_ws, "fix_rows": n_fix,
-            "cut_rows": n_cut, "partial_rows": n_partials,
+            "cut_rows": n_cut, "partial_rows": n_partials, "empty_rows": n_empty,
             "atomic": [hyb_atomic(c, k, w, cut_h) for w in widths_h],
             "padding_ratio": n_slots / csr.nnz if csr.nnz else 1.0}
     return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, csr.nnz, csr.dtype,
                         {"table": table, "brow_row": brow_row, "cols": cols, "vals": vals,
                          "perm": perm, "slot_row": slot_row, "ws_index": ws_index,
-                         "fix_rows": fix_rows[:n_fix], "cut_index": cut_index,
-                         "cut_info": cut_info[:n_cut]}, csr, info)
+                         "fix_rows": listed(shared | empty)[:n_fix], "cut_index": cut_index,
+                         "cut_info": cut_info[:n_cut], "empty_rows": listed(empty)[:n_empty]},
+                        csr, info)

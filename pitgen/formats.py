@@ -322,23 +322,26 @@ class Hyb:
         return hyb
 
     def write_plan(self) -> dict[str, np.ndarray]:
-        """How the GPU SpMM writes each row (device_formats builds the same arrays on the GPU).
-        c > 1: ``ws_index`` numbers the non-empty rows, whose parts add into workspace rows, and
-        ``fix_rows`` (every row) are written by a finish pass. c == 1: ``cut_index`` numbers the
-        rows cut into pieces and ``cut_info`` holds (first bucket row, pieces, first partial row)
-        per cut row; ``fix_rows`` are the empty rows; every other row has one bucket row."""
+        """How the GPU SpMM may write each row (device_formats builds the same arrays on the
+        GPU). Shared rows, those of buckets that need atomics, add into workspace rows
+        ``ws_index[row]`` that a finish pass writes with the empty rows (``fix_rows``). With
+        c == 1 the pieces of a cut row may instead store partial rows summed by the last piece:
+        ``cut_index`` numbers the cut rows, ``cut_info`` holds (first bucket row, pieces, first
+        partial row) per cut row, and the launch zeroes ``empty_rows``. Every other row has one
+        bucket row, which stores it."""
         n_rows = self.shape[0]
         brows = np.zeros(n_rows, np.int64)   # bucket rows per row
         first = np.full(n_rows, -1, np.int64)
+        shared = np.zeros(n_rows, bool)
         offset = 0
         for bk in self.buckets:
             ids = bk.row_ids.astype(np.int64)
             np.add.at(brows, ids, 1)
+            shared[ids] |= bk.needs_atomics
             rows, at = np.unique(ids, return_index=True)   # each row's first bucket row here
             fresh = first[rows] < 0
             first[rows[fresh]] = offset + at[fresh]
             offset += ids.size
-        shared = brows > 0 if self.c > 1 else np.zeros(n_rows, bool)
         cut = (brows > 1) if self.c == 1 else np.zeros(n_rows, bool)
         pieces = np.where(cut, brows, 0)
         base = np.cumsum(pieces) - pieces
@@ -347,6 +350,7 @@ class Hyb:
             "fix_rows": np.flatnonzero(shared | (brows == 0)),
             "cut_index": np.where(cut, np.cumsum(cut) - 1, -1),
             "cut_info": np.stack([first, pieces, base], 1)[cut].reshape(-1, 3),
+            "empty_rows": np.flatnonzero(brows == 0),
         }
 
     def to_dense(self) -> np.ndarray:

@@ -32,6 +32,11 @@ SPMM_UNROLL = 2
 #: SpMM vectors per lane per pass, at most (``packs``): a row's features in fewer passes.
 PACKS = (1, 2, 4)
 SPMM_PACKS = 4
+#: hyb SpMM with c == 1, rows cut into pieces (``cut``): "atomic" adds the pieces into a
+#: workspace (zeroed, then a finish pass), "pieces" stores partial rows that the last piece
+#: sums (one launch).
+CUTS = ("atomic", "pieces")
+SPMM_CUT = "pieces"
 SPMM_SIGNATURE = {"pit_spmm": "PPPPPPiiiii"}
 HYB_SPMM_SIGNATURE = {"pit_spmm": "PPPPPPPPPPPPPiiiiiiiii", "pit_spmm_finish": "PiPiPPii"}
 SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
@@ -89,7 +94,7 @@ def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
                 if ramp not in choices:
                     choices.append(ramp)
                 out += [{"groups": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL,
-                         "packs": SPMM_PACKS} for g in choices]
+                         "packs": SPMM_PACKS, "cut": SPMM_CUT} for g in choices]
             elif op == "spmm":
                 out += [{"group": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL,
                          "packs": SPMM_PACKS} for g in groups]
@@ -108,7 +113,7 @@ def default_schedule(op: str, fmt: str, feat: int, dtype: str) -> dict:
     group = max(g for g in _useful_groups(feat, vec) if g <= group)
     if op == "spmm" and fmt == "hyb":
         return {"groups": [group] * HYB_WIDTHS, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL,
-                "packs": SPMM_PACKS}
+                "packs": SPMM_PACKS, "cut": SPMM_CUT}
     if op == "spmm":
         return {"group": group, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL,
                 "packs": SPMM_PACKS}
@@ -137,6 +142,8 @@ def _resolve(schedule: Mapping | None, op: str, fmt: str, feat: int, dtype: str)
         raise PlanError(f"unroll must be one of {UNROLLS}, got {s['unroll']!r}")
     if "packs" in s and s["packs"] not in PACKS:
         raise PlanError(f"packs must be one of {PACKS}, got {s['packs']!r}")
+    if "cut" in s and s["cut"] not in CUTS:
+        raise PlanError(f"cut must be one of {CUTS}, got {s['cut']!r}")
     return s
 
 
@@ -169,7 +176,7 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
         ctx["buckets"] = []
         for b, (w, at) in enumerate(zip(m.info["widths"], m.info["atomic"])):
             g = sched["groups"][b % (k + 1)]
-            mode = "direct" if not at else "atomic" if m.params["c"] > 1 else "pieces"
+            mode = "direct" if not at else "atomic" if m.params["c"] > 1 else sched["cut"]
             ctx["buckets"].append({"width": w, "group": g, "packs": packs(g), "mode": mode})
     else:
         ctx["group"] = sched["group"]
@@ -215,26 +222,30 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
     ctx = spmm_context(m, sched, vec, feat)
     b, threads = m.buffers, sched["threads"]
     if m.fmt == "hyb":  # allocated on torch's stream, before the launches' twin starts
-        info, c = m.info, m.params["c"]
-        n_ws, n_fix, n_cut, n_partials = (info["ws_rows"], info["fix_rows"], info["cut_rows"],
-                                          info["partial_rows"])
-        ws = torch.zeros((max(n_ws, 1), feat), dtype=torch.float32, device=x.device) \
-            if n_ws else out
-        partials = torch.empty((max(n_partials, 1), feat), dtype=torch.float32, device=x.device)
-        counters = _piece_counters(m, torch.cuda.current_stream(x.device))
+        info = m.info
+        pieces = any(bk["mode"] == "pieces" for bk in ctx["buckets"])
+        n_ws = 0 if pieces else info["ws_rows"]
+        n_cut, n_partials = (info["cut_rows"], info["partial_rows"]) if pieces else (0, 0)
+        ws = torch.zeros((n_ws, feat), dtype=torch.float32, device=x.device) if n_ws else out
+        partials = torch.empty((max(n_partials, 1), feat), dtype=torch.float32,
+                               device=x.device)
+        counters = _piece_counters(m, torch.cuda.current_stream(x.device)) if pieces else out
     with TorchLaunch() as tl:
         if m.fmt == "hyb":
             kern = load_kernels("spmm.cu.j2", HYB_SPMM_SIGNATURE, **ctx)
-            n_zero = n_fix if c == 1 else 0   # c == 1: the empty rows, zeroed in this launch
+            # pieces: the launch zeroes the empty rows; otherwise the finish pass writes them
+            # with the workspace rows
+            zero, n_zero = (b["empty_rows"], info["empty_rows"]) if pieces else (out, 0)
             grid = sum(-(-rows // (threads // ctx_b["group"]))
                        for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
             grid += -(-n_zero * feat // threads)
             args = (b["brow_row"], b["cols"], b["vals"], b["table"], x, out, ws, b["ws_index"],
-                    b["cut_index"], b["cut_info"], partials, counters, b["fix_rows"],
+                    b["cut_index"], b["cut_info"], partials, counters, zero,
                     n_rows, n_cols, info["slots"], info["brows"], n_ws, n_cut, n_partials,
                     n_zero, feat)
+            n_fix = 0 if pieces else info["fix_rows"]
             finish = (b["fix_rows"], n_fix, b["ws_index"], n_ws, ws, out, n_rows, feat) \
-                if c > 1 else None
+                if n_fix else None
         else:
             kern = load_kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
             grid = -(-n_rows // (threads // sched["group"]))

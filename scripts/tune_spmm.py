@@ -1,8 +1,9 @@
-"""Sweep SpMM's gather unroll (neighbours whose X rows one lane requests before using any) and
-packs (feature vectors per lane per pass) on
+"""Sweep SpMM's gather unroll (neighbours whose X rows one lane requests before using any),
+packs (feature vectors per lane per pass) and cut (how hyb's cut rows combine) on
 the layouts and schedules bench_graphs.py's tuner chose (docs/bench/graphs.json), against
 cuSPARSE in the same run: CUDA events, median, L2 flushed. Prints one line per case and the
-geometric-mean speed-up per variant; graph_ops.SPMM_UNROLL and SPMM_PACKS follow the results
+geometric-mean speed-up per variant; graph_ops.SPMM_UNROLL, SPMM_PACKS and SPMM_CUT follow the
+results
 (docs/formats.md).
 
     python scripts/tune_spmm.py [--results docs/bench/graphs.json] [--graphs DIR] [--skip G ...]
@@ -31,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default="docs/bench/graphs.json")
     ap.add_argument("--graphs", default=os.path.join(tempfile.gettempdir(), "pitgen-graphs"))
-    ap.add_argument("--skip", nargs="*", default=["ogbn-proteins", "reddit"])
+    ap.add_argument("--skip", nargs="*", default=["reddit"])
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     os.makedirs(args.graphs, exist_ok=True)
@@ -39,8 +40,9 @@ def main() -> None:
             if r["op"] == "spmm" and r["graph"] not in args.skip]
     timer = Timer(args.repeats)
     print(torch.cuda.get_device_name())
-    variants = [(1, 1), (2, 1), (2, 4), (4, 4)]   # (unroll, packs)
-    speed: dict[tuple[str, int, int], list[float]] = {}
+    # (unroll, packs, cut): cut applies to hyb layouts with c == 1 and rows cut into pieces
+    variants = [(2, 4, "atomic"), (2, 4, "pieces"), (1, 1, "atomic"), (1, 1, "pieces")]
+    speed: dict[tuple[str, int, int, str], list[float]] = {}
     graphs: dict[tuple[str, str], DeviceCSR] = {}
     cases = []
     for r in rows:   # layouts and operands first, so every variant compiles in one parallel pass
@@ -52,7 +54,8 @@ def main() -> None:
         tdt = getattr(torch, r["dtype"])
         x = torch.randn(a.shape[1], r["feat"], device="cuda").to(tdt)
         y = torch.empty(a.shape[0], r["feat"], device="cuda", dtype=tdt)
-        scheds = [{**r["schedule"], "unroll": u, "packs": p} for u, p in variants]
+        scheds = [{**r["schedule"], "unroll": u, "packs": p,
+                   **({"cut": cut} if r["choice"] == "hyb" else {})} for u, p, cut in variants]
         cases.append((r, a, m, x, y, scheds))
     sources = {render_template("spmm.cu.j2", **graph_ops.spmm_context(
         m, s, graph_ops._vec_for(s["vec"], r["feat"], r["dtype"], x, y), r["feat"]))
@@ -66,18 +69,19 @@ def main() -> None:
         ref = torch.sparse.mm(a_t, x)
         peer = timer(lambda: torch.sparse.mm(a_t, x))
         cells = []
-        for (u, p), s in zip(variants, scheds):
+        for (u, p, cut), s in zip(variants, scheds):
             y.fill_(float("nan"))
             graph_ops.spmm(m, x, schedule=s, out=y)
             err = rel_err(y, ref)
             t = timer(lambda: graph_ops.spmm(m, x, schedule=s, out=y))
-            speed.setdefault((r["dtype"], u, p), []).append(peer / t if err < 1e-2 else 0.0)
-            cells.append(f"u{u}p{p} {t:.4f} ({peer / t:.2f}x{'' if err < 1e-2 else ' WRONG'})")
+            speed.setdefault((r["dtype"], u, p, cut), []).append(peer / t if err < 1e-2 else 0.0)
+            cells.append(f"u{u}p{p}{cut[0]} {t:.4f} ({peer / t:.2f}x"
+                         f"{'' if err < 1e-2 else ' WRONG'})")
         print(f"{r['graph']:14s} {r['dtype']} F={r['feat']:3d} {r['choice']} peer {peer:.4f} | "
               + " | ".join(cells), flush=True)
-    for (dtype, u, p), xs in sorted(speed.items()):
+    for (dtype, u, p, cut), xs in sorted(speed.items()):
         g = math.exp(sum(math.log(max(v, 1e-9)) for v in xs) / len(xs))
-        print(f"geomean {dtype} unroll {u} packs {p}: {g:.3f}x over {len(xs)} cases")
+        print(f"geomean {dtype} unroll {u} packs {p} cut {cut}: {g:.3f}x over {len(xs)} cases")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from pitgen import PlanError, ShapeError, compiler
 from pitgen.formats import CSR, Hyb
-from pitgen.graph_ops import (GROUPS, HYB_WIDTHS, SPMM_PACKS, SPMM_UNROLL, _resolve, _rules, default_schedule,
+from pitgen.graph_ops import (GROUPS, HYB_WIDTHS, SPMM_CUT, SPMM_PACKS, SPMM_UNROLL, _resolve, _rules, default_schedule,
                               schedule_space)
 from pitgen.device_formats import hyb_atomic
 from pitgen.render import render_template
@@ -59,6 +59,7 @@ def test_default_schedules():
     assert default_schedule("sddmm", "hyb", 32, "float32") == {"group": 4, "vec": 4,
                                                               "threads": 256}
     assert default_schedule("spmm", "hyb", 64, "float32")["groups"] == [16] * HYB_WIDTHS
+    assert default_schedule("spmm", "hyb", 64, "float32")["cut"] == SPMM_CUT
 
 
 def test_schedule_errors():
@@ -78,6 +79,10 @@ def test_schedule_errors():
         _resolve({"unroll": 3}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="packs"):
         _resolve({"packs": 8}, "spmm", "hyb", 32, "float32")
+    with pytest.raises(PlanError, match="cut"):
+        _resolve({"cut": "sort"}, "spmm", "hyb", 32, "float32")
+    with pytest.raises(PlanError, match="unknown"):   # only hyb cuts rows
+        _resolve({"cut": "atomic"}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="unknown"):   # SDDMM has no gather loop to unroll
         _resolve({"unroll": 4}, "sddmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="groups"):

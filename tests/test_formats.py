@@ -101,15 +101,16 @@ def test_hyb_reproduces_matrix_with_minimal_buckets(m, c, k):
     assert stats["padding_ratio"] >= 1.0
 
 
-@given(matrices(), st.integers(1, 4), st.integers(0, 3))
-def test_hyb_write_plan_writes_every_row_once(m, c, k):
-    """The GPU SpMM's plan in NumPy: c > 1, bucket rows add into workspace rows and a finish
-    pass writes every row; c == 1, a cut row's pieces store partial rows that the last piece
-    sums, other rows are stored by their only bucket row, empty rows zeroed: every row is
-    written exactly once."""
+@given(matrices(), st.integers(1, 4), st.integers(0, 3), st.sampled_from(["atomic", "pieces"]))
+def test_hyb_write_plan_writes_every_row_once(m, c, k, cut):
+    """The GPU SpMM's plan in NumPy. Bucket rows that need atomics add into workspace rows and a
+    finish pass writes those and the empty rows; or (c == 1, cut="pieces") a cut row's pieces
+    store partial rows that the last piece sums and the empty rows are zeroed. Other rows are
+    stored by their only bucket row. Every row is written exactly once."""
     csr, dense = m
     hyb = Hyb.from_csr(csr, c, k)
     plan = hyb.write_plan()
+    pieces = cut == "pieces" and c == 1
     x = np.random.default_rng(c * 10 + k).standard_normal((csr.shape[1], 3))
     y = np.full((csr.shape[0], 3), np.nan)
     ws = np.zeros((int((plan["ws_index"] >= 0).sum()), 3))
@@ -123,24 +124,26 @@ def test_hyb_write_plan_writes_every_row_once(m, c, k):
             live = bk.cols[i] >= 0
             row = bk.vals[i, live] @ x[bk.cols[i, live]]
             cid = plan["cut_index"][r]
-            if c > 1:
-                ws[plan["ws_index"][r]] += row
-            elif cid >= 0:
-                first, pieces, base = info[cid]
-                assert 0 <= br - first < pieces
+            if pieces and cid >= 0:
+                first, n, base = info[cid]
+                assert 0 <= br - first < n
                 partials[base + br - first] = row
                 left[cid] -= 1
                 if left[cid] == 0:           # the last piece sums the row
-                    y[r] = partials[base:base + pieces].sum(0)
+                    y[r] = partials[base:base + n].sum(0)
                     written[r] += 1
+            elif bk.needs_atomics and not pieces:
+                ws[plan["ws_index"][r]] += row
             else:
+                assert plan["ws_index"][r] < 0 or pieces
                 y[r] = row
                 written[r] += 1
             br += 1
-    for r in plan["fix_rows"].tolist():
+    for r in (plan["empty_rows"] if pieces else plan["fix_rows"]).tolist():
         y[r] = ws[plan["ws_index"][r]] if plan["ws_index"][r] >= 0 else 0.0
         written[r] += 1
-    assert (written == 1).all() and (left == 0).all()
+    assert (written == 1).all()
+    assert not pieces or (left == 0).all()
     np.testing.assert_allclose(y, dense @ x, atol=1e-12)
 
 

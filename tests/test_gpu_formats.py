@@ -149,9 +149,9 @@ def test_spmm_every_format(csr, dtype, feat, seed):
         check(got, want, dtype)
     check(spmm(d, x), want, dtype)  # a DeviceCSR runs as "csr"
     # gather unrolls and packs (features per lane per pass) other than the defaults
-    for unroll, packs in ((1, 1), (8, 2)):
+    for unroll, packs, cut in ((1, 1, "atomic"), (8, 2, "pieces")):
         sched = {"unroll": unroll, "packs": packs}
-        check(spmm(to_format(d, "hyb", c=1, k=2), x, schedule=sched), want, dtype)
+        check(spmm(to_format(d, "hyb", c=1, k=2), x, schedule={**sched, "cut": cut}), want, dtype)
         check(spmm(d, x, schedule={**sched, "group": 4}), want, dtype)
 
 
@@ -212,6 +212,7 @@ def test_cut_rows_sum_their_pieces_on_every_call_and_stream():
         assert m.info["cut_rows"] > 0 and m.info["partial_rows"] > m.info["cut_rows"]
         for _ in range(3):
             check(spmm(m, x), want, dtype)
+            check(spmm(m, x, schedule={"cut": "atomic"}), want, dtype)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
