@@ -40,11 +40,8 @@ BM, BN = 64, 64
 INDEX_COLUMNS, INDEX_THREADS = 512, 256
 #: Per head dim: K/V pipeline stages, and CTAs per SM that __launch_bounds__ budgets registers
 #: for (scripts/tune_attention.py on an H100: D=64 at 4 CTAs spills registers, 3 runs best).
-STAGES = {64: 2, 128: 2}
-MIN_BLOCKS = {64: 2, 128: 2}
-#: Per head dim: warps that split each key block's columns (their softmax states are merged at
-#: the end), so a query block's key list is walked by KSPLIT x as many warps.
-KSPLIT = {64: 2, 128: 1}
+STAGES = {64: 3, 128: 2}
+MIN_BLOCKS = {64: 3, 128: 2}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
 #: Index state bytes.
@@ -83,19 +80,16 @@ class AttentionPlan:
     bn: int = BN
     stages: int = 0      # 0: STAGES[d]
     min_blocks: int = 0  # 0: MIN_BLOCKS[d]
-    ksplit: int = 0      # 0: KSPLIT[d]
 
     def __post_init__(self) -> None:
         if not self.stages:
             object.__setattr__(self, "stages", STAGES[self.d])
         if not self.min_blocks:
             object.__setattr__(self, "min_blocks", MIN_BLOCKS[self.d])
-        if not self.ksplit:
-            object.__setattr__(self, "ksplit", KSPLIT[self.d])
 
     @property
     def warps(self) -> int:
-        return self.bm // 16 * self.ksplit
+        return self.bm // 16
 
     @property
     def n_qb(self) -> int:
@@ -115,11 +109,8 @@ class AttentionPlan:
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory of the attention kernel: K and V stages (reused to merge the
-        key splits' states, which may need more) + the block list."""
-        kv = 2 * self.stages * self.bn * self.d * 2
-        merge = (self.ksplit - 1) * (self.bm // 16) * 32 * (self.d // 2 + 4) * 4
-        return max(kv, merge) + 4 * self.n_kb
+        """Dynamic shared memory of the attention kernel: K and V stages + the block list."""
+        return 2 * self.stages * self.bn * self.d * 2 + 4 * self.n_kb
 
     @property
     def mask_strides(self) -> tuple[int, int]:
@@ -136,7 +127,7 @@ class AttentionPlan:
         """Template context (everything the CUDA source depends on)."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
-                "stages": self.stages, "min_blocks": self.min_blocks, "ksplit": self.ksplit}
+                "stages": self.stages, "min_blocks": self.min_blocks}
 
 
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,

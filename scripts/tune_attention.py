@@ -1,8 +1,8 @@
-"""Sweep the attention kernel's query rows per CTA (BM), pipeline depth (stages), register
-budget (CTAs per SM) and key splits (warps sharing each key block) per head dim on this GPU: fp16, B=1, 12 heads, sequence 4096, the three
+"""Sweep the attention kernel's query rows per CTA (BM), pipeline depth (stages) and register
+budget (CTAs per SM) per head dim on this GPU: fp16, B=1, 12 heads, sequence 4096, the three
 masks of bench_attention.py; compute-only time (index built once) and index time, CUDA events,
 median, L2 flushed. Prints one line per variant; pitgen/attention.py's BM, STAGES and
-MIN_BLOCKS and KSPLIT follow the results (docs/attention.md).
+MIN_BLOCKS follow the results (docs/attention.md).
 
     python scripts/tune_attention.py [--repeats N]
 """
@@ -31,14 +31,13 @@ def main() -> None:
     timer = Timer(args.repeats)
     print(torch.cuda.get_device_name())
     ms = {name: torch.from_numpy(m).cuda() for name, m in masks(np.random.default_rng(0)).items()}
-    defaults = dict(A.STAGES), dict(A.MIN_BLOCKS), A.BM, dict(A.KSPLIT)
-    # (query rows per CTA, stages, CTAs per SM, key splits)
-    variants = {64: [(64, 3, 3, 1), (64, 2, 2, 2), (64, 3, 2, 2), (128, 2, 1, 2)],
-                128: [(64, 2, 2, 1), (64, 2, 1, 2)]}
+    defaults = dict(A.STAGES), dict(A.MIN_BLOCKS), A.BM
+    # (query rows per CTA, stages, CTAs per SM)
+    variants = {64: [(64, 2, 4), (64, 2, 3), (64, 3, 3), (64, 3, 4), (128, 2, 2), (128, 3, 2)],
+                128: [(64, 2, 2), (64, 3, 2), (128, 2, 1)]}
     # compile every variant in parallel first (the sweep then times kernels, not nvcc)
     plans = [dataclasses.replace(A.plan_attention(B, H, S, S, d, "float16", (S, S)), bm=bm,
-                                 stages=s, min_blocks=b, ksplit=ks)
-             for d in variants for bm, s, b, ks in variants[d]]
+                                 stages=s, min_blocks=b) for d in variants for bm, s, b in variants[d]]
     arch = device_arch()   # in this thread: PyCUDA's context is current only here
     with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
         list(ex.map(lambda p: compile_source(render_template("attention.cu.j2", **p.context()),
@@ -48,8 +47,8 @@ def main() -> None:
         dense = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
         print(f"D={d}: dense SDPA {dense:.4f} ms")
         ref = {}
-        for bm, stages, blocks, ksplit in variants[d]:
-            A.BM, A.STAGES[d], A.MIN_BLOCKS[d], A.KSPLIT[d] = bm, stages, blocks, ksplit
+        for bm, stages, blocks in variants[d]:
+            A.BM, A.STAGES[d], A.MIN_BLOCKS[d] = bm, stages, blocks
             try:
                 cells = []
                 for name, m in ms.items():
@@ -62,13 +61,11 @@ def main() -> None:
                     t_idx = timer(lambda: A.block_index(q, k, v, m))
                     cells.append(f"{name[:8]} {t:.4f}+{t_idx:.4f} ({(t + t_idx) / dense:.2f}x, "
                                  f"err {err:.0e})")
-                print(f"  bm {bm} stages {stages} min_blocks {blocks} ksplit {ksplit}: "
-                      + " | ".join(cells), flush=True)
+                print(f"  bm {bm} stages {stages} min_blocks {blocks}: " + " | ".join(cells),
+                      flush=True)
             except Exception as e:  # noqa: BLE001 - a variant that does not fit is reported
-                print(f"  bm {bm} stages {stages} min_blocks {blocks} ksplit {ksplit}: "
-                      f"{type(e).__name__}: {e}"[:200])
+                print(f"  bm {bm} stages {stages} min_blocks {blocks}: {type(e).__name__}: {e}"[:200])
     A.BM = defaults[2]
-    A.KSPLIT.update(defaults[3])
     A.STAGES.update(defaults[0])
     A.MIN_BLOCKS.update(defaults[1])
 

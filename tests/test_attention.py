@@ -3,8 +3,6 @@ index and float64 reference, the mask generators, rendering, and nvcc compilatio
 variant (D 64/128 x fp16/bf16) for sm_80 and sm_90."""
 from __future__ import annotations
 
-import dataclasses
-
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -101,13 +99,11 @@ def test_shared_memory_bounds_the_key_length():
         A.plan_attention(1, 1, 64, 4_000_000, 64, "float16", (64, 4_000_000))
 
 
-VARIANTS = [(d, dt, ks) for d in A.HEAD_DIMS for dt in A.DTYPES for ks in (1, 2)]
+VARIANTS = [(d, dt) for d in A.HEAD_DIMS for dt in A.DTYPES]
 
 
-def _source(d: int, dtype: str, ksplit: int = 0) -> str:
+def _source(d: int, dtype: str) -> str:
     plan = A.plan_attention(1, 1, 100, 130, d, dtype, (100, 130))
-    if ksplit:
-        plan = dataclasses.replace(plan, ksplit=ksplit)
     return render_template("attention.cu.j2", **plan.context())
 
 

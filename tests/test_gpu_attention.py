@@ -98,24 +98,6 @@ def test_long_sequence_with_scale_and_unaligned_mask(d):
     check(out, ref)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("ksplit", [1, 2])
-def test_key_splits_merge_exactly(d, ksplit, monkeypatch):
-    """Warps splitting each key block's columns merge their softmax states: the same answer for
-    one or two splits, rows attending nothing included (zeros)."""
-    monkeypatch.setitem(A.KSPLIT, d, ksplit)
-    rng = np.random.default_rng(ksplit * 10 + d)
-    q, k, v = operands(rng, 2, 3, 150, 333, d, "float16")
-    mask = A.tile_mask(rng, 150, 333, (1, 16), 0.3)
-    mask[:7] = False                                  # rows with nothing to attend
-    mask[20:40, :64] = True                           # a full block next to partial ones
-    with pytest.MonkeyPatch.context() as mp:
-        poison(mp)
-        out = A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda())
-    ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
-    check(out, ref)
-
-
 def test_mask_changes_every_call_and_index_reuse():
     rng = np.random.default_rng(1)
     q, k, v = operands(rng, 1, 2, 256, 256, 64, "float16")
