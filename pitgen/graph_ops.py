@@ -226,9 +226,11 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
         pieces = any(bk["mode"] == "pieces" for bk in ctx["buckets"])
         n_ws = 0 if pieces else info["ws_rows"]
         n_cut, n_partials = (info["cut_rows"], info["partial_rows"]) if pieces else (0, 0)
+        # buffers a launch does not use are passed as `out` (never dereferenced: n_ws /
+        # n_partials are 0 then), so the direct and atomic paths allocate nothing extra
         ws = torch.zeros((n_ws, feat), dtype=torch.float32, device=x.device) if n_ws else out
-        partials = torch.empty((max(n_partials, 1), feat), dtype=torch.float32,
-                               device=x.device)
+        partials = torch.empty((n_partials, feat), dtype=torch.float32, device=x.device) \
+            if n_partials else out
         counters = _piece_counters(m, torch.cuda.current_stream(x.device)) if pieces else out
     with TorchLaunch() as tl:
         if m.fmt == "hyb":
