@@ -10,9 +10,11 @@ of its query block, which the GPU builds every call (no sort, no host sync).
 
 Pipeline per call: index kernel (reads the mask once, 16-byte loads; writes a state byte per
 (mask slice, query block, key block): empty, partial or full; every entry is written, so
-nothing is reset first) → attention kernel (one CTA per (query block, head, batch) compacts its
-row of states into a list in shared memory with warp ballots, then runs mma.sync m16n8k16 over
-it with a STAGES-deep cp.async pipeline; element mask only on partial blocks). Fully masked rows
+nothing is reset first; the last CTA of each slice orders the query blocks by their count of
+non-empty key blocks, longest first) → attention kernel (CTAs in that order, since i is
+invariant too: the longest lists start first instead of finishing last; each compacts its row
+of states into a list in shared memory with warp ballots, then runs mma.sync m16n8k16 over it
+with a STAGES-deep cp.async pipeline; element mask only on partial blocks). Fully masked rows
 give zeros.
 
 ``SparseAttention`` (a drop-in for ``torch.nn.MultiheadAttention(batch_first=True)``) is built
@@ -23,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,8 +48,10 @@ MIN_BLOCKS = {64: 3, 128: 2}
 SMEM_LIMIT = 227 * 1024
 #: Index state bytes.
 EMPTY, PARTIAL, FULL = 0, 1, 2
-_SIGNATURES = {"pit_attn_index_vec": "PiiiP", "pit_attn_index_byte": "PiiiP",
-               "pit_attention": "PPPPPPiiiiiif"}
+#: Count classes of the query-block order (exact counts below this many key blocks).
+ORDER_BINS = INDEX_THREADS
+_SIGNATURES = {"pit_attn_index_vec": "PiiiPPPP", "pit_attn_index_byte": "PiiiPPPP",
+               "pit_attention": "PPPPPPPiiiiiif"}
 
 
 # -- rules and plan -----------------------------------------------------------------------------
@@ -58,7 +62,7 @@ def derive() -> tuple[Rules, Rules]:
     Cached: the symbolic checks run once per process, not on every call."""
     scores, output = analyse(SCORES), analyse(OUTPUT)
     for axis in ("b", "h", "i", "j"):
-        scores.require_invariant(axis)       # a CTA per (b, h, query block), own rows written
+        scores.require_invariant(axis)       # a CTA per (b, h, query block) in any order
     rule = output.require_invariant("j")     # key blocks in any order, empty ones dropped
     if rule.role != "reduction":
         raise PlanError(f"j must be a reduction axis of {OUTPUT!r}, got {rule.role}")
@@ -121,7 +125,8 @@ class AttentionPlan:
         return (-(-self.n_kb // self.kpc), self.n_qb, self.slices)
 
     def attention_grid(self) -> tuple[int, int, int]:
-        return (self.n_qb, self.heads, self.batch)
+        """(batch x head, rank in the query-block order): every head's longest rows first."""
+        return (self.batch * self.heads, self.n_qb, 1)
 
     def context(self) -> dict[str, Any]:
         """Template context (everything the CUDA source depends on)."""
@@ -148,8 +153,10 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
                          f"(trailing dims of [B, H, Sq, Sk] = {(batch, heads, sq, sk)})")
     mh = heads if len(mask_shape) >= 3 else 1
     mb = batch if len(mask_shape) == 4 else 1
-    if heads > 65535 or batch > 65535:
-        raise ShapeError(f"batch {batch} or heads {heads} exceeds the grid limit 65535")
+    if batch * heads >= 2 ** 31 or -(-sq // BM) > 65535 or mb * mh > 65535:
+        raise ShapeError(f"batch x heads = {batch * heads}, mask slices = {mb * mh} or Sq = {sq} "
+                         f"({-(-sq // BM)} query blocks) exceeds the grid limits 2**31 - 1, "
+                         f"65535 and 65535")
     if max(batch * heads * max(sq, sk) * d, mb * mh * sq * sk) >= 2 ** 62:
         raise ShapeError("problem too large for 64-bit offsets")
     plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM)
@@ -175,6 +182,21 @@ def block_index_reference(mask: np.ndarray, bm: int = BM, bn: int = BN) -> np.nd
     pad[:, sq:, :] = pad[:, :, sk:] = False                # ... and "unset" for any
     any_ = pad.reshape(m.shape[0], nq, bm, nk, bn).any(axis=(2, 4))
     return np.where(any_, np.where(all_, FULL, PARTIAL), EMPTY).astype(np.uint8)
+
+
+def count_bins(counts: np.ndarray, n_kb: int) -> np.ndarray:
+    """The count class the GPU orders query blocks by: the count itself below ORDER_BINS key
+    blocks, else scaled onto ORDER_BINS classes."""
+    c = np.clip(np.asarray(counts, np.int64), 0, n_kb)
+    return c if n_kb < ORDER_BINS else c * (ORDER_BINS - 1) // n_kb
+
+
+def block_order_reference(states: np.ndarray) -> np.ndarray:
+    """The query-block order per slice (int32 [slices, nQB]): by descending count class, ties
+    in ascending block order (the GPU's counting sort is stable, so it gives exactly this)."""
+    states = np.asarray(states)
+    bins = count_bins((states != EMPTY).sum(-1), states.shape[-1])
+    return np.argsort(-bins, axis=-1, kind="stable").astype(np.int32)
 
 
 def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
@@ -254,27 +276,75 @@ def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
     return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape))
 
 
-def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> Any:
-    """Enqueue the index kernel on ``launch``'s stream; returns the state map it fills."""
+class BlockIndex(NamedTuple):
+    """What the index pass builds on the GPU: ``states`` uint8 [slices, nQB, nKB] (EMPTY,
+    PARTIAL, FULL per 64x64 block) and ``order`` int32 [slices, nQB], each slice's query blocks
+    by descending count of non-empty key blocks (the order the attention CTAs take them in)."""
+    states: Any
+    order: Any
+
+
+#: (device, torch stream) -> int32 counters the index pass zeroes again after use; launches on
+#: one stream run in order, so they share them and no launch has to clear them first.
+_COUNTERS: dict[tuple[int, int], Any] = {}
+
+
+def _counters(device: Any, size: int) -> Any:
+    import torch
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIndex:
+    """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
+    fills."""
     import torch
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
+    order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
+    counters = _counters(mask.device, plan.slices * (plan.n_qb + 1))
+    rowcount = counters.data_ptr()
+    done = rowcount + 4 * plan.slices * plan.n_qb
     vec = plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
-    launch.keep(mask, states)
+    launch.keep(mask, states, order, counters)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
-                   plan.n_kb, states.data_ptr())
-    return states
+                   plan.n_kb, states.data_ptr(), rowcount, done, order.data_ptr())
+    return BlockIndex(states, order)
 
 
-def block_index(q: Any, k: Any, v: Any, mask: Any) -> Any:
-    """The block index that ``sparse_attention`` builds, on the GPU, no host sync: a uint8
-    state map [slices, nQB, nKB] (slices = the mask's leading dims, flattened) of EMPTY, PARTIAL
-    and FULL 64x64 blocks, as ``block_index_reference``."""
+def block_index(q: Any, k: Any, v: Any, mask: Any) -> BlockIndex:
+    """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
+    (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
+    query-block order (as ``block_order_reference``)."""
     from .runtime import TorchLaunch
     plan = _check(q, k, v, mask)
     with TorchLaunch() as launch:
         return _index(_kernels(plan), plan, _mask_u8(mask.contiguous()), launch)
+
+
+def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
+    """Check an index passed to sparse_attention (shapes, dtypes, device; its contents are
+    never trusted by the kernel)."""
+    import torch
+    want = {"states": ((plan.slices, plan.n_qb, plan.n_kb), torch.uint8),
+            "order": ((plan.slices, plan.n_qb), torch.int32)}
+    if not isinstance(index, BlockIndex):
+        raise ShapeError(f"index must be the BlockIndex (states, order) from block_index, got "
+                         f"{type(index).__name__}")
+    for name, (shape, dtype) in want.items():
+        x = getattr(index, name)
+        if (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype
+                or not x.is_contiguous()):
+            raise ShapeError(f"index.{name} must be a contiguous {dtype} tensor of shape "
+                             f"{shape} from block_index, got "
+                             f"{getattr(x, 'shape', type(x).__name__)} {getattr(x, 'dtype', '')}")
+        if x.device != device:
+            raise ShapeError(f"index.{name} is on {x.device} but q is on {device}")
+    return index
 
 
 def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = None,
@@ -285,8 +355,9 @@ def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = No
     bfloat16, D in {64, 128}; mask bool or uint8 (non-zero = attend) of shape [Sq, Sk],
     [H, Sq, Sk] or [B, H, Sq, Sk], broadcast over missing leading dims (a non-contiguous mask is
     copied). scale defaults to 1/sqrt(D). Rows with no set element are zeros. The index is built
-    on the GPU on every call (nothing waits for the host) unless ``index`` passes the result of
-    ``block_index`` for this same mask (used to time the two stages apart)."""
+    on the GPU on every call (nothing waits for the host) unless ``index`` passes the
+    ``BlockIndex`` from ``block_index`` for this same mask (used to time the two stages apart;
+    any contents stay in bounds, but only block_index's give the right answer)."""
     import torch
 
     from .runtime import TorchLaunch
@@ -303,23 +374,14 @@ def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = No
     kernels = _kernels(plan)
     sb, sh = plan.mask_strides
     with TorchLaunch() as launch:
-        if index is None:
-            states = _index(kernels, plan, mask, launch)
-        else:
-            states = index
-            want = (plan.slices, plan.n_qb, plan.n_kb)
-            if (not isinstance(states, torch.Tensor) or tuple(states.shape) != want
-                    or states.dtype != torch.uint8 or not states.is_contiguous()):
-                raise ShapeError(f"index must be the contiguous uint8 state map {want} from "
-                                 f"block_index, got {getattr(states, 'shape', type(states))} "
-                                 f"{getattr(states, 'dtype', '')}")
-            if states.device != q.device:
-                raise ShapeError(f"index is on {states.device} but q is on {q.device}")
-        launch.keep(q, k, v, out, mask, states)
+        idx = (_index(kernels, plan, mask, launch) if index is None
+               else _given_index(plan, index, q.device))
+        launch.keep(q, k, v, out, mask, *idx)
         kernels.launch("pit_attention", plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                       mask.data_ptr(), states.data_ptr(), plan.sq, plan.sk,
-                       plan.heads, sb, sh, plan.n_kb, scale * math.log2(math.e), smem=plan.smem)
+                       mask.data_ptr(), idx.states.data_ptr(), idx.order.data_ptr(), plan.sq,
+                       plan.sk, plan.heads, sb, sh, plan.n_kb, scale * math.log2(math.e),
+                       smem=plan.smem)
     return out
 
 

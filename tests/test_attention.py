@@ -35,7 +35,7 @@ def test_plan_decisions():
     assert (p.bm, p.bn, p.warps) == (64, 64, 4)
     assert (p.n_qb, p.n_kb, p.slices) == (16, 64, 12)
     assert p.mask_strides == (0, 1)
-    assert p.index_grid() == (8, 16, 12) and p.attention_grid() == (16, 12, 2)
+    assert p.index_grid() == (8, 16, 12) and p.attention_grid() == (24, 16, 1)
     assert p.smem == 2 * 2 * 64 * 128 * 2 + 4 * 64 <= 227 * 1024   # 2 stages of K, V; the list
     assert A.plan_attention(3, 2, 5, 7, 64, "float16", (3, 2, 5, 7)).mask_strides == (2, 1)
     assert A.plan_attention(3, 2, 5, 7, 64, "float16", (5, 7)).mask_strides == (0, 0)
@@ -48,7 +48,9 @@ def test_plan_decisions():
     ((1, 1, 8, 8, 64, "float16", (8,)), "mask has shape"),
     ((1, 2, 8, 8, 64, "float16", (3, 8, 8)), "mask has shape"),
     ((1, 2, 8, 8, 64, "float16", (2, 8, 9)), "mask has shape"),
-    ((1, 70000, 8, 8, 64, "float16", (8, 8)), "grid limit"),
+    ((70000, 70000, 8, 8, 64, "float16", (8, 8)), "grid limit"),
+    ((300, 300, 8, 8, 64, "float16", (300, 300, 8, 8)), "mask slices = 90000"),
+    ((1, 1, 64 * 65536, 8, 64, "float16", (64 * 65536, 8)), "65536 query blocks"),
 ])
 def test_plan_refuses_clearly(args, match):
     with pytest.raises(pitgen.ShapeError, match=match):
@@ -90,6 +92,31 @@ def test_block_index_flags_full_and_partial_blocks():
     m[64:, 128:] = True         # the edge block (1, 2): full over its in-range 6x2 elements
     assert A.block_index_reference(m).tolist() == [[[A.FULL, A.PARTIAL, A.EMPTY],
                                                     [A.EMPTY, A.EMPTY, A.FULL]]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n_qb=st.integers(1, 300), n_kb=st.integers(1, 600), slices=st.integers(1, 3),
+       density=st.floats(0, 1), seed=st.integers(0, 1000))
+def test_block_order_reference_puts_longest_rows_first(n_qb, n_kb, slices, density, seed):
+    rng = np.random.default_rng(seed)
+    # rows of different lengths: each row its own density
+    states = (rng.random((slices, n_qb, n_kb)) < density * rng.random((slices, n_qb, 1)))
+    states = states.astype(np.uint8) * rng.integers(1, 3, states.shape).astype(np.uint8)
+    order = A.block_order_reference(states)
+    assert order.dtype == np.int32 and order.shape == (slices, n_qb)
+    counts = (states != A.EMPTY).sum(-1)
+    for s in range(slices):
+        assert sorted(order[s]) == list(range(n_qb))              # a permutation
+        bins = A.count_bins(counts[s, order[s]], n_kb)
+        keys = list(zip(-bins, order[s]))
+        assert keys == sorted(keys)                # longest first, ties in block order
+        if n_kb < A.ORDER_BINS:
+            assert (bins == counts[s, order[s]]).all()            # exact classes
+
+
+def test_count_bins_scale_long_rows_onto_the_classes():
+    assert A.count_bins(np.array([0, 5, 255]), 255).tolist() == [0, 5, 255]
+    assert A.count_bins(np.array([0, 5, 256, 1000, 2000]), 1000).tolist() == [0, 1, 65, 255, 255]
 
 
 def test_shared_memory_bounds_the_key_length():

@@ -82,8 +82,28 @@ def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, d
     ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
     check(out, ref)
 
-    states = A.block_index(q, k, v, tmask)
-    np.testing.assert_array_equal(states.cpu().numpy(), A.block_index_reference(mask))
+    check_index(A.block_index(q, k, v, tmask), mask)
+
+
+def check_index(idx, mask):
+    """The GPU index equals the NumPy one: states, and the stable longest-first order."""
+    states = A.block_index_reference(mask)
+    np.testing.assert_array_equal(idx.states.cpu().numpy(), states)
+    np.testing.assert_array_equal(idx.order.cpu().numpy(), A.block_order_reference(states))
+
+
+@pytest.mark.parametrize("sq, sk", [(64 * 12, 64 * 300),     # nKB >= ORDER_BINS: scaled classes
+                                    (64 * 300 + 5, 64 * 3)])  # nQB > one sorting chunk
+def test_index_orders_rows_on_every_call_and_resets_its_counters(sq, sk):
+    rng = np.random.default_rng(7)
+    q = torch.randn(1, 2, sq, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 2, sk, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    n_qb = -(-sq // 64)
+    for _ in range(3):                  # counters left zero by each call
+        mask = np.stack([A.tile_mask(rng, sq, sk, (64, 64), d) for d in (0.05, 0.6)])
+        keep = np.repeat(rng.random((2, n_qb, 1)) < 0.7, 64, axis=1)[:, :sq]
+        mask &= keep                    # whole empty query blocks too
+        check_index(A.block_index(q, k, v, torch.from_numpy(mask).cuda()), mask)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -106,10 +126,16 @@ def test_mask_changes_every_call_and_index_reuse():
         tm = torch.from_numpy(mask).cuda()
         ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
         check(A.sparse_attention(q, k, v, tm), ref)
-        check(A.sparse_attention(q, k, v, tm, index=A.block_index(q, k, v, tm)), ref)
+        idx = A.block_index(q, k, v, tm)
+        check(A.sparse_attention(q, k, v, tm, index=idx), ref)
         # any state byte but EMPTY and FULL reads as partial: masked element by element, exact
         junk = torch.randint(3, 256, (1, 4, 4), dtype=torch.uint8, device="cuda")
-        check(A.sparse_attention(q, k, v, tm, index=junk), ref)
+        check(A.sparse_attention(q, k, v, tm, index=A.BlockIndex(junk, idx.order)), ref)
+        # order entries out of range are dropped, not followed (their rows stay unwritten)
+        bad = torch.tensor([[3, -1, 1 << 30, 0]], dtype=torch.int32, device="cuda")
+        out = A.sparse_attention(q, k, v, tm, index=A.BlockIndex(idx.states, bad))
+        check(out[:, :, list(range(64)) + list(range(192, 256))],
+              ref[:, :, list(range(64)) + list(range(192, 256))])
 
 
 def test_module_matches_multihead_attention():
@@ -169,10 +195,15 @@ def test_bad_input_is_refused_clearly():
     odd = torch.empty(2 * 64 * 64 + 4, dtype=torch.float16, device="cuda")[4:]
     with pytest.raises(pitgen.ShapeError, match="aligned"):
         A.sparse_attention(q, odd.view(1, 2, 64, 64), v, m)
-    with pytest.raises(pitgen.ShapeError, match="state map"):
-        A.sparse_attention(q, k, v, m, index=torch.zeros(1, 1, 1, dtype=torch.int32, device="cuda"))
-    with pytest.raises(pitgen.ShapeError, match="state map"):
-        A.sparse_attention(q, k, v, m, index=torch.zeros(1, 2, 1, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(pitgen.ShapeError, match="BlockIndex"):
+        A.sparse_attention(q, k, v, m, index=torch.zeros(1, 1, 1, dtype=torch.uint8, device="cuda"))
+    good = A.block_index(q, k, v, m)
+    with pytest.raises(pitgen.ShapeError, match="index.states"):
+        A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states.int(), good.order))
+    with pytest.raises(pitgen.ShapeError, match="index.order"):
+        A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states, good.order[:, :0]))
+    with pytest.raises(pitgen.ShapeError, match="index.order is on cpu"):
+        A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states, good.order.cpu()))
     mod = pitgen.attention.SparseAttention(128, 2).cuda().half()
     x = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
     with pytest.raises(pitgen.PlanError, match="need_weights"):
