@@ -21,9 +21,8 @@ needs no torch.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import PlanError, ShapeError
 from .kernel import SparseKernel, compile as compile_kernel
@@ -88,26 +87,6 @@ def _gemm(expr: str, sparse: str, dtype: str, micro_tile: str, a: Any, b: Any,
     return torch.einsum(spec, a, b)
 
 
-@contextmanager
-def _bound_context() -> Iterator[None]:
-    """Make the device's primary context current for PyCUDA in this thread while the block
-    runs. Autograd runs backward in its own thread, where pycuda.autoprimaryctx (pushed once, in
-    the importing thread) is not current; torch uses the same primary context, so pushing it is
-    safe, and popping it again leaves the thread's context stack as it was."""
-    import torch
-
-    from .runtime import _drv
-    drv = _drv()
-    if drv.Context.get_current() is not None:
-        yield
-        return
-    drv.Device(torch.cuda.current_device()).retain_primary_context().push()
-    try:
-        yield
-    finally:
-        drv.Context.pop()
-
-
 def _micro(tile: Any) -> str:
     """'32x1' from (32, 1) or '32x1'; 'auto' passes through."""
     if isinstance(tile, str):
@@ -153,14 +132,14 @@ def _classes() -> dict[str, type]:
             dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
             dtype, dx_micro_tile, sddmm_tile, has_bias = ctx.cfg
             dx = dw = db = None
-            with _bound_context():
-                if ctx.needs_input_grad[0]:
-                    dx = (dy @ w_eff if dx_micro_tile == "dense"
-                          else _gemm(WEIGHT_DX, "B", dtype, dx_micro_tile, dy, w_eff, mask))
-                if ctx.needs_input_grad[1]:
-                    dw = torch.empty_like(w_eff)
-                    # dYᵀ copied once so the SDDMM reads 16 bytes at a time along the batch
-                    sddmm(dy.t().contiguous(), xt, mask, tile=sddmm_tile, out=dw)
+            # autograd runs this in its own thread: every launch binds PyCUDA's context itself
+            if ctx.needs_input_grad[0]:
+                dx = (dy @ w_eff if dx_micro_tile == "dense"
+                      else _gemm(WEIGHT_DX, "B", dtype, dx_micro_tile, dy, w_eff, mask))
+            if ctx.needs_input_grad[1]:
+                dw = torch.empty_like(w_eff)
+                # dYᵀ copied once so the SDDMM reads 16 bytes at a time along the batch
+                sddmm(dy.t().contiguous(), xt, mask, tile=sddmm_tile, out=dw)
             if has_bias and ctx.needs_input_grad[3]:
                 db = dy.sum(0)
             return dx, dw, None, db, None, None, None
@@ -187,8 +166,7 @@ def _classes() -> dict[str, type]:
             if ctx.needs_input_grad[0]:
                 dx = dy @ weight  # dense: see the module docstring
             if ctx.needs_input_grad[1]:
-                with _bound_context():
-                    dw = _gemm(INPUT_DW, "B", dtype, micro_tile, dy, x)
+                dw = _gemm(INPUT_DW, "B", dtype, micro_tile, dy, x)
             if has_bias and ctx.needs_input_grad[2]:
                 db = dy.sum(0)
             return dx, dw, db, None

@@ -10,7 +10,7 @@ from .expr import Operator, parse
 from .lower import DTYPES, Schedule, gemm_form
 from .plan import Plan, make_plan
 from .render import render
-from .runtime import _STREAMS, GemmCall, Launcher, as_operand, signature
+from .runtime import _STREAMS, GemmCall, Launcher, as_operand, bound_context, signature
 
 if TYPE_CHECKING:
     from .graph_kernel import FormatKernel
@@ -123,11 +123,12 @@ class SparseKernel:
         call = self.prepare(*args, **kwargs)
         if call.L.vendor:
             return None, None
-        stream, token = _STREAMS.enter(call.A.is_torch)
-        try:
-            call.build_index(stream)
-        finally:
-            _STREAMS.leave(token)
+        with bound_context():
+            stream, token = _STREAMS.enter(call.A.is_torch)
+            try:
+                call.build_index(stream)
+            finally:
+                _STREAMS.leave(token)
         return call.counts, call.ids
 
     def source(self, *args: Any, **kwargs: Any) -> str:

@@ -1,15 +1,20 @@
 """Runtime: compiled modules loaded through PyCUDA and launched on PyTorch tensors or PyCUDA
 GPUArrays, in the caller's stream, with no host synchronisation between index build and compute.
 
-PyCUDA shares PyTorch's (primary) context via ``pycuda.autoprimaryctx``. When the current torch
+PyCUDA shares PyTorch's (primary) context: ``pycuda.autoprimaryctx`` keeps it current in the
+main thread, and any other thread pushes it for the length of a call (``bound_context``), so
+operators run from autograd's backward thread or a worker pool alike. When the current torch
 stream is not the legacy default stream, launches go to a PyCUDA stream that is ordered after
 the torch stream and before its later work with stream waits (GPU-side, no host sync).
 """
 from __future__ import annotations
 
 import hashlib
+import sys
+import threading
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -23,7 +28,9 @@ GRID_Y_MAX = 65535
 
 
 def _drv():
-    """pycuda.driver with PyTorch's primary context current; DeviceError when unusable."""
+    """pycuda.driver, initialised; DeviceError when unusable. In the main thread PyTorch's
+    primary context is made current for good (``pycuda.autoprimaryctx``, which pops it at exit);
+    other threads get it from ``bound_context`` for the length of a call."""
     try:
         try:
             import torch
@@ -31,8 +38,12 @@ def _drv():
                 torch.cuda.init()
         except ImportError:
             pass
-        import pycuda.autoprimaryctx  # noqa: F401  (retains and pushes the primary context)
         import pycuda.driver as drv
+        if threading.current_thread() is threading.main_thread():
+            import pycuda.autoprimaryctx  # noqa: F401  (retains and pushes the primary context)
+        else:
+            drv.init()
+            _primary_context(drv)
     except ImportError as e:
         raise DeviceError(f"pycuda is not installed ({e}); pip install 'pitgen[cuda]'") from None
     except Exception as e:  # driver missing, no device
@@ -40,10 +51,46 @@ def _drv():
     return drv
 
 
+_PRIMARY: list[Any] = []
+
+
+def _primary_context(drv: Any) -> Any:
+    """The primary context PyTorch uses: autoprimaryctx's once imported, else retained here for
+    torch's current device (the same CUcontext, so modules loaded under either work in both)."""
+    auto = sys.modules.get("pycuda.autoprimaryctx")
+    if auto is not None:
+        return auto.context
+    if not _PRIMARY:
+        try:
+            import torch
+            dev = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        except ImportError:
+            dev = 0
+        _PRIMARY.append(drv.Device(dev).retain_primary_context())
+    return _PRIMARY[0]
+
+
+@contextmanager
+def bound_context() -> Iterator[Any]:
+    """pycuda.driver with the shared primary context current in this thread while the block
+    runs: a launch from a thread other than the main one (autograd's backward thread, a
+    server's worker pool) pushes it here and pops it again, since PyCUDA aborts the process when
+    a thread ends with a context on its stack."""
+    drv = _drv()
+    if drv.Context.get_current() is not None:
+        yield drv
+        return
+    _primary_context(drv).push()
+    try:
+        yield drv
+    finally:
+        drv.Context.pop()
+
+
 def device_arch() -> str:
     """``sm_XY`` of the device PyCUDA's context runs on."""
-    drv = _drv()
-    major, minor = drv.Context.get_device().compute_capability()
+    with bound_context() as drv:
+        major, minor = drv.Context.get_device().compute_capability()
     return f"sm_{major}{minor}"
 
 
@@ -90,23 +137,25 @@ class _Module:
     """One compiled module: its functions, prepared once."""
 
     def __init__(self, spec: ModuleSpec, arch: str):
-        drv = _drv()
         self.spec = spec
         self.source = render(spec)
-        self.module = drv.module_from_buffer(compile_source(self.source, arch))
-        self.gemm = self.module.get_function("pit_gemm")
-        self.gemm.prepare("PPPPPPiiiiiiiiii")
         self.smem = spec.gemm.smem_bytes(spec.dtype)
-        if self.smem > 48 * 1024:
-            self.gemm.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
-        self.index = None
-        if spec.index is not None:
-            self.index = self.module.get_function("pit_build_index")
-            self.index.prepare("PiiiiPPPPii")
-        self.zero = self.module.get_function("pit_gemm_zero")
-        self.zero.prepare("Piiii")
-        self.finish = self.module.get_function("pit_gemm_finish")
-        self.finish.prepare("PPiiiii")
+        cubin = compile_source(self.source, arch)
+        with bound_context() as drv:
+            self.module = drv.module_from_buffer(cubin)
+            self.gemm = self.module.get_function("pit_gemm")
+            self.gemm.prepare("PPPPPPiiiiiiiiii")
+            if self.smem > 48 * 1024:
+                self.gemm.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        self.smem)
+            self.index = None
+            if spec.index is not None:
+                self.index = self.module.get_function("pit_build_index")
+                self.index.prepare("PiiiiPPPPii")
+            self.zero = self.module.get_function("pit_gemm_zero")
+            self.zero.prepare("Piiii")
+            self.finish = self.module.get_function("pit_gemm_finish")
+            self.finish.prepare("PPiiiii")
 
 
 _MODULES: dict[tuple[str, str], _Module] = {}
@@ -122,7 +171,8 @@ def load_module(spec: ModuleSpec) -> _Module:
 
 
 class _Streams:
-    """The stream to launch on: torch's current one (via a PyCUDA twin ordered by stream waits)."""
+    """The stream to launch on: torch's current one (via a PyCUDA twin ordered by stream waits).
+    Callers hold ``bound_context()`` from enter to leave."""
 
     def __init__(self):
         self._twins: dict[int, tuple[Any, Any]] = {}
@@ -356,15 +406,16 @@ class GemmCall:
         if self.L.vendor:
             self.compute(None)
             return self.out
-        stream, token = _STREAMS.enter(self.A.is_torch)
-        try:
-            self.build_index(stream)
-            self.compute(stream)
-        finally:
-            _STREAMS.leave(token)
-            if token is not None:  # buffers used on the twin stream live until it is done
-                for t in self.ws.keep:
-                    t.record_stream(token[1])
+        with bound_context():
+            stream, token = _STREAMS.enter(self.A.is_torch)
+            try:
+                self.build_index(stream)
+                self.compute(stream)
+            finally:
+                _STREAMS.leave(token)
+                if token is not None:  # buffers used on the twin stream live until it is done
+                    for t in self.ws.keep:
+                        t.record_stream(token[1])
         return self.out
 
 
@@ -393,17 +444,18 @@ class Kernels:
     two ints). Operators beyond the GEMM module (attention, MoE, formats) launch through this."""
 
     def __init__(self, source: str, signatures: Mapping[str, str], smem: Mapping[str, int]):
-        drv = _drv()
         self.source = source
-        self.module = drv.module_from_buffer(compile_source(source, device_arch()))
+        cubin = compile_source(source, device_arch())
         self.smem = dict(smem)
         self.functions: dict[str, Any] = {}
         self._smem_limit: dict[str, int] = {}
-        for name, sig in signatures.items():
-            f = self.module.get_function(name)
-            f.prepare(sig)
-            self.functions[name] = f
-            self._allow_smem(name, self.smem.get(name, 0))
+        with bound_context() as drv:
+            self.module = drv.module_from_buffer(cubin)
+            for name, sig in signatures.items():
+                f = self.module.get_function(name)
+                f.prepare(sig)
+                self.functions[name] = f
+                self._allow_smem(name, self.smem.get(name, 0))
 
     def _allow_smem(self, name: str, size: int) -> None:
         """Raise the kernel's dynamic shared-memory limit to ``size`` (needed past 48 KiB)."""
@@ -449,10 +501,17 @@ def load_kernels(template: str, signatures: Mapping[str, str],
 class TorchLaunch:
     """Launch context on torch's current stream: ``stream`` for PyCUDA launches (a twin ordered
     after torch's stream, and torch's stream after it on exit, GPU-side), ``keep(t)`` for
-    tensors the launches use so the caching allocator does not recycle them too early."""
+    tensors the launches use so the caching allocator does not recycle them too early. Works
+    from any thread (``bound_context``)."""
 
     def __init__(self) -> None:
-        self.stream, self._token = _STREAMS.enter(True)
+        self._bound = ExitStack()
+        self._bound.enter_context(bound_context())
+        try:
+            self.stream, self._token = _STREAMS.enter(True)
+        except BaseException:
+            self._bound.close()
+            raise
         self._keep: list[Any] = []
 
     def keep(self, *tensors: Any) -> None:
@@ -462,10 +521,13 @@ class TorchLaunch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _STREAMS.leave(self._token)
-        if self._token is not None:
-            for t in self._keep:
-                t.record_stream(self._token[1])
+        try:
+            _STREAMS.leave(self._token)
+            if self._token is not None:
+                for t in self._keep:
+                    t.record_stream(self._token[1])
+        finally:
+            self._bound.close()
 
 
 def check_tensor(name: str, x: Any, dtypes: tuple[str, ...], ndim: int | None = None,
