@@ -53,7 +53,9 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 #: Count classes of the query-block order (exact counts below this many key blocks).
 ORDER_BINS = INDEX_THREADS
 _SIGNATURES = {"pit_attn_index_vec": "PiiiPPPP", "pit_attn_index_byte": "PiiiPPPP",
-               "pit_attention": "PPPPPPPiiiiiif"}
+               "pit_attention": "PPPPPPPiiiiiif", "pit_attention_vec": "PPPPPPPiiiiiif"}
+#: Bytes per row of a shared-memory mask tile: BN, padded so a warp's rows use distinct banks.
+MASK_ROW = BN + 16
 
 
 # -- rules and plan -----------------------------------------------------------------------------
@@ -115,8 +117,10 @@ class AttentionPlan:
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory of the attention kernel: K and V stages + the block list."""
-        return 2 * self.stages * self.bn * self.d * 2 + 4 * self.n_kb
+        """Dynamic shared memory of the attention kernel: K, V and mask-tile stages + the block
+        list."""
+        return 2 * self.stages * self.bn * self.d * 2 + self.stages * self.bm * MASK_ROW \
+            + 4 * self.n_kb
 
     @property
     def mask_strides(self) -> tuple[int, int]:
@@ -134,7 +138,7 @@ class AttentionPlan:
         """Template context (everything the CUDA source depends on)."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
-                "stages": self.stages, "min_blocks": self.min_blocks}
+                "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW}
 
 
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
@@ -300,6 +304,12 @@ def _counters(device: Any, size: int) -> Any:
     return buf
 
 
+def _vector_mask(plan: AttentionPlan, mask: Any) -> bool:
+    """Whether the kernels may read the mask 16 bytes at a time (rows and base 16-byte aligned);
+    else their byte-by-byte variants run."""
+    return plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
+
+
 def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIndex:
     """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
     fills."""
@@ -310,7 +320,7 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     counters = _counters(mask.device, plan.slices * (plan.n_qb + 1))
     rowcount = counters.data_ptr()
     done = rowcount + 4 * plan.slices * plan.n_qb
-    vec = plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
+    vec = _vector_mask(plan, mask)
     launch.keep(mask, states, order, counters)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
@@ -379,7 +389,8 @@ def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = No
         idx = (_index(kernels, plan, mask, launch) if index is None
                else _given_index(plan, index, q.device))
         launch.keep(q, k, v, out, mask, *idx)
-        kernels.launch("pit_attention", plan.attention_grid(), (plan.warps * 32, 1, 1),
+        name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
+        kernels.launch(name, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                        mask.data_ptr(), idx.states.data_ptr(), idx.order.data_ptr(), plan.sq,
                        plan.sk, plan.heads, sb, sh, plan.n_kb, scale * math.log2(math.e),

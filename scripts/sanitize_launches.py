@@ -52,11 +52,13 @@ print("moe top-1/top-2: ok")
 
 rng = np.random.default_rng(0)
 for d in (64, 128):
-    q, k, v = (torch.randn(1, 2, 200, d, device="cuda", dtype=torch.float16) for _ in range(3))
-    m = torch.from_numpy(tile_mask(rng, 200, 200, (1, 64), 0.7)).cuda()
-    sparse_attention(q, k, v, m)
+    for sq, sk in ((200, 200), (200, 256)):   # mask read byte by byte / 16 bytes at a time
+        q = torch.randn(1, 2, sq, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(1, 2, sk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        m = torch.from_numpy(tile_mask(rng, sq, sk, (1, 64), 0.7)).cuda()
+        sparse_attention(q, k, v, m)
 torch.cuda.synchronize()
-print("attention d 64/128: ok")
+print("attention d 64/128, byte and vector mask: ok")
 
 q = torch.randn(150, 64, device="cuda", dtype=torch.float16)
 k = torch.randn(170, 64, device="cuda", dtype=torch.float16)

@@ -36,7 +36,8 @@ def test_plan_decisions():
     assert (p.n_qb, p.n_kb, p.slices) == (16, 64, 12)
     assert p.mask_strides == (0, 1)
     assert p.index_grid() == (8, 16, 12) and p.attention_grid() == (24, 16, 1)
-    assert p.smem == 2 * 2 * 64 * 128 * 2 + 4 * 64 <= 227 * 1024   # 2 stages of K, V; the list
+    # 2 stages of K, V and the mask tile (rows of BN + 16 bytes); the list
+    assert p.smem == 2 * 2 * 64 * 128 * 2 + 2 * 64 * 80 + 4 * 64 <= 227 * 1024
     assert A.plan_attention(3, 2, 5, 7, 64, "float16", (3, 2, 5, 7)).mask_strides == (2, 1)
     assert A.plan_attention(3, 2, 5, 7, 64, "float16", (5, 7)).mask_strides == (0, 0)
     assert A.plan_attention(3, 2, 5, 7, 64, "float16", (5, 7)).slices == 1
@@ -121,7 +122,7 @@ def test_count_bins_scale_long_rows_onto_the_classes():
 
 def test_shared_memory_bounds_the_key_length():
     plan = A.plan_attention(1, 1, 64, 8192, 64, "float16", (64, 8192))
-    assert plan.smem == 2 * A.STAGES[64] * 64 * 64 * 2 + 4 * 128
+    assert plan.smem == 2 * A.STAGES[64] * 64 * 64 * 2 + A.STAGES[64] * 64 * 80 + 4 * 128
     with pytest.raises(pitgen.ShapeError, match="Sk=.* keys"):
         A.plan_attention(1, 1, 64, 4_000_000, 64, "float16", (64, 4_000_000))
 
