@@ -41,11 +41,11 @@ BM, BN = 64, 64
 #: Mask columns one index CTA covers (KPC = INDEX_COLUMNS // BN key blocks) and its threads.
 INDEX_COLUMNS, INDEX_THREADS = 512, 256
 #: Per head dim: K/V pipeline stages, and CTAs per SM that __launch_bounds__ budgets registers
-#: for (scripts/tune_attention.py on an H100, docs/attention.md: at D=64, 2 stages x 4 CTAs
-#: spills 16 bytes but is 9-15% faster on long rows and 4% slower on 90%-sparse blocks than
-#: 3 x 3; at D=128, 2 x 2 ties 3 x 2 with less shared memory).
+#: for (scripts/tune_attention.py on an H100, docs/attention.md: at D=64, 2 stages x 3 CTAs is
+#: fastest on all three benchmark masks since the mask tiles load with K/V; at D=128, 2 x 2 is
+#: within 2% of 3 x 2 with less shared memory).
 STAGES = {64: 2, 128: 2}
-MIN_BLOCKS = {64: 4, 128: 2}
+MIN_BLOCKS = {64: 3, 128: 2}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
 #: Index state bytes.
