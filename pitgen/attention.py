@@ -141,10 +141,12 @@ class AttentionPlan:
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW}
 
 
+@functools.lru_cache(maxsize=256)
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
                    mask_shape: tuple[int, ...]) -> AttentionPlan:
     """Check the problem against what the kernel runs and fix its tiles; the rule derivation runs
-    here so that a kernel permuting a non-invariant axis could not be planned."""
+    here so that a kernel permuting a non-invariant axis could not be planned. Cached per shape
+    (every call plans; a refusal raises again each time)."""
     derive()
     if d not in HEAD_DIMS:
         raise ShapeError(f"head dim D={d} is not supported; sparse_attention runs D in {HEAD_DIMS}")
@@ -295,9 +297,9 @@ class BlockIndex(NamedTuple):
 _COUNTERS: dict[tuple[int, int], Any] = {}
 
 
-def _counters(device: Any, size: int) -> Any:
+def _counters(device: Any, stream: Any, size: int) -> Any:
     import torch
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    key = (device.index, stream.cuda_stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < size:
         buf = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
@@ -317,7 +319,7 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
-    counters = _counters(mask.device, plan.slices * (plan.n_qb + 1))
+    counters = _counters(mask.device, launch.torch_stream, plan.slices * (plan.n_qb + 1))
     rowcount = counters.data_ptr()
     done = rowcount + 4 * plan.slices * plan.n_qb
     vec = _vector_mask(plan, mask)

@@ -27,10 +27,17 @@ from .render import render, render_template
 GRID_Y_MAX = 65535
 
 
+_DRV: list[Any] = []
+
+
 def _drv():
     """pycuda.driver, initialised; DeviceError when unusable. In the main thread PyTorch's
     primary context is made current for good (``pycuda.autoprimaryctx``, which pops it at exit);
-    other threads get it from ``bound_context`` for the length of a call."""
+    other threads get it from ``bound_context`` for the length of a call. Every launch calls
+    this, so once that is done it returns at once."""
+    main = threading.current_thread() is threading.main_thread()
+    if _DRV and (not main or "pycuda.autoprimaryctx" in sys.modules):
+        return _DRV[0]
     try:
         try:
             import torch
@@ -48,6 +55,7 @@ def _drv():
         raise DeviceError(f"pycuda is not installed ({e}); pip install 'pitgen[cuda]'") from None
     except Exception as e:  # driver missing, no device
         raise DeviceError(f"no usable CUDA device: {e}") from None
+    _DRV[:] = [drv]
     return drv
 
 
@@ -107,6 +115,18 @@ class Operand:
     is_torch: bool
 
 
+def _check_device(name: str, x: Any) -> None:
+    """A torch tensor must be on the current CUDA device (the one PyCUDA's context runs on)."""
+    import torch
+    if not x.is_cuda:
+        raise DeviceError(f"{name} is on {x.device}; pitgen kernels need CUDA tensors "
+                          f"(move it with .cuda())")
+    current = torch.cuda.current_device()
+    if x.device.index != current:
+        raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:{current} "
+                          f"(the current device)")
+
+
 def as_operand(name: str, x: Any) -> Operand:
     """Accept a CUDA torch tensor or a PyCUDA GPUArray; refuse anything else with the reason."""
     mod = type(x).__module__
@@ -114,12 +134,7 @@ def as_operand(name: str, x: Any) -> Operand:
         import torch
         if not isinstance(x, torch.Tensor):
             raise ShapeError(f"{name}: expected a tensor, got {type(x).__name__}")
-        if not x.is_cuda:
-            raise DeviceError(f"{name} is on {x.device}; pitgen kernels need CUDA tensors "
-                              f"(move it with .cuda())")
-        if x.device.index != torch.cuda.current_device():
-            raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:"
-                              f"{torch.cuda.current_device()} (the current device)")
+        _check_device(name, x)
         return Operand(name, x, x.data_ptr(), tuple(x.shape), tuple(x.stride()),
                        str(x.dtype).replace("torch.", ""), True)
     gpudata = getattr(x, "gpudata", None)
@@ -177,11 +192,13 @@ class _Streams:
     def __init__(self):
         self._twins: dict[int, tuple[Any, Any]] = {}
 
-    def enter(self, use_torch: bool):
+    def enter(self, use_torch: bool, cur: Any = None):
+        """(PyCUDA stream, token for leave) for torch's current stream (``cur`` when the caller
+        has already asked torch for it)."""
         if not use_torch:
             return None, None
         import torch
-        cur = torch.cuda.current_stream()
+        cur = torch.cuda.current_stream() if cur is None else cur
         if cur.cuda_stream == 0:
             return None, None
         if cur.cuda_stream not in self._twins:
@@ -505,10 +522,13 @@ class TorchLaunch:
     from any thread (``bound_context``)."""
 
     def __init__(self) -> None:
+        import torch
         self._bound = ExitStack()
         self._bound.enter_context(bound_context())
         try:
-            self.stream, self._token = _STREAMS.enter(True)
+            #: torch's current stream, which the launches are ordered with
+            self.torch_stream = torch.cuda.current_stream()
+            self.stream, self._token = _STREAMS.enter(True, self.torch_stream)
         except BaseException:
             self._bound.close()
             raise
@@ -537,7 +557,7 @@ def check_tensor(name: str, x: Any, dtypes: tuple[str, ...], ndim: int | None = 
     import torch
     if not isinstance(x, torch.Tensor):
         raise ShapeError(f"{name}: expected a torch tensor, got {type(x).__name__}")
-    as_operand(name, x)  # device checks
+    _check_device(name, x)
     dt = str(x.dtype).replace("torch.", "")
     if dt not in dtypes:
         raise ShapeError(f"{name} has dtype {dt}; expected {' or '.join(dtypes)}")
