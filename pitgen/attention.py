@@ -6,7 +6,7 @@ spatial and invariant (a CTA per (b, h, query block) writes back to its own rows
 ``O[b,h,i,d] += P[b,h,i,j] * V[b,h,j,d]`` the key axis j is an invariant *reduction* axis: key
 blocks may be visited in any order. With an online softmax (running max and sum, also
 order-free) the kernel can therefore walk a compact, unordered list of the non-empty key blocks
-of its query block, which the GPU builds every call (no sort, no host sync).
+of its query block, which the GPU builds every call (no sort of key blocks, no host sync).
 
 Pipeline per call: index kernel (reads the mask once, 16-byte loads; writes a state byte per
 (mask slice, query block, key block): empty, partial or full; every entry is written, so
@@ -292,18 +292,9 @@ class BlockIndex(NamedTuple):
     order: Any
 
 
-#: (device, torch stream) -> int32 counters the index pass zeroes again after use; launches on
-#: one stream run in order, so they share them and no launch has to clear them first.
-_COUNTERS: dict[tuple[int, int], Any] = {}
-
-
-def _counters(device: Any, stream: Any, size: int) -> Any:
-    import torch
-    key = (device.index, stream.cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < size:
-        buf = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
-    return buf
+#: device index -> runtime.stream_counters cache of the index pass's row counts and done
+#: counters (the pass zeroes them again after use)
+_COUNTERS: dict[int, dict[int, Any]] = {}
 
 
 def _vector_mask(plan: AttentionPlan, mask: Any) -> bool:
@@ -316,10 +307,13 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
     fills."""
     import torch
+
+    from .runtime import stream_counters
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
-    counters = _counters(mask.device, launch.torch_stream, plan.slices * (plan.n_qb + 1))
+    counters = stream_counters(_COUNTERS.setdefault(mask.device.index, {}), launch.torch_stream,
+                               plan.slices * (plan.n_qb + 1), mask.device)
     rowcount = counters.data_ptr()
     done = rowcount + 4 * plan.slices * plan.n_qb
     vec = _vector_mask(plan, mask)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from .device_formats import FORMATS, VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from .errors import PlanError, ShapeError
-from .runtime import load_kernels
+from .runtime import load_kernels, stream_counters
 
 __all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "SPMM_EXPR", "SDDMM_EXPR"]
 
@@ -186,18 +186,6 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
     return ctx
 
 
-def _piece_counters(m: DeviceMatrix, stream: Any) -> Any:
-    """The cut-row counters of a c == 1 hyb layout for launches on ``stream``: zeroed once,
-    then reset by each row's last piece, so launches on one stream (which run in order) share
-    them and no launch has to clear them."""
-    import torch
-    cache, key = m.counters, stream.cuda_stream
-    if key not in cache:
-        cache[key] = torch.zeros(max(m.info["cut_rows"], 1), dtype=torch.int32,
-                                 device=m.buffers["cols"].device)
-    return cache[key]
-
-
 def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
          out: Any = None) -> Any:
     """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]
@@ -231,7 +219,9 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
         ws = torch.zeros((n_ws, feat), dtype=torch.float32, device=x.device) if n_ws else out
         partials = torch.empty((n_partials, feat), dtype=torch.float32, device=x.device) \
             if n_partials else out
-        counters = _piece_counters(m, torch.cuda.current_stream(x.device)) if pieces else out
+        # cut-row counters, reset by each row's last piece
+        counters = (stream_counters(m.counters, torch.cuda.current_stream(x.device),
+                                    info["cut_rows"], x.device) if pieces else out)
     with TorchLaunch() as tl:
         if m.fmt == "hyb":
             kern = load_kernels("spmm.cu.j2", HYB_SPMM_SIGNATURE, **ctx)

@@ -10,7 +10,7 @@ from .expr import Operator, parse
 from .lower import DTYPES, Schedule, gemm_form
 from .plan import Plan, make_plan
 from .render import render
-from .runtime import _STREAMS, GemmCall, Launcher, as_operand, bound_context, signature
+from .runtime import GemmCall, Launcher, TorchLaunch, as_operand, signature
 
 if TYPE_CHECKING:
     from .graph_kernel import FormatKernel
@@ -123,12 +123,11 @@ class SparseKernel:
         call = self.prepare(*args, **kwargs)
         if call.L.vendor:
             return None, None
-        with bound_context():
-            stream, token = _STREAMS.enter(call.A.is_torch)
+        with TorchLaunch(call.A.is_torch) as launch:
             try:
-                call.build_index(stream)
+                call.build_index(launch.stream)
             finally:
-                _STREAMS.leave(token)
+                launch.keep(*call.ws.keep)
         return call.counts, call.ids
 
     def source(self, *args: Any, **kwargs: Any) -> str:

@@ -46,7 +46,7 @@ def _drv():
         except ImportError:
             pass
         import pycuda.driver as drv
-        if threading.current_thread() is threading.main_thread():
+        if main:
             import pycuda.autoprimaryctx  # noqa: F401  (retains and pushes the primary context)
         else:
             drv.init()
@@ -423,16 +423,12 @@ class GemmCall:
         if self.L.vendor:
             self.compute(None)
             return self.out
-        with bound_context():
-            stream, token = _STREAMS.enter(self.A.is_torch)
+        with TorchLaunch(self.A.is_torch) as launch:
             try:
-                self.build_index(stream)
-                self.compute(stream)
+                self.build_index(launch.stream)
+                self.compute(launch.stream)
             finally:
-                _STREAMS.leave(token)
-                if token is not None:  # buffers used on the twin stream live until it is done
-                    for t in self.ws.keep:
-                        t.record_stream(token[1])
+                launch.keep(*self.ws.keep)
         return self.out
 
 
@@ -519,16 +515,19 @@ class TorchLaunch:
     """Launch context on torch's current stream: ``stream`` for PyCUDA launches (a twin ordered
     after torch's stream, and torch's stream after it on exit, GPU-side), ``keep(t)`` for
     tensors the launches use so the caching allocator does not recycle them too early. Works
-    from any thread (``bound_context``)."""
+    from any thread (``bound_context``). ``use_torch=False`` (PyCUDA GPUArray operands): the
+    legacy default stream, nothing to order or keep."""
 
-    def __init__(self) -> None:
-        import torch
+    def __init__(self, use_torch: bool = True) -> None:
         self._bound = ExitStack()
         self._bound.enter_context(bound_context())
         try:
-            #: torch's current stream, which the launches are ordered with
-            self.torch_stream = torch.cuda.current_stream()
-            self.stream, self._token = _STREAMS.enter(True, self.torch_stream)
+            #: torch's current stream, which the launches are ordered with (None: no torch)
+            self.torch_stream = None
+            if use_torch:
+                import torch
+                self.torch_stream = torch.cuda.current_stream()
+            self.stream, self._token = _STREAMS.enter(use_torch, self.torch_stream)
         except BaseException:
             self._bound.close()
             raise
@@ -548,6 +547,18 @@ class TorchLaunch:
                     t.record_stream(self._token[1])
         finally:
             self._bound.close()
+
+
+def stream_counters(cache: dict[int, Any], stream: Any, size: int, device: Any) -> Any:
+    """At least ``size`` int32 counters for launches on torch ``stream`` whose kernels leave them
+    zero again: zeroed once per stream in ``cache`` (and again when a launch needs more), so
+    launches on one stream, which run in order, share them and none has to clear them first."""
+    import torch
+    buf = cache.get(stream.cuda_stream)
+    if buf is None or buf.numel() < size:
+        buf = cache[stream.cuda_stream] = torch.zeros(max(size, 1), dtype=torch.int32,
+                                                      device=device)
+    return buf
 
 
 def check_tensor(name: str, x: Any, dtypes: tuple[str, ...], ndim: int | None = None,
