@@ -7,10 +7,10 @@ from .errors import (CompileError, DeviceError, ExpressionError, PitgenError, Pl
                      RuleError, ShapeError)
 from .expr import Access, Operator, parse  # noqa: E402
 from .rules import AxisRule, Rules, analyse  # noqa: E402
-from .plan import Candidate, Plan, make_plan as plan  # noqa: E402
+from .planner import Candidate, Plan, make_plan as plan  # noqa: E402
 from .index import TileIndex, build_index  # noqa: E402
 from .executor import evaluate, execute  # noqa: E402
-from .kernel import SparseKernel, compile  # noqa: E402
+from .ops.matmul import SparseKernel, compile  # noqa: E402
 
 __all__ = [
     "parse", "analyse", "plan", "build_index", "execute", "evaluate", "compile",

@@ -21,7 +21,7 @@ def _rules(args: argparse.Namespace) -> None:
 
 def _plan(args: argparse.Namespace) -> None:
     from .expr import parse
-    from .plan import make_plan
+    from .planner import make_plan
 
     try:
         mask = np.load(args.mask)
@@ -68,27 +68,20 @@ def _emit(args: argparse.Namespace) -> None:
 
 def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
     """GRAPH of ``pitgen tune``: a .npz sparse matrix (scipy's save_npz or make_graphs' plain
-    arrays) or ``synthetic:NAME``, a graph of scripts/make_graphs.py (source checkout)."""
+    arrays) or ``synthetic:NAME``, a graph of :mod:`pitgen.graph.synthetic`."""
     from pathlib import Path
 
-    from .formats import load_graph
+    from .graph.formats import load_graph
 
     if spec.startswith("synthetic:"):
-        import importlib.util
+        from .graph import synthetic
 
         name = spec.split(":", 1)[1]
-        path = Path(__file__).resolve().parents[1] / "scripts" / "make_graphs.py"
-        if not path.is_file():
-            raise PitgenError(f"synthetic graphs need scripts/make_graphs.py of a source checkout "
-                              f"(not found at {path})")
-        spec_ = importlib.util.spec_from_file_location("pitgen_make_graphs", path)
-        mod = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(mod)
-        if name not in mod.GRAPHS:
-            raise PitgenError(f"unknown synthetic graph {name!r}; known: {', '.join(mod.GRAPHS)}")
+        if name not in synthetic.GRAPHS:
+            raise PitgenError(f"unknown synthetic graph {name!r}; known: {', '.join(synthetic.GRAPHS)}")
         if not 0 < scale <= 1:
             raise PitgenError(f"--scale must be in (0, 1], got {scale}")
-        return mod.make_graph(name, seed=seed, scale=scale)
+        return synthetic.make_graph(name, seed=seed, scale=scale)
     if scale != 1.0:
         raise PitgenError("--scale applies to synthetic:NAME graphs only")
     try:
@@ -101,8 +94,8 @@ def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
 
 def tune_options(args: argparse.Namespace) -> tuple[str, int, str, float, list[str]]:
     """Validated (op, feat, dtype, budget, formats) of ``pitgen tune``: no GPU needed."""
-    from .graph_kernel import GRAPH_DTYPES
-    from .tune import FORMATS, OPS
+    from .graph.jit import GRAPH_DTYPES
+    from .graph.tune import FORMATS, OPS
 
     if args.op not in OPS:
         raise PitgenError(f"--op must be one of {', '.join(OPS)}, got {args.op!r}")
@@ -123,14 +116,14 @@ def tune_options(args: argparse.Namespace) -> tuple[str, int, str, float, list[s
 def _tune(args: argparse.Namespace) -> None:
     """Options and graph are checked before the GPU is touched."""
     from .errors import DeviceError
-    from .tune import tune
+    from .graph.tune import tune
 
     op, feat, dtype, budget, formats = tune_options(args)
     csr = load_graph_arg(args.graph, args.scale, args.seed)
     try:
         import torch  # noqa: F401
 
-        from .device_formats import DeviceCSR
+        from .graph.device import DeviceCSR
     except ImportError as e:
         raise DeviceError(f"pitgen tune runs on the GPU and needs torch: {e}") from None
     a = DeviceCSR.from_host(csr, dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .expr import Operator
-from .plan import Plan, candidate_specs, make_plan, parse_tile
+from .planner import Plan, candidate_specs, make_plan, parse_tile
 from .runtime import Operand
 
 

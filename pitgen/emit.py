@@ -28,7 +28,7 @@ from .compiler import find_nvcc
 from .errors import CompileError, PitgenError, PlanError
 from .expr import Operator, parse
 from .lower import DTYPES, GemmForm, Layout, ModuleSpec, Schedule, gemm_form, lower
-from .plan import Candidate, make_plan, parse_tile
+from .planner import Candidate, make_plan, parse_tile
 from .render import environment, render
 
 #: Opt-in shared memory per block (bytes) of the archs the kernels run on: cp.async and

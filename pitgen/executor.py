@@ -17,7 +17,7 @@ import sympy
 from .errors import ShapeError
 from .expr import EPILOGUES, Access, Operator
 from .index import TileIndex, build_index, sparse_access
-from .plan import Plan
+from .planner import Plan
 
 _LETTERS = string.ascii_letters
 

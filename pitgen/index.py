@@ -17,7 +17,7 @@ from .errors import PlanError
 from .expr import Access, Operator
 
 if TYPE_CHECKING:
-    from .plan import Candidate, Plan
+    from .planner import Candidate, Plan
 
 
 def sparse_access(op: Operator, sparse: str) -> Access:

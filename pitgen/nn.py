@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_HOME = {"SparseLinear": "pitgen.autograd", "SparseAttention": "pitgen.attention",
-         "MoE": "pitgen.moe"}
+_HOME = {"SparseLinear": "pitgen.ops.linear", "SparseAttention": "pitgen.ops.attention",
+         "MoE": "pitgen.ops.moe"}
 
 __all__ = sorted(_HOME)
 

@@ -26,7 +26,7 @@ B, H, S, D = 1, 12, 4096, 64
 
 
 def masks(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    from pitgen import attention as A
+    from pitgen.ops import attention as A
     return {
         "blocks 128x128, 90% sparse": A.tile_mask(rng, S, S, (128, 128), 0.1),
         "Longformer w256 + 16 global": A.longformer_mask(S, S, 256, A.random_global_tokens(rng, S, 16)),
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from pitgen import attention as A
+    from pitgen.ops import attention as A
 
     torch.manual_seed(0)
     timer = Timer(args.repeats)

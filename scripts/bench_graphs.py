@@ -3,14 +3,14 @@ cuSPARSE (through torch), in one run on one GPU.
 
     python scripts/bench_graphs.py --out DIR [--quick] [--budget S] [--graphs DIR]
 
-Graphs: scripts/make_graphs.py's seeded power-law stand-ins with the node and edge counts of
+Graphs: pitgen.graph.synthetic's seeded power-law stand-ins with the node and edge counts of
 cora, citeseer, pubmed, ppi, ogbn-arxiv, ogbn-proteins and reddit (generated in worker
 processes while the GPU runs the smaller graphs, and kept in --graphs for the next run).
 Cases: feature sizes 32-512 (reddit: 32-128, to fit the time), float32 and float16.
 Systems: SpMM against ``torch.sparse.mm`` on a sparse CSR tensor (cuSPARSE SpMM), SDDMM against
 ``torch.sparse.sampled_addmm`` (cuSPARSE SDDMM; a dtype it refuses, float16 in torch 2.11, is
 not run for SDDMM, and the notes say so);
-pitgen's choice from :func:`pitgen.tune.tune` with a small per-case budget (a fresh tune cache,
+pitgen's choice from :func:`pitgen.graph.tune.tune` with a small per-case budget (a fresh tune cache,
 so every case really searches) and pitgen's default CSR kernel. Each pitgen result is checked
 against the peer's (relative error of the norm).
 
@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from make_graphs import GRAPHS, make_graph  # noqa: E402
+from pitgen.graph.synthetic import GRAPHS, make_graph  # noqa: E402
 
 FEATS = (32, 64, 128, 256, 512)
 #: reddit (114M edges) at 256 and 512 features would take most of the time budget alone
@@ -132,9 +132,9 @@ class Runner:
     def run(self, name: str, a: Any, op: str, feat: int, dtype: str, budget: float) -> dict:
         import torch
 
-        from pitgen import graph_ops
-        from pitgen.device_formats import DeviceCSR, to_format
-        from pitgen.tune import tune
+        from pitgen.graph import kernels as graph_ops
+        from pitgen.graph.device import DeviceCSR, to_format
+        from pitgen.graph.tune import tune
 
         rows, cols = a.shape
         tdt = getattr(torch, dtype)
@@ -202,9 +202,9 @@ def warm_sources() -> list[tuple[str, dict]]:
     layout only through the bucket widths and which buckets need atomics)."""
     from types import SimpleNamespace
 
-    from pitgen import graph_ops
-    from pitgen.device_formats import BSR_BLOCKS, hyb_atomic
-    from pitgen.tune import HYB_C, HYB_K
+    from pitgen.graph import kernels as graph_ops
+    from pitgen.graph.device import BSR_BLOCKS, hyb_atomic
+    from pitgen.graph.tune import HYB_C, HYB_K
 
     out: dict[str, tuple[str, dict]] = {}
     for dtype in DTYPES:
@@ -262,8 +262,8 @@ def device_csr(path: str, dtype: str, seed: int = 0) -> Any:
     """The graph on the GPU with random values in [0.5, 1.5) (never zeros)."""
     import torch
 
-    from pitgen.device_formats import DeviceCSR
-    from pitgen.formats import load_graph
+    from pitgen.graph.device import DeviceCSR
+    from pitgen.graph.formats import load_graph
 
     csr = load_graph(path)
     ip = torch.from_numpy(csr.indptr.astype("int32")).cuda()
@@ -318,7 +318,7 @@ def write(out: Path, rows: list[dict], meta: dict, skipped: list[str], notes: li
              "", f"Device: **{meta['device']}** (torch {meta['torch']}, CUDA {meta['cuda']}); "
              f"{meta['date']}; device copy rate {meta['copy_gbs']:.0f} GB/s; run "
              f"{meta['elapsed_s']:.0f} s. Times: median of {meta['repeats']} runs (CUDA events, "
-             "L2 flushed). Speed-up = peer ms / pitgen ms. pitgen tuned = `pitgen.tune.tune` "
+             "L2 flushed). Speed-up = peer ms / pitgen ms. pitgen tuned = `pitgen.graph.tune.tune` "
              "with the per-case budget (fresh cache); default CSR = pitgen's CSR kernel with its "
              "default schedule. Floor = compulsory bytes at the copy rate.", ""]
     lines += ["## Geometric-mean speed-ups", "",

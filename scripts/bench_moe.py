@@ -162,7 +162,7 @@ def run_case(timer: Timer, T: int, H: int, F: int, E: int, seed: int,
     """Rows of one expert count; with ``a`` the stk peer runs in a subprocess, without it only
     the stk peer runs (the subprocess side)."""
     import torch
-    from pitgen.moe import moe_ffn, weight_bytes, flops
+    from pitgen.ops.moe import moe_ffn, weight_bytes, flops
 
     torch.manual_seed(seed)
     dev = "cuda"

@@ -24,9 +24,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench import Timer, copy_bytes_per_ms, device_meta, host_ms  # noqa: E402
-from pitgen.autograd import (WEIGHT_DX, WEIGHT_FORWARD, _gemm,  # noqa: E402
+from pitgen.ops.linear import (WEIGHT_DX, WEIGHT_FORWARD, _gemm,  # noqa: E402
                              sparse_input_linear, sparse_weight_linear)
-from pitgen.sddmm import sddmm  # noqa: E402
+from pitgen.ops.sddmm import sddmm  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (4096, 3072, 768)]  # batch, in, out
 MASKS_PER_CASE = 4  # distinct masks cycled so every step sees a new one

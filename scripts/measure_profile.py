@@ -19,7 +19,7 @@ import torch
 
 import pitgen
 from bench import Timer  # the suite's timing method, shared
-from pitgen.plan import make_plan
+from pitgen.planner import make_plan
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
 KINDS = {  # profile key -> [(micro_tile, S shape)]

@@ -31,11 +31,11 @@ for dtype in ("float16", "float32"):
 # the sparse-training autograd path.
 import numpy as np
 
-from pitgen.attention import sparse_attention, tile_mask
-from pitgen.device_formats import DeviceCSR, to_format
-from pitgen.graph_ops import sddmm as graph_sddmm, spmm
-from pitgen.moe import moe_ffn
-from pitgen.sddmm import sddmm
+from pitgen.ops.attention import sparse_attention, tile_mask
+from pitgen.graph.device import DeviceCSR, to_format
+from pitgen.graph.kernels import sddmm as graph_sddmm, spmm
+from pitgen.ops.moe import moe_ffn
+from pitgen.ops.sddmm import sddmm
 
 g = torch.Generator(device="cuda").manual_seed(0)
 T, H, F, E = 200, 64, 96, 5
@@ -80,7 +80,7 @@ for fmt, params in (("csr", {}), ("ell", {}), ("bsr", {"block": 16}), ("hyb", {"
 torch.cuda.synchronize()
 print("formats csr/ell/bsr/hyb spmm+sddmm: ok")
 
-from pitgen.autograd import sparse_weight_linear
+from pitgen.ops.linear import sparse_weight_linear
 
 w = torch.randn(96, 128, device="cuda", dtype=torch.float16, requires_grad=True)
 xin = torch.randn(64, 128, device="cuda", dtype=torch.float16, requires_grad=True)

@@ -18,7 +18,7 @@ import torch
 
 from bench import Timer
 from bench_attention import B, H, S, masks
-from pitgen import attention as A
+from pitgen.ops import attention as A
 from pitgen.compiler import compile_source
 from pitgen.render import render_template
 from pitgen.runtime import device_arch

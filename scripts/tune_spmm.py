@@ -21,9 +21,9 @@ import torch
 
 from bench import Timer
 from bench_graphs import device_csr, graph_file, rel_err
-from pitgen import graph_ops
+from pitgen.graph import kernels as graph_ops
 from pitgen.compiler import compile_source
-from pitgen.device_formats import DeviceCSR, to_format
+from pitgen.graph.device import DeviceCSR, to_format
 from pitgen.render import render_template
 from pitgen.runtime import device_arch
 

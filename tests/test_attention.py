@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pitgen
-from pitgen import attention as A
+from pitgen.ops import attention as A
 from pitgen import compiler
 from pitgen.render import render_template
 

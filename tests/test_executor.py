@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from pitgen import analyse, parse
 from pitgen.errors import ShapeError
 from pitgen.executor import evaluate, execute
-from pitgen.plan import Candidate, make_plan
+from pitgen.planner import Candidate, make_plan
 
 CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"
 #: (expression, sparse operand, max extent per axis: small where the axis count is high)

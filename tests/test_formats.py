@@ -1,20 +1,15 @@
-"""CSR / ELL / BSR / hyb layouts and their float64 SpMM / SDDMM references (pitgen.formats),
-plus the synthetic graphs of scripts/make_graphs.py."""
-import importlib.util
-from pathlib import Path
+"""CSR / ELL / BSR / hyb layouts and their float64 SpMM / SDDMM references (pitgen.graph.formats),
+plus the synthetic graphs of pitgen.graph.synthetic."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from pitgen import ShapeError
-from pitgen.formats import (BSR, CSR, ELL, Hyb, load_graph, sddmm, sddmm_bsr, sddmm_ell,
+from pitgen.graph import synthetic as make_graphs
+from pitgen.graph.formats import (BSR, CSR, ELL, Hyb, load_graph, sddmm, sddmm_bsr, sddmm_ell,
                             sddmm_hyb, spmm, spmm_bsr, spmm_ell, spmm_hyb)
 
-_spec = importlib.util.spec_from_file_location(
-    "make_graphs", Path(__file__).resolve().parents[1] / "scripts" / "make_graphs.py")
-make_graphs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_graphs)
 
 
 @st.composite

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pitgen
-from pitgen import attention as A
+from pitgen.ops import attention as A
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -145,7 +145,7 @@ def test_module_matches_multihead_attention():
     with torch.no_grad():
         mha.in_proj_bias.normal_(0, 0.1)
         mha.out_proj.bias.normal_(0, 0.1)
-    mod = pitgen.attention.SparseAttention(e, heads).cuda().half()
+    mod = pitgen.ops.attention.SparseAttention(e, heads).cuda().half()
     mod.load_state_dict(mha.state_dict())
     assert set(mod.state_dict()) == set(mha.state_dict())
     x = torch.randn(n, length, e)
@@ -204,7 +204,7 @@ def test_bad_input_is_refused_clearly():
         A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states, good.order[:, :0]))
     with pytest.raises(pitgen.ShapeError, match="index.order is on cpu"):
         A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states, good.order.cpu()))
-    mod = pitgen.attention.SparseAttention(128, 2).cuda().half()
+    mod = pitgen.ops.attention.SparseAttention(128, 2).cuda().half()
     x = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
     with pytest.raises(pitgen.PlanError, match="need_weights"):
         mod(x, x, x, mask=torch.ones(8, 8, dtype=torch.bool, device="cuda"), need_weights=True)

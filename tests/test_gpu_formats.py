@@ -1,5 +1,5 @@
 """GPU tests of the sparse formats: every conversion on the GPU equals its NumPy reference
-(pitgen.formats) slot for slot; SpMM and SDDMM in every format x dtype x feature size agree with
+(pitgen.graph.formats) slot for slot; SpMM and SDDMM in every format x dtype x feature size agree with
 float64 references; outputs are poisoned first; bad input raises pitgen errors."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pitgen import DeviceError, PlanError, ShapeError
-from pitgen import formats as fm
-from pitgen.device_formats import DeviceCSR, to_format
-from pitgen.graph_ops import default_schedule, schedule_space, sddmm, spmm
+from pitgen.graph import formats as fm
+from pitgen.graph.device import DeviceCSR, to_format
+from pitgen.graph.kernels import default_schedule, schedule_space, sddmm, spmm
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")

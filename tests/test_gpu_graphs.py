@@ -9,8 +9,8 @@ import pytest
 from checks import assert_close
 
 import pitgen
-from pitgen import attention as A
-from pitgen.moe import moe_ffn, moe_reference
+from pitgen.ops import attention as A
+from pitgen.ops.moe import moe_ffn, moe_reference
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")

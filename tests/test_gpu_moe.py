@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import pitgen
 from pitgen.errors import DeviceError, PitgenError, ShapeError
-from pitgen.moe import ACTIVATIONS, moe_ffn, moe_reference, moe_route, route_reference
+from pitgen.ops.moe import ACTIVATIONS, moe_ffn, moe_reference, moe_route, route_reference
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -85,7 +85,7 @@ def test_large_skewed_bm128(topk):
     """Enough rows per expert for BM = 128 tiles, and experts spanning many tiles."""
     rng = np.random.default_rng(4)
     dev, ref = _layer(rng, 2500, topk, 4, 256, 512, "float16", True, "skewed")
-    plan = pitgen.moe.plan_moe(2500, topk, 4, 256, 512)
+    plan = pitgen.ops.moe.plan_moe(2500, topk, 4, 256, 512)
     assert plan.bm == 128
     y = moe_ffn(*dev, activation="gelu")
     assert _rel(y, moe_reference(*ref, activation="gelu")) < TOL["float16"]
@@ -200,7 +200,7 @@ def _dense_module_reference(m, x):
                                             (2, "relu", "float16")])
 def test_module_matches_dense_reference(topk, act, dtype):
     torch.manual_seed(11)
-    m = pitgen.moe.MoE(96, 160, 8, topk=topk, activation=act, device="cuda", dtype=DT[dtype])
+    m = pitgen.ops.moe.MoE(96, 160, 8, topk=topk, activation=act, device="cuda", dtype=DT[dtype])
     with torch.no_grad():
         m.b1.normal_(0, 0.1)
         m.b2.normal_(0, 0.1)
@@ -217,7 +217,7 @@ def test_module_matches_dense_reference(topk, act, dtype):
 
 def test_module_runs_in_another_stream_without_sync():
     torch.manual_seed(12)
-    m = pitgen.moe.MoE(64, 128, 4, topk=2, bias=False, device="cuda", dtype=torch.float16)
+    m = pitgen.ops.moe.MoE(64, 128, 4, topk=2, bias=False, device="cuda", dtype=torch.float16)
     x = torch.randn(100, 64, device="cuda", dtype=torch.float16)
     s = torch.cuda.Stream()
     with torch.no_grad():

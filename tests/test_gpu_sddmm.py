@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pitgen
-from pitgen.sddmm import reference_index, reference_sddmm, reference_tiles, sddmm
+from pitgen.ops.sddmm import reference_index, reference_sddmm, reference_tiles, sddmm
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import pitgen
-from pitgen import attention as A
+from pitgen.ops import attention as A
 from pitgen import runtime
-from pitgen.device_formats import DeviceCSR
-from pitgen.graph_ops import spmm
-from pitgen.moe import moe_ffn
-from pitgen.sddmm import sddmm
+from pitgen.graph.device import DeviceCSR
+from pitgen.graph.kernels import spmm
+from pitgen.ops.moe import moe_ffn
+from pitgen.ops.sddmm import sddmm
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -113,7 +113,7 @@ def test_a_worker_pool_shares_the_operators():
 
 FIRST_USE_IN_A_WORKER = """
 import threading, torch
-from pitgen import attention as A
+from pitgen.ops import attention as A
 q = torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.float16)
 m = torch.ones(64, 64, dtype=torch.bool, device="cuda")
 out = {}

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import pitgen
 import pitgen.nn
-from pitgen.autograd import sparse_input_linear, sparse_weight_linear
+from pitgen.ops.linear import sparse_input_linear, sparse_weight_linear
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -153,14 +153,14 @@ def test_training_steps_with_a_new_mask_every_step(dtype):
 
 def test_sparse_input_module_and_prune():
     torch.manual_seed(1)
-    layer = pitgen.autograd.SparseLinear(64, 48, device="cuda", dtype=torch.float16,
+    layer = pitgen.ops.linear.SparseLinear(64, 48, device="cuda", dtype=torch.float16,
                                          sparse_input=True)
     x = torch.relu(torch.randn(3, 10, 64, device="cuda") - 1).half()
     y = layer(x)
     assert y.shape == (3, 10, 48)
     want = x.double() @ layer.weight.double().t() + layer.bias.double()
     assert rel(y, want) < 1e-2
-    dense = pitgen.autograd.SparseLinear(64, 48, device="cuda")
+    dense = pitgen.ops.linear.SparseLinear(64, 48, device="cuda")
     mask = dense.prune_(0.75)
     assert mask.dtype == torch.bool and abs(mask.float().mean().item() - 0.25) < 0.02
     kept = dense.weight.abs()[mask].min()
@@ -174,7 +174,7 @@ def test_sparse_input_module_and_prune():
 
 
 def test_state_dict_round_trips_with_nn_linear():
-    sparse = pitgen.autograd.SparseLinear(40, 24, device="cuda")
+    sparse = pitgen.ops.linear.SparseLinear(40, 24, device="cuda")
     dense = torch.nn.Linear(40, 24, device="cuda")
     assert set(sparse.state_dict()) == set(dense.state_dict()) == {"weight", "bias"}
     dense.load_state_dict(sparse.state_dict())
@@ -215,6 +215,6 @@ def test_bad_inputs_raise_pitgen_errors():
         sparse_weight_linear(x, w, mask, torch.zeros(15, device="cuda", dtype=torch.float16))
     with pytest.raises(pitgen.DeviceError):
         sparse_input_linear(x.cpu(), w)
-    layer = pitgen.autograd.SparseLinear(32, 16, device="cuda")
+    layer = pitgen.ops.linear.SparseLinear(32, 16, device="cuda")
     with pytest.raises(pitgen.ShapeError, match="mask"):
         layer.set_mask(torch.ones(16, 31, device="cuda", dtype=torch.bool))

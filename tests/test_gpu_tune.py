@@ -1,5 +1,5 @@
 """GPU tests of the tuner and of format kernels (``pitgen.compile(..., format=...)``) against
-float64 NumPy references (pitgen.formats.spmm / sddmm)."""
+float64 NumPy references (pitgen.graph.formats.spmm / sddmm)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pitgen
-from pitgen import formats as F
-from pitgen import tune as T
+from pitgen.graph import formats as F
+from pitgen.graph import tune as T
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -53,7 +53,7 @@ def graph(seed: int, rows: int, cols: int, kind: str = "power") -> F.CSR:
 
 def on_device(csr: F.CSR, dtype: str):
     """The DeviceCSR and the host CSR holding exactly its (rounded) values."""
-    from pitgen.device_formats import DeviceCSR
+    from pitgen.graph.device import DeviceCSR
 
     a = DeviceCSR.from_host(csr, dtype)
     host = F.CSR(csr.shape, csr.indptr, csr.indices, a.values.double().cpu().numpy())
@@ -73,8 +73,8 @@ def rel(got, ref: np.ndarray) -> float:
 
 
 def run_choice(res: T.TuneResult, a, op: str, args):
-    from pitgen import graph_ops
-    from pitgen.device_formats import to_format
+    from pitgen.graph import kernels as graph_ops
+    from pitgen.graph.device import to_format
 
     m = to_format(a, res.fmt, **res.params)
     if op == "spmm":
@@ -150,7 +150,7 @@ def test_compile_format_matches_reference(seed, rows, cols, feat, kind, fmt, dty
 
 @pytest.mark.parametrize("source", ["device", "torch_sparse", "host_csr", "scipy", "dense"])
 def test_matrix_sources_and_conversion_once(source, monkeypatch):
-    import pitgen.device_formats as dfm
+    import pitgen.graph.device as dfm
 
     dtype = "float32"
     csr = graph(7, 150, 130)

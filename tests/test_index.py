@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from pitgen import parse
 from pitgen.errors import PlanError
 from pitgen.index import TileIndex, build_index, tile_grid
-from pitgen.plan import Candidate, make_plan
+from pitgen.planner import Candidate, make_plan
 
 MATMUL = parse("C[m,n] += A[m,k] * B[k,n]")
 BATCHED = parse("C[b,m,n] += A[b,m,k] * B[b,k,n]")

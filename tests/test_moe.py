@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import pitgen
-import pitgen.moe as moe
+import pitgen.ops.moe as moe
 from pitgen import compiler
 from pitgen.errors import PlanError, RuleError, ShapeError
 
@@ -153,7 +153,7 @@ def test_import_without_torch_and_lazy_module():
     assert "torch" not in moe.__dict__
     with pytest.raises(AttributeError):
         moe.NotThere  # noqa: B018
-    assert isinstance(pitgen.moe.ACTIVATIONS, tuple)
+    assert isinstance(pitgen.ops.moe.ACTIVATIONS, tuple)
 
 
 VARIANTS = [("float16", "gelu", "int32", 4096, "sm_90"), ("float16", "relu", "int64", 4096, "sm_80"),

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from pitgen import parse
 from pitgen.errors import PlanError, RuleError
-from pitgen.plan import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
+from pitgen.planner import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
                          load_profile, make_plan, parse_tile)
 
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
@@ -265,7 +265,7 @@ def test_profile_loading(tmp_path, monkeypatch):
     with pytest.raises(PlanError, match="cannot read profile"):
         load_profile(tmp_path / "missing.json")
     # a measured profile next to the analytic one is preferred
-    plan_mod = importlib.import_module("pitgen.plan")  # `pitgen.plan` is also make_plan
+    plan_mod = importlib.import_module("pitgen.planner")  # `pitgen.plan` is also make_plan
     measured = {**prof, "device": "NVIDIA H100 80GB HBM3", "measured": True}
     (tmp_path / "measured.json").write_text(json.dumps(measured))
     monkeypatch.setattr(plan_mod.resources, "files", lambda pkg: tmp_path)

@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pitgen
-from pitgen import autograd, compiler, sddmm
+from pitgen import compiler
+from pitgen.ops import linear as autograd
+from pitgen.ops import sddmm
 from pitgen.render import render_template
 
 needs_nvcc = pytest.mark.skipif(

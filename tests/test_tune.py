@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import pitgen
-from pitgen import tune as T
+from pitgen.graph import tune as T
 from pitgen.cli import load_graph_arg, main
-from pitgen.graph_kernel import FormatKernel, graph_form
+from pitgen.graph.jit import FormatKernel, graph_form
 
 ROOT = Path(__file__).resolve().parents[1]
 SPMM = "Y[i,f] += A[i,j] * X[j,f]"
@@ -299,7 +299,7 @@ def test_graph_form_refusals(expr, sparse, match):
 
 def test_rules_are_consulted(monkeypatch):
     """A non-invariant verdict from the rule engine reaches the caller as RuleError."""
-    import pitgen.graph_kernel as gk
+    import pitgen.graph.jit as gk
 
     real = gk.analyse
 
@@ -372,8 +372,7 @@ def test_cli_graph_sources(tmp_path):
 
 
 def test_make_graphs_unique_matches_numpy():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_graphs import _unique
+    from pitgen.graph.synthetic import _unique
 
     x = np.random.default_rng(1).integers(0, 1000, 5000)
     assert np.array_equal(_unique(x), np.unique(x))

@@ -9,7 +9,7 @@ Two forms are recognised, each derived through the rule engine:
   invariant (edges are computed in any order and written to their CSR slot). The edge pattern
   is passed at call time as ``sample=``.
 
-``format`` is "csr", "ell", "bsr", "hyb" or "auto" (:func:`pitgen.tune.best`: the on-disk tune
+``format`` is "csr", "ell", "bsr", "hyb" or "auto" (:func:`pitgen.graph.tune.best`: the on-disk tune
 cache first, else a budgeted search whose result is stored).
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, Mapping
 
 import sympy
 
-from .errors import PlanError, ShapeError
-from .expr import Operator, parse
-from .rules import analyse
-from .runtime import check_tensor
+from ..errors import PlanError, ShapeError
+from ..expr import Operator, parse
+from ..rules import analyse
+from ..runtime import check_tensor
 from .tune import FORMATS, GraphStats, best, default_params
 
 GRAPH_DTYPES = ("float16", "float32")
@@ -91,8 +91,8 @@ def graph_form(op: Operator, sparse: str) -> GraphForm:
 def as_device_csr(name: str, a: Any, dtype: str) -> Any:
     """A DeviceCSR from what callers hold: a DeviceCSR (its values must have ``dtype``), a torch
     sparse CSR tensor or a dense CUDA tensor (converted on the GPU; a dense one costs a host
-    sync for its nnz), a scipy sparse matrix or a pitgen.formats.CSR (uploaded)."""
-    from .device_formats import DeviceCSR
+    sync for its nnz), a scipy sparse matrix or a pitgen.graph.formats.CSR (uploaded)."""
+    from .device import DeviceCSR
     from .formats import CSR
 
     if isinstance(a, DeviceCSR):
@@ -120,7 +120,7 @@ def as_device_csr(name: str, a: Any, dtype: str) -> Any:
             raise ShapeError(f"{name} has layout {a.layout}; pass a sparse CSR or dense tensor")
         return DeviceCSR.from_dense(a, dtype=dtype)
     raise ShapeError(f"{name}: expected a DeviceCSR, torch sparse CSR or dense CUDA tensor, scipy "
-                     f"sparse matrix or pitgen.formats.CSR; got {type(a).__name__}")
+                     f"sparse matrix or pitgen.graph.formats.CSR; got {type(a).__name__}")
 
 
 def _identity(a: Any) -> tuple:
@@ -181,7 +181,7 @@ class FormatKernel:
 
     def choice(self, csr: Any, feat: int) -> tuple[str, dict, dict]:
         """(format, params, schedule) for this DeviceCSR and feature width; may tune."""
-        from .graph_ops import default_schedule
+        from .kernels import default_schedule
 
         if self.format == "auto":
             r = best(csr, self.op, feat, self.dtype, self.budget_s)
@@ -197,7 +197,7 @@ class FormatKernel:
 
     def prepare(self, name: str, a: Any, feat: int) -> tuple[Any, tuple[str, dict, dict]]:
         """The converted matrix and the choice for ``a`` at feature width ``feat`` (cached)."""
-        from .device_formats import to_format
+        from .device import to_format
 
         if feat < 1:
             raise ShapeError(f"feature width must be >= 1, got {feat}")
@@ -209,11 +209,11 @@ class FormatKernel:
         return per_feat[feat]
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        from .kernel import bind_operands
+        from ..ops.matmul import bind_operands
         return bind_operands(self.operator.text, self.form.inputs, args, kwargs)
 
     def __call__(self, *args: Any, sample: Any = None, out: Any = None, **kwargs: Any) -> Any:
-        from . import graph_ops
+        from . import kernels as graph_ops
 
         ops = self._bind(args, kwargs)
         if self.op == "spmm":

@@ -4,8 +4,8 @@ The real data sets need downloads; these stand-ins have the same node and edge c
 heavy-tailed row degree (Pareto), with columns drawn from a Zipf-like popularity, so that
 format choices (ELL padding, hyb buckets) face the same skew.
 
-    python scripts/make_graphs.py OUT_DIR [--names cora,pubmed] [--scale 0.1] [--seed 0]
-    python scripts/make_graphs.py --list
+    python -m pitgen.graph.synthetic OUT_DIR [--names cora,pubmed] [--scale 0.1] [--seed 0]
+    python -m pitgen.graph.synthetic --list
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pitgen.formats import CSR, index_dtype
+from pitgen.graph.formats import CSR, index_dtype
 
 GRAPHS: dict[str, tuple[int, int]] = {
     "cora": (2708, 10556),

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ShapeError
+from ..errors import ShapeError
 
 __all__ = ["CSR", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype",
            "spmm", "sddmm", "spmm_ell", "spmm_bsr", "spmm_hyb",
@@ -141,7 +141,7 @@ class CSR:
 
 
 def load_graph(path: str | Path) -> CSR:
-    """Read a graph written by scripts/make_graphs.py: scipy's save_npz or a plain np.savez
+    """Read a graph written by pitgen.graph.synthetic: scipy's save_npz or a plain np.savez
     with indptr/indices/shape (and optionally data); validated like every CSR."""
     with np.load(path, allow_pickle=False) as f:
         keys = set(f.files)

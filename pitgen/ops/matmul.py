@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from .errors import PlanError, ShapeError
-from .expr import Operator, parse
-from .lower import DTYPES, Schedule, gemm_form
-from .plan import Plan, make_plan
-from .render import render
-from .runtime import GemmCall, Launcher, TorchLaunch, as_operand, signature
+from ..errors import PlanError, ShapeError
+from ..expr import Operator, parse
+from ..lower import DTYPES, Schedule, gemm_form
+from ..planner import Plan, make_plan
+from ..render import render
+from ..runtime import GemmCall, Launcher, TorchLaunch, as_operand, signature
 
 if TYPE_CHECKING:
-    from .graph_kernel import FormatKernel
+    from ..graph.jit import FormatKernel
 
 
 def bind_operands(text: str, names: Sequence[str], args: tuple,
@@ -94,7 +94,7 @@ class SparseKernel:
             raise ShapeError(f"mask has shape {m_op.shape} but {self.sparse} has shape "
                              f"{ops[self.sparse].shape}")
         if self._plan is None:
-            from .coverage import plan_on_device
+            from ..coverage import plan_on_device
             self._plan = plan_on_device(self.operator, self.sparse, m_op or ops[self.sparse], self.tile)
         c_op = as_operand("out", out) if out is not None else None
         key = signature(ops, c_op, accumulate, m_op)
@@ -150,7 +150,7 @@ def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
 
     ``format`` ('auto', 'csr', 'ell', 'bsr', 'hyb') asks for a graph operator instead (SpMM
     ``Y[i,f] += A[i,j] * X[j,f]``, or SDDMM ``E[i,j] += U[i,f] * V[j,f]`` with ``sparse='E'``)
-    run by a sparse-format kernel: a :class:`pitgen.graph_kernel.FormatKernel`; 'auto' takes the
+    run by a sparse-format kernel: a :class:`pitgen.graph.jit.FormatKernel`; 'auto' takes the
     tuned choice (``budget_s`` bounds a search when the tune cache has none).
     """
     if format is not None:
@@ -158,6 +158,6 @@ def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
                 or not vendor_dense:
             raise PlanError("micro_tile=, tile= and vendor_dense= are for micro-tile kernels; "
                             "a format kernel takes format= (and budget_s=) only")
-        from .graph_kernel import FormatKernel
+        from ..graph.jit import FormatKernel
         return FormatKernel(expr, sparse, format, dtype, budget_s)
     return SparseKernel(expr, sparse, dtype, micro_tile, tile, vendor_dense)

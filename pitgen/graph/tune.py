@@ -4,7 +4,7 @@ composable formats, with conversions on the GPU.
 The search is separated from the clock so that it can be tested on the CPU: :class:`Search`
 enumerates candidates (format, format parameters, kernel schedule) and decides what to try next
 from the times a ``measure`` function reports; :func:`tune` plugs in CUDA-event timing of the
-kernels in pitgen.graph_ops. Results are cached on disk per operator, dtype, feature width,
+kernels in pitgen.graph.kernels. Results are cached on disk per operator, dtype, feature width,
 device and a bucket of the matrix's row-length statistics, so that graphs that look alike share
 one entry and a later process skips the search.
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .compiler import _atomic_write, cache_dir
-from .errors import PitgenError, PlanError
+from ..compiler import _atomic_write, cache_dir
+from ..errors import PitgenError, PlanError
 
 FORMATS = ("csr", "ell", "bsr", "hyb")
 OPS = ("spmm", "sddmm")
@@ -430,7 +430,7 @@ class _GpuMeasure:
     def _convert(self, c: Candidate) -> tuple[Any, float | None]:
         """Converts on a private DeviceCSR over the same buffers: to_format's cache on the
         caller's matrix is not filled with every candidate, and conversions are really timed."""
-        from .device_formats import DeviceCSR, to_format
+        from .device import DeviceCSR, to_format
 
         if c.conversion in self._converted:
             return self._converted[c.conversion], None
@@ -448,7 +448,7 @@ class _GpuMeasure:
         return m, ms
 
     def _run(self, m: Any, schedule: dict[str, Any]) -> Any:
-        from . import graph_ops
+        from . import kernels as graph_ops
 
         fn = graph_ops.spmm if self.op == "spmm" else graph_ops.sddmm
         return fn(m, *self.args, schedule=schedule)
@@ -487,7 +487,7 @@ def make_space(stats: GraphStats, op: str, feat: int, dtype: str,
     Schedules keep the default's vector width: a narrower one only adds loads (the kernels
     already narrow it where F or a pointer's alignment needs), and each schedule is a kernel
     to compile, so this cuts the space by up to 4x."""
-    from . import graph_ops
+    from . import kernels as graph_ops
 
     def schedules(f: str) -> list[dict[str, Any]]:
         vec = graph_ops.default_schedule(op, f, feat, dtype)["vec"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError, ShapeError
+from ..errors import PlanError, ShapeError
 from .formats import BSR, CSR, ELL, Hyb, HybBucket
 
 __all__ = ["DeviceCSR", "DeviceMatrix", "to_format", "FORMATS", "VALUE_DTYPES"]
@@ -48,7 +48,7 @@ def _torch():
 
 def _convert_kernels(dtype: str, src_dtype: str | None = None):
     """The conversion module for these value / dense-source dtypes, loaded once per process."""
-    from .runtime import load_kernels
+    from ..runtime import load_kernels
     return load_kernels("convert.cu.j2", CONVERT_SIGNATURES, dtype=dtype,
                         src_dtype=src_dtype or dtype)
 
@@ -59,7 +59,7 @@ def _grid(n: int, per_block: int = THREADS) -> tuple[int, int, int]:
 
 def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREADS) -> None:
     """Enqueue one grid-stride conversion kernel over n items on torch's current stream."""
-    from .runtime import TorchLaunch
+    from ..runtime import TorchLaunch
     if n <= 0:
         return
     with TorchLaunch() as tl:
@@ -85,7 +85,7 @@ class DeviceCSR:
     ``from_host`` / ``from_scipy`` validate sortedness and ranges."""
 
     def __init__(self, shape: tuple[int, int], indptr: Any, indices: Any, values: Any):
-        from .runtime import check_tensor
+        from ..runtime import check_tensor
         if len(shape) != 2 or min(int(s) for s in shape) < 0:
             raise ShapeError(f"DeviceCSR shape must be two non-negative extents, got {shape}")
         self.shape = (int(shape[0]), int(shape[1]))
@@ -115,7 +115,7 @@ class DeviceCSR:
         torch = _torch()
         _check_value_dtype(dtype)
         if not isinstance(csr, CSR):
-            raise ShapeError(f"from_host needs a pitgen.formats.CSR, got {type(csr).__name__}")
+            raise ShapeError(f"from_host needs a pitgen.graph.formats.CSR, got {type(csr).__name__}")
         csr.validate()
         if csr.nnz > INT32_MAX or max(csr.shape) > INT32_MAX:
             raise ShapeError(f"CSR with shape {csr.shape} and nnz {csr.nnz} exceeds int32 indexing")
@@ -136,7 +136,7 @@ class DeviceCSR:
         """A 2-D CUDA tensor's non-zeros, found on the GPU: a bool/uint8 mask gives values 1, a
         float16/float32 tensor its values. Synchronises with the host once (to read nnz)."""
         torch = _torch()
-        from .runtime import check_tensor
+        from ..runtime import check_tensor
         check_tensor("dense", t, ("bool", "uint8", "float16", "float32"), 2, contiguous=False)
         src = _dtype_name(t)
         dtype = _check_value_dtype(dtype or (src if src in VALUE_DTYPES else "float32"))
@@ -205,7 +205,7 @@ class DeviceMatrix:
 
     def with_values(self, values: Any) -> DeviceMatrix:
         """The same layout filled from new CSR-order values [nnz] on the GPU (no sync)."""
-        from .runtime import check_tensor
+        from ..runtime import check_tensor
         torch = _torch()
         check_tensor("values", values, (self.dtype,), 1, (self.nnz,))
         src = DeviceCSR(self.shape, self.source.indptr, self.source.indices, values)
@@ -225,7 +225,7 @@ class DeviceMatrix:
                             src, dict(self.info))
 
     def to_host(self) -> CSR | ELL | BSR | Hyb:
-        """The layout as the NumPy format object of pitgen.formats (float64 values): equal,
+        """The layout as the NumPy format object of pitgen.graph.formats (float64 values): equal,
         slot for slot, to that format's reference conversion of the same CSR. Synchronises."""
         b = {name: t.cpu().numpy() for name, t in self.buffers.items()}
         if self.fmt == "csr":
@@ -382,7 +382,7 @@ def hyb_atomic(c: int, k: int, width: int, any_cut: bool) -> bool:
 
 
 def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
-    """Bucket rows ordered part-major, then by width, then by row (pitgen.formats.Hyb's order):
+    """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's order):
     a GPU sort of (bucket, row) keys numbers them, so the layout is deterministic."""
     torch = _torch()
     n_rows, n_cols = csr.shape

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import PlanError, ShapeError
-from .rules import Rules, analyse
+from ..errors import PlanError, ShapeError
+from ..rules import Rules, analyse
 
 SCORES = "S[b,h,i,j] += Q[b,h,i,d] * K[b,h,j,d]"
 OUTPUT = "O[b,h,i,d] += P[b,h,i,j] * V[b,h,j,d]"
@@ -261,12 +261,12 @@ def _mask_u8(mask: Any) -> Any:
 
 def _kernels(plan: AttentionPlan) -> Any:
     """The loaded module of this plan's variant (load_kernels remembers each configuration)."""
-    from .runtime import load_kernels
+    from ..runtime import load_kernels
     return load_kernels("attention.cu.j2", _SIGNATURES, **plan.context())
 
 
 def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
-    from .runtime import check_tensor
+    from ..runtime import check_tensor
     check_tensor("q", q, DTYPES, ndim=4)
     dtype = str(q.dtype).replace("torch.", "")
     b, h, sq, d = q.shape
@@ -308,7 +308,7 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     fills."""
     import torch
 
-    from .runtime import stream_counters
+    from ..runtime import stream_counters
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
@@ -328,7 +328,7 @@ def block_index(q: Any, k: Any, v: Any, mask: Any) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
     query-block order (as ``block_order_reference``)."""
-    from .runtime import TorchLaunch
+    from ..runtime import TorchLaunch
     plan = _check(q, k, v, mask)
     with TorchLaunch() as launch:
         return _index(_kernels(plan), plan, _mask_u8(mask.contiguous()), launch)
@@ -368,7 +368,7 @@ def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = No
     any contents stay in bounds, but only block_index's give the right answer)."""
     import torch
 
-    from .runtime import TorchLaunch
+    from ..runtime import TorchLaunch
     plan = _check(q, k, v, mask)
     out = torch.empty_like(q)
     if out.numel() == 0:
@@ -482,4 +482,4 @@ def __getattr__(name: str) -> Any:
         if name not in _LAZY:
             _LAZY[name] = _build_module()
         return _LAZY[name]
-    raise AttributeError(f"module 'pitgen.attention' has no attribute {name!r}")
+    raise AttributeError(f"module 'pitgen.ops.attention' has no attribute {name!r}")

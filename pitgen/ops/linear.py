@@ -24,9 +24,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from .errors import PlanError, ShapeError
-from .kernel import SparseKernel, compile as compile_kernel
-from .rules import analyse
+from ..errors import PlanError, ShapeError
+from .matmul import SparseKernel, compile as compile_kernel
+from ..rules import analyse
 from .sddmm import DTYPES, normalise_tile, sddmm
 
 # yᵀ = W_eff xᵀ: W[m,k] sparse (A, k = in features reduced; xᵀ contiguous so the gathered
@@ -97,7 +97,7 @@ def _micro(tile: Any) -> str:
 
 def _check_linear(x: Any, weight: Any, bias: Any) -> str:
     """Validate x [batch, in], weight [out, in], bias [out] (CUDA, one dtype); returns the dtype."""
-    from .runtime import check_tensor
+    from ..runtime import check_tensor
     check_tensor("x", x, DTYPES, ndim=2, contiguous=False)
     dtype = str(x.dtype).replace("torch.", "")
     check_tensor("weight", weight, (dtype,), ndim=2, shape=(None, x.shape[1]), contiguous=False)
@@ -260,7 +260,7 @@ def sparse_weight_linear(x: Any, weight: Any, mask: Any, bias: Any = None,
     'auto' or a micro-tile runs pitgen's GEMM with W ⊙ M sparse. No host synchronisation,
     except that an 'auto' kernel plans once per operand shape (one small copy back then).
     The result is a transposed view (the kernel writes yᵀ)."""
-    from .runtime import check_tensor
+    from ..runtime import check_tensor
     x2, lead = _flat(x, weight.shape[-1] if hasattr(weight, "shape") else 0)
     _check_linear(x2, weight, bias)
     check_tensor("mask", mask, ("bool", "uint8"), ndim=2, shape=tuple(weight.shape), contiguous=False)
@@ -283,4 +283,4 @@ def sparse_input_linear(x: Any, weight: Any, bias: Any = None, micro_tile: Any =
 def __getattr__(name: str) -> Any:
     if name in ("SparseLinear", "SparseWeightLinearFunction", "SparseInputLinearFunction"):
         return _classes()[name]
-    raise AttributeError(f"module 'pitgen.autograd' has no attribute {name!r}")
+    raise AttributeError(f"module 'pitgen.ops.linear' has no attribute {name!r}")

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import PlanError, ShapeError
-from .rules import analyse
+from ..errors import PlanError, ShapeError
+from ..rules import analyse
 
 ACTIVATIONS = ("relu", "gelu", "silu", "identity")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -129,7 +129,7 @@ def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype:
 
 def render_moe(plan: MoEPlan) -> str:
     """CUDA source of the MoE kernels for ``plan``."""
-    from .render import render_template
+    from ..render import render_template
     return render_template("moe.cu.j2", **plan.context())
 
 
@@ -206,7 +206,7 @@ def moe_reference(x: np.ndarray, expert_ids: np.ndarray, gates: np.ndarray, w1: 
 
 def _kernels(plan: MoEPlan) -> Any:
     """Loaded kernels of ``plan`` (load_kernels remembers each configuration)."""
-    from .runtime import load_kernels
+    from ..runtime import load_kernels
     return load_kernels("moe.cu.j2", SIGNATURES,
                         {"moe_gemm1": plan.smem, "moe_gemm2": plan.smem}, **plan.context())
 
@@ -249,7 +249,7 @@ def moe_route(expert_ids: Any, num_experts: int, block_m: int = 64) -> tuple[Rou
     """Build the routing index on the GPU for ``expert_ids [T, topk]`` (int32/int64 CUDA tensor);
     returns (Routing of device tensors, ntiles [1]). ``tile_e/tile_r`` hold ``ntiles`` valid
     entries. For inspection and tests; :func:`moe_ffn` builds it itself."""
-    from .runtime import TorchLaunch, check_tensor
+    from ..runtime import TorchLaunch, check_tensor
     check_tensor("expert_ids", expert_ids, ("int32", "int64"), ndim=2)
     if block_m not in (64, 128):
         raise PlanError(f"block_m must be 64 or 128, got {block_m}")
@@ -276,7 +276,7 @@ def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = Non
     synchronises with the host once to read the verdict. check=False never synchronises: pairs
     with out-of-range ids are skipped (they add nothing), NaN gates propagate."""
     import torch
-    from .runtime import TorchLaunch, check_tensor
+    from ..runtime import TorchLaunch, check_tensor
 
     check_tensor("x", x, DTYPES, ndim=2)
     dt = _name(x)
@@ -294,7 +294,7 @@ def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = Non
     for name, t in (("w1", w1), ("w2", w2), ("expert_ids", expert_ids), ("gates", gates),
                     ("b1", b1), ("b2", b2)):
         if t is not None and t.device != x.device:
-            from .errors import DeviceError
+            from ..errors import DeviceError
             raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
     plan = plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
@@ -336,7 +336,7 @@ def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = Non
     return y
 
 
-# -- torch module (built lazily: importing pitgen.moe needs no torch) ---------------------------
+# -- torch module (built lazily: importing pitgen.ops.moe needs no torch) ---------------------------
 
 _MODULE_CLASS: Any = None
 
@@ -398,7 +398,7 @@ def _build_module_class() -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    """``pitgen.moe.MoE``: the torch module class, built on first access."""
+    """``pitgen.ops.moe.MoE``: the torch module class, built on first access."""
     global _MODULE_CLASS
     if name == "MoE":
         if _MODULE_CLASS is None:

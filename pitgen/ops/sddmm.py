@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError, ShapeError
-from .rules import analyse
+from ..errors import PlanError, ShapeError
+from ..rules import analyse
 
 EXPR = "S[i,j] += Q[i,d] * K[j,d]"
 DTYPES = ("float16", "bfloat16", "float32")
@@ -195,7 +195,7 @@ class SparseTiles:
 
 def _kernels(cfg: SddmmConfig) -> Any:
     """The compiled module of one configuration (load_kernels loads it once per process)."""
-    from .runtime import load_kernels
+    from ..runtime import load_kernels
     return load_kernels("sddmm.cu.j2", SIGNATURES, **cfg.context())
 
 
@@ -216,7 +216,7 @@ def sddmm(q: Any, k: Any, mask: Any, tile: Any = (32, 1), out: Any = None,
     """
     import torch
 
-    from .runtime import TorchLaunch, check_tensor
+    from ..runtime import TorchLaunch, check_tensor
     check_tensor("q", q, DTYPES, ndim=2, contiguous=False)
     dtype = str(q.dtype).replace("torch.", "")
     check_tensor("k", k, (dtype,), ndim=2, shape=(None, q.shape[1]), contiguous=False)

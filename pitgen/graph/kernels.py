@@ -1,4 +1,4 @@
-"""GNN SpMM and SDDMM on the GPU formats of pitgen.device_formats.
+"""GNN SpMM and SDDMM on the GPU formats of pitgen.graph.device.
 
 SpMM ``Y[i,f] += A[i,j] * X[j,f]``: the rule engine says i is spatial (rows are computed in any
 order and written back to their own places: hyb's bucket rows are out of order, SWrite) and j
@@ -14,9 +14,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .device_formats import FORMATS, VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
-from .errors import PlanError, ShapeError
-from .runtime import load_kernels, stream_counters
+from .device import FORMATS, VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
+from ..errors import PlanError, ShapeError
+from ..runtime import load_kernels, stream_counters
 
 __all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "SPMM_EXPR", "SDDMM_EXPR"]
 
@@ -45,7 +45,7 @@ SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
 @lru_cache(maxsize=None)
 def _rules(op: str) -> Any:
     """The PIT rules of ``op``; RuleError if an axis the kernels permute is not invariant."""
-    from .rules import analyse
+    from ..rules import analyse
     expr, permuted = OPS[op]
     rules = analyse(expr)
     for axis in permuted:
@@ -191,7 +191,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
     """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]
     of A's dtype; fp32 accumulation. ``out`` [rows, F] is overwritten. No host sync."""
     import torch
-    from .runtime import TorchLaunch, check_tensor
+    from ..runtime import TorchLaunch, check_tensor
     m = _matrix(a)
     n_rows, n_cols = m.shape
     check_tensor("x", x, (m.dtype,), 2, (n_cols, None))
@@ -266,7 +266,7 @@ def sddmm(a: DeviceMatrix | DeviceCSR, u: Any, v: Any, schedule: Mapping | None 
     format (A's values are not used); U [rows, F], V [cols, F], one dtype, fp32 accumulation.
     No host sync."""
     import torch
-    from .runtime import TorchLaunch, check_tensor
+    from ..runtime import TorchLaunch, check_tensor
     m = _matrix(a)
     n_rows, n_cols = m.shape
     check_tensor("u", u, VALUE_DTYPES, 2, (n_rows, None))
