@@ -1,7 +1,7 @@
 """pitgen: CUDA kernels for dynamically sparse operators via PIT (permutation invariant
 transformation). Data flows one way: expression -> rules -> plan -> rendered source ->
 compiled module -> launch."""
-__version__ = "0.1.0"
+from .version import __version__
 
 from .errors import (CompileError, DeviceError, ExpressionError, PitgenError, PlanError,  # noqa: E402
                      RuleError, ShapeError)

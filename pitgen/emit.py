@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence, TextIO
 
-from . import __version__
+from .version import __version__
 from .compiler import find_nvcc
 from .errors import CompileError, PitgenError, PlanError
 from .expr import Operator, parse

@@ -8,7 +8,7 @@ from importlib.resources import files
 
 import jinja2
 
-from . import __version__
+from .version import __version__
 from .lower import ModuleSpec
 
 
