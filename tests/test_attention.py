@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pitgen import testing as T
+from pitgen import reference as R
 import pitgen
 from pitgen.ops import attention as A
 from pitgen import compiler
@@ -79,9 +81,9 @@ def _index_by_loops(mask: np.ndarray, bm: int, bn: int) -> np.ndarray:
        density=st.floats(0, 1), seed=st.integers(0, 1000))
 def test_block_index_reference(sq, sk, lead, tile, density, seed):
     rng = np.random.default_rng(seed)
-    mask = np.stack([A.tile_mask(rng, sq, sk, tile, density)
+    mask = np.stack([T.tile_mask(rng, sq, sk, tile, density)
                      for _ in range(int(np.prod(lead, dtype=int)))]).reshape(*lead, sq, sk)
-    states = A.block_index_reference(mask)
+    states = R.block_index_reference(mask)
     assert states.dtype == np.uint8
     np.testing.assert_array_equal(states, _index_by_loops(mask, A.BM, A.BN))
 
@@ -91,7 +93,7 @@ def test_block_index_flags_full_and_partial_blocks():
     m[:64, :64] = True          # full block (0, 0)
     m[3, 70] = True             # partial block (0, 1)
     m[64:, 128:] = True         # the edge block (1, 2): full over its in-range 6x2 elements
-    assert A.block_index_reference(m).tolist() == [[[A.FULL, A.PARTIAL, A.EMPTY],
+    assert R.block_index_reference(m).tolist() == [[[A.FULL, A.PARTIAL, A.EMPTY],
                                                     [A.EMPTY, A.EMPTY, A.FULL]]]
 
 
@@ -103,12 +105,12 @@ def test_block_order_reference_puts_longest_rows_first(n_qb, n_kb, slices, densi
     # rows of different lengths: each row its own density
     states = (rng.random((slices, n_qb, n_kb)) < density * rng.random((slices, n_qb, 1)))
     states = states.astype(np.uint8) * rng.integers(1, 3, states.shape).astype(np.uint8)
-    order = A.block_order_reference(states)
+    order = R.block_order_reference(states)
     assert order.dtype == np.int32 and order.shape == (slices, n_qb)
     counts = (states != A.EMPTY).sum(-1)
     for s in range(slices):
         assert sorted(order[s]) == list(range(n_qb))              # a permutation
-        bins = A.count_bins(counts[s, order[s]], n_kb)
+        bins = R.count_bins(counts[s, order[s]], n_kb)
         keys = list(zip(-bins, order[s]))
         assert keys == sorted(keys)                # longest first, ties in block order
         if n_kb < A.ORDER_BINS:
@@ -116,8 +118,8 @@ def test_block_order_reference_puts_longest_rows_first(n_qb, n_kb, slices, densi
 
 
 def test_count_bins_scale_long_rows_onto_the_classes():
-    assert A.count_bins(np.array([0, 5, 255]), 255).tolist() == [0, 5, 255]
-    assert A.count_bins(np.array([0, 5, 256, 1000, 2000]), 1000).tolist() == [0, 1, 65, 255, 255]
+    assert R.count_bins(np.array([0, 5, 255]), 255).tolist() == [0, 5, 255]
+    assert R.count_bins(np.array([0, 5, 256, 1000, 2000]), 1000).tolist() == [0, 1, 65, 255, 255]
 
 
 def test_shared_memory_bounds_the_key_length():

@@ -12,8 +12,8 @@ from hypothesis import given, strategies as st
 
 from pitgen import PlanError, ShapeError, compiler
 from pitgen.graph.formats import CSR, Hyb
-from pitgen.graph.kernels import (GROUPS, HYB_WIDTHS, SPMM_CUT, SPMM_PACKS, SPMM_UNROLL, _resolve, _rules, default_schedule,
-                              schedule_space)
+from pitgen.graph.kernels import (GROUPS, HYB_WIDTHS, SPMM_CUT, SPMM_PACKS, SPMM_UNROLL, _resolve,
+                                  _rules, default_schedule, schedule_space)
 from pitgen.graph.device import hyb_atomic
 from pitgen.render import render_template
 

@@ -7,8 +7,9 @@ from hypothesis import given, settings, strategies as st
 
 from pitgen import ShapeError
 from pitgen.graph import synthetic as make_graphs
-from pitgen.graph.formats import (BSR, CSR, ELL, Hyb, load_graph, sddmm, sddmm_bsr, sddmm_ell,
-                            sddmm_hyb, spmm, spmm_bsr, spmm_ell, spmm_hyb)
+from pitgen.graph.formats import BSR, CSR, ELL, Hyb, load_graph
+from pitgen.reference import (sddmm_csr, sddmm_bsr, sddmm_ell, sddmm_hyb, spmm_csr, spmm_bsr,
+                              spmm_ell, spmm_hyb)
 
 
 
@@ -155,9 +156,9 @@ def test_spmm_sddmm_every_format(m, f, c, k, b):
     y_ref = dense @ x
     e_ref = (u @ v.T)[dense != 0]
     ell, bsr, hyb = ELL.from_csr(csr), BSR.from_csr(csr, b), Hyb.from_csr(csr, c, k)
-    for got in (spmm(csr, x), spmm_ell(ell, x), spmm_bsr(bsr, x), spmm_hyb(hyb, x)):
+    for got in (spmm_csr(csr, x), spmm_ell(ell, x), spmm_bsr(bsr, x), spmm_hyb(hyb, x)):
         assert got.shape == y_ref.shape and rel_err(got, y_ref) <= 1e-12
-    for got in (sddmm(csr, u, v), sddmm_ell(ell, u, v), sddmm_bsr(bsr, u, v),
+    for got in (sddmm_csr(csr, u, v), sddmm_ell(ell, u, v), sddmm_bsr(bsr, u, v),
                 sddmm_hyb(hyb, u, v)):
         assert got.shape == e_ref.shape and rel_err(got, e_ref) <= 1e-12
 
@@ -165,9 +166,9 @@ def test_spmm_sddmm_every_format(m, f, c, k, b):
 def test_operand_shapes_checked():
     csr = CSR.from_dense(np.eye(3))
     with pytest.raises(ShapeError, match="X must be 2-D with 3 rows"):
-        spmm(csr, np.ones((2, 4)))
+        spmm_csr(csr, np.ones((2, 4)))
     with pytest.raises(ShapeError, match="same feature width"):
-        sddmm(csr, np.ones((3, 2)), np.ones((3, 3)))
+        sddmm_csr(csr, np.ones((3, 2)), np.ones((3, 3)))
 
 
 # -- bad inputs ------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pitgen import testing as T
+from pitgen import reference as R
 import pitgen
 from pitgen.ops import attention as A
 
@@ -27,14 +29,14 @@ def make_mask(rng: np.random.Generator, pattern: str, sq: int, sk: int, density:
     if pattern == "full":
         return np.ones((sq, sk), bool)
     if pattern == "longformer":
-        return A.longformer_mask(sq, sk, 32, A.random_global_tokens(rng, min(sq, sk), 3))
+        return T.longformer_mask(sq, sk, 32, T.random_global_tokens(rng, min(sq, sk), 3))
     if pattern == "rows_masked":   # dense-ish, with whole rows masked out
-        m = A.tile_mask(rng, sq, sk, (1, 1), 0.5)
+        m = T.tile_mask(rng, sq, sk, (1, 1), 0.5)
         m[rng.random(sq) < 0.4] = False
         return m
     tile = {"block64": (64, 64), "block128": (128, 128), "micro1x64": (1, 64),
             "micro16x16": (16, 16), "element": (1, 1)}[pattern]
-    return A.tile_mask(rng, sq, sk, tile, density)
+    return T.tile_mask(rng, sq, sk, tile, density)
 
 
 def check(out, ref: np.ndarray) -> None:
@@ -79,7 +81,7 @@ def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, d
     with pytest.MonkeyPatch.context() as mp:
         poison(mp)
         out = A.sparse_attention(q, k, v, tmask)
-    ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
     check(out, ref)
 
     check_index(A.block_index(q, k, v, tmask), mask)
@@ -87,9 +89,9 @@ def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, d
 
 def check_index(idx, mask):
     """The GPU index equals the NumPy one: states, and the stable longest-first order."""
-    states = A.block_index_reference(mask)
+    states = R.block_index_reference(mask)
     np.testing.assert_array_equal(idx.states.cpu().numpy(), states)
-    np.testing.assert_array_equal(idx.order.cpu().numpy(), A.block_order_reference(states))
+    np.testing.assert_array_equal(idx.order.cpu().numpy(), R.block_order_reference(states))
 
 
 @pytest.mark.parametrize("sq, sk", [(64 * 12, 64 * 300),     # nKB >= ORDER_BINS: scaled classes
@@ -100,7 +102,7 @@ def test_index_orders_rows_on_every_call_and_resets_its_counters(sq, sk):
     k, v = (torch.randn(1, 2, sk, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     n_qb = -(-sq // 64)
     for _ in range(3):                  # counters left zero by each call
-        mask = np.stack([A.tile_mask(rng, sq, sk, (64, 64), d) for d in (0.05, 0.6)])
+        mask = np.stack([T.tile_mask(rng, sq, sk, (64, 64), d) for d in (0.05, 0.6)])
         keep = np.repeat(rng.random((2, n_qb, 1)) < 0.7, 64, axis=1)[:, :sq]
         mask &= keep                    # whole empty query blocks too
         check_index(A.block_index(q, k, v, torch.from_numpy(mask).cuda()), mask)
@@ -110,11 +112,11 @@ def test_index_orders_rows_on_every_call_and_resets_its_counters(sq, sk):
 def test_long_sequence_with_scale_and_unaligned_mask(d):
     rng = np.random.default_rng(d)
     sq, sk = 1000, 1203   # Sk % 16 != 0: the byte index path
-    mask = A.longformer_mask(sq, sk, 128, A.random_global_tokens(rng, sq, 8))
-    mask &= A.tile_mask(rng, sq, sk, (16, 16), 0.7)
+    mask = T.longformer_mask(sq, sk, 128, T.random_global_tokens(rng, sq, 8))
+    mask &= T.tile_mask(rng, sq, sk, (16, 16), 0.7)
     q, k, v = operands(rng, 1, 2, sq, sk, d, "float16")
     out = A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), scale=0.3)
-    ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask, scale=0.3)
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask, scale=0.3)
     check(out, ref)
 
 
@@ -122,9 +124,9 @@ def test_mask_changes_every_call_and_index_reuse():
     rng = np.random.default_rng(1)
     q, k, v = operands(rng, 1, 2, 256, 256, 64, "float16")
     for density in (0.05, 0.5, 1.0):
-        mask = A.tile_mask(rng, 256, 256, (1, 64), density)
+        mask = T.tile_mask(rng, 256, 256, (1, 64), density)
         tm = torch.from_numpy(mask).cuda()
-        ref = A.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+        ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
         check(A.sparse_attention(q, k, v, tm), ref)
         idx = A.block_index(q, k, v, tm)
         check(A.sparse_attention(q, k, v, tm, index=idx), ref)
@@ -151,7 +153,7 @@ def test_module_matches_multihead_attention():
     x = torch.randn(n, length, e)
     kv = torch.randn(n, src, e)
     rng = np.random.default_rng(0)
-    allowed = A.tile_mask(rng, length, src, (1, 16), 0.3)
+    allowed = T.tile_mask(rng, length, src, (1, 16), 0.3)
     allowed[:, 0] = True   # no fully masked row: nn.MultiheadAttention gives NaN there
     attn_mask = torch.from_numpy(~allowed)
     with torch.no_grad():

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from checks import assert_close
 
+from pitgen import testing as T
+from pitgen import reference as R
 import pitgen
 from pitgen.ops import attention as A
-from pitgen.ops.moe import moe_ffn, moe_reference
+from pitgen.ops.moe import moe_ffn
+from pitgen.reference import moe_reference
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -36,11 +39,11 @@ def test_attention_graph_replays_with_new_masks():
     graph, out = capture(lambda: A.sparse_attention(q, k, v, mask))
     qd, kd, vd = (x.double().cpu().numpy() for x in (q, k, v))
     for tile, density in (((64, 64), 0.3), ((1, 64), 0.2), ((16, 16), 0.6), ((64, 64), 0.0)):
-        m = A.tile_mask(rng, 320, 320, tile, density)
+        m = T.tile_mask(rng, 320, 320, tile, density)
         mask.copy_(torch.from_numpy(m))
         out.fill_(float("nan"))
         graph.replay()
-        assert_close(out, A.attention_reference(qd, kd, vd, m), 1e-2)
+        assert_close(out, R.attention_reference(qd, kd, vd, m), 1e-2)
 
 
 def test_moe_graph_replays_with_new_routing():

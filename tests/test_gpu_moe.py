@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 import pitgen
 from pitgen.errors import DeviceError, PitgenError, ShapeError
-from pitgen.ops.moe import ACTIVATIONS, moe_ffn, moe_reference, moe_route, route_reference
+from pitgen.ops.moe import ACTIVATIONS, moe_ffn, moe_route
+from pitgen.reference import moe_reference, route_reference
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

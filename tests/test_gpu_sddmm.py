@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pitgen
-from pitgen.ops.sddmm import reference_index, reference_sddmm, reference_tiles, sddmm
+from pitgen.ops.sddmm import sddmm
+from pitgen.reference import sddmm_index_reference, sddmm_reference, sddmm_tiles_reference
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -72,9 +73,9 @@ def test_compact_tiles_match_reference(tile, dtype, M, N, D, pattern, views, see
     cols = res.tile_cols[:count].cpu().numpy()
     got_index = set(zip(rows.tolist(), cols.tolist()))
     assert len(got_index) == count, "a tile was listed twice"
-    assert got_index == reference_index(mask_np, tile)
+    assert got_index == sddmm_index_reference(mask_np, tile)
     qn, kn = q.double().cpu().numpy(), k.double().cpu().numpy()
-    want = reference_tiles(qn, kn, mask_np, tile, scale=0.5)
+    want = sddmm_tiles_reference(qn, kn, mask_np, tile, scale=0.5)
     vals = res.values[:count].double().cpu().numpy()
     got = np.stack([vals[t] for t in range(count)]) if count else np.zeros((0,) + tuple(tile))
     ref = np.stack([want[(r, c)] for r, c in zip(rows, cols)]) if count else got
@@ -88,7 +89,7 @@ def test_compact_tiles_match_reference(tile, dtype, M, N, D, pattern, views, see
     dense = res.to_dense().double().cpu().numpy()
     assert dense.shape == (M, N)
     assert np.all(dense[~mask_np] == 0)
-    assert rel_err(dense, reference_sddmm(qn, kn, mask_np, 0.5)) < TOL[dtype]
+    assert rel_err(dense, sddmm_reference(qn, kn, mask_np, 0.5)) < TOL[dtype]
 
 
 @settings(max_examples=15, deadline=None)
@@ -104,7 +105,7 @@ def test_dense_out_writes_masked_product_and_zeros(tile, dtype, M, N, D, pattern
     out = torch.full((M, N), float("nan"), device="cuda", dtype=q.dtype)  # poison
     assert sddmm(q, k, mask, tile=tile, out=out) is out
     got = out.double().cpu().numpy()
-    want = reference_sddmm(q.double().cpu().numpy(), k.double().cpu().numpy(), mask_np)
+    want = sddmm_reference(q.double().cpu().numpy(), k.double().cpu().numpy(), mask_np)
     assert np.all(got[~mask_np] == 0), "an element outside the mask is not exactly 0"
     assert rel_err(got, want) < TOL[dtype]
 

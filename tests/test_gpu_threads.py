@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from pitgen import testing as T
 import pitgen
 from pitgen.ops import attention as A
 from pitgen import runtime
@@ -68,7 +69,7 @@ def test_every_operator_runs_and_loads_in_another_thread(cold):
         return torch.randn(*shape, device="cuda", generator=g).to(dtype)
 
     q, k, v = (randn(1, 2, 130, 64) for _ in range(3))
-    mask = torch.from_numpy(A.tile_mask(rng, 130, 130, (16, 16), 0.4)).cuda()
+    mask = torch.from_numpy(T.tile_mask(rng, 130, 130, (16, 16), 0.4)).cuda()
     got = in_thread(lambda: A.sparse_attention(q, k, v, mask))
     assert torch.equal(got, A.sparse_attention(q, k, v, mask))
 
@@ -102,7 +103,7 @@ def test_every_operator_runs_and_loads_in_another_thread(cold):
 def test_a_worker_pool_shares_the_operators():
     rng = np.random.default_rng(1)
     q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
-    masks = [torch.from_numpy(A.tile_mask(rng, 256, 256, (64, 64), d)).cuda()
+    masks = [torch.from_numpy(T.tile_mask(rng, 256, 256, (64, 64), d)).cuda()
              for d in (0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 0.2, 0.6)]
     want = [A.sparse_attention(q, k, v, m) for m in masks]
     with ThreadPoolExecutor(4) as pool:

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from pitgen import parse
 from pitgen.errors import PlanError, RuleError
 from pitgen.planner import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
-                         load_profile, make_plan, parse_tile)
+                            load_profile, make_plan, parse_tile)
 
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
 CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"

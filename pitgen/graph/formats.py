@@ -16,9 +16,7 @@ import numpy as np
 
 from ..errors import ShapeError
 
-__all__ = ["CSR", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype",
-           "spmm", "sddmm", "spmm_ell", "spmm_bsr", "spmm_hyb",
-           "sddmm_ell", "sddmm_bsr", "sddmm_hyb"]
+__all__ = ["CSR", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype"]
 
 
 def index_dtype(*extents: int) -> np.dtype:
@@ -157,7 +155,7 @@ def load_graph(path: str | Path) -> CSR:
         return CSR(tuple(f["shape"]), indptr.astype(dt), indices.astype(dt), data)
 
 
-def _check_dense_operand(name: str, x: np.ndarray, rows: int) -> np.ndarray:
+def check_dense_operand(name: str, x: np.ndarray, rows: int) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] != rows:
         raise ShapeError(f"{name} must be 2-D with {rows} rows, got shape {x.shape}")
@@ -376,107 +374,4 @@ class Hyb:
 
 # -- reference operators (float64) ------------------------------------------------------------
 
-def spmm(a: CSR, x: np.ndarray) -> np.ndarray:
-    """Y[i, f] = sum_j A[i, j] X[j, f], straight from CSR."""
-    x = _check_dense_operand("X", x, a.shape[1])
-    y = np.zeros((a.shape[0], x.shape[1]))
-    np.add.at(y, a.row_ids(), a.values()[:, None] * x[a.indices])
-    return y
 
-
-def sddmm(a: CSR, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """E[i, j] = sum_f U[i, f] V[j, f] at A's non-zeros, in CSR order (A's values unused)."""
-    u, v = _sddmm_operands(a.shape, u, v)
-    return np.einsum("nf,nf->n", u[a.row_ids()], v[a.indices])
-
-
-def _csr_order(shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray,
-               vals: np.ndarray) -> np.ndarray:
-    """Values gathered from a layout, put back into CSR (row-major) order."""
-    return vals[np.argsort(rows.astype(np.int64) * shape[1] + cols, kind="stable")]
-
-
-def _sddmm_operands(shape: tuple[int, int], u: np.ndarray,
-                    v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    u = _check_dense_operand("U", u, shape[0])
-    v = _check_dense_operand("V", v, shape[1])
-    if u.shape[1] != v.shape[1]:
-        raise ShapeError(f"U and V need the same feature width, got {u.shape[1]} and "
-                         f"{v.shape[1]}")
-    return u, v
-
-
-def spmm_ell(e: ELL, x: np.ndarray) -> np.ndarray:
-    """One pass per padded slot; a padded slot (-1) contributes nothing, as in a masked kernel."""
-    x = _check_dense_operand("X", x, e.shape[1])
-    y = np.zeros((e.shape[0], x.shape[1]))
-    for s in range(e.width):
-        live = e.cols[:, s] >= 0
-        y[live] += e.vals[live, s, None] * x[e.cols[live, s]]
-    return y
-
-
-def sddmm_ell(e: ELL, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    u, v = _sddmm_operands(e.shape, u, v)
-    out = np.zeros(e.cols.shape)
-    for s in range(e.width):
-        live = np.flatnonzero(e.cols[:, s] >= 0)
-        out[live, s] = np.einsum("nf,nf->n", u[live], v[e.cols[live, s]])
-    return out[e.cols >= 0]  # ELL keeps each row's order, so row-major slots are CSR order
-
-
-def _padded(x: np.ndarray, rows: int) -> np.ndarray:
-    return np.concatenate([x, np.zeros((rows - x.shape[0], x.shape[1]))])
-
-
-def spmm_bsr(m: BSR, x: np.ndarray) -> np.ndarray:
-    """A dense b x b times b x F product per block, accumulated into its block row."""
-    x = _check_dense_operand("X", x, m.shape[1])
-    (nbr, nbc), b = m.grid, m.block
-    xb = _padded(x, nbc * b).reshape(nbc, b, x.shape[1])
-    y = np.zeros((nbr, b, x.shape[1]))
-    np.add.at(y, m.block_rows(), np.einsum("nij,njf->nif", m.blocks, xb[m.indices]))
-    return y.reshape(nbr * b, x.shape[1])[: m.shape[0]]
-
-
-def sddmm_bsr(m: BSR, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """A dense U_block V_block^T per block, sampled at the block's mask."""
-    u, v = _sddmm_operands(m.shape, u, v)
-    (nbr, nbc), b = m.grid, m.block
-    ub = _padded(u, nbr * b).reshape(nbr, b, u.shape[1])
-    vb = _padded(v, nbc * b).reshape(nbc, b, v.shape[1])
-    brow = m.block_rows()
-    full = np.einsum("nif,njf->nij", ub[brow], vb[m.indices])
-    n, i, j = np.nonzero(m.mask)
-    return _csr_order(m.shape, brow[n] * b + i, m.indices[n].astype(np.int64) * b + j,
-                      full[n, i, j])
-
-
-def spmm_hyb(h: Hyb, x: np.ndarray) -> np.ndarray:
-    """Per bucket, per padded slot; scatter-add where bucket rows may share an output row."""
-    x = _check_dense_operand("X", x, h.shape[1])
-    y = np.zeros((h.shape[0], x.shape[1]))
-    for bk in h.buckets:
-        for s in range(bk.width):
-            live = bk.cols[:, s] >= 0
-            contrib = bk.vals[live, s, None] * x[bk.cols[live, s]]
-            if bk.needs_atomics:
-                np.add.at(y, bk.row_ids[live], contrib)
-            else:
-                y[bk.row_ids[live]] += contrib
-    return y
-
-
-def sddmm_hyb(h: Hyb, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    u, v = _sddmm_operands(h.shape, u, v)
-    rows, cols, vals = [], [], []
-    for bk in h.buckets:
-        for s in range(bk.width):
-            live = np.flatnonzero(bk.cols[:, s] >= 0)
-            r, c = bk.row_ids[live], bk.cols[live, s]
-            rows.append(r)
-            cols.append(c)
-            vals.append(np.einsum("nf,nf->n", u[r], v[c]))
-    if not rows:
-        return np.zeros(0)
-    return _csr_order(h.shape, np.concatenate(rows), np.concatenate(cols), np.concatenate(vals))

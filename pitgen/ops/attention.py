@@ -27,8 +27,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from ..errors import PlanError, ShapeError
 from ..rules import Rules, analyse
 
@@ -177,76 +175,8 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
 
 # -- NumPy references ---------------------------------------------------------------------------
 
-def block_index_reference(mask: np.ndarray, bm: int = BM, bn: int = BN) -> np.ndarray:
-    """The GPU index in NumPy: ``states[slice, qb, kb]`` (uint8) EMPTY when the block holds no
-    set element, FULL when every in-range element is set, PARTIAL otherwise."""
-    m = np.asarray(mask) != 0
-    sq, sk = m.shape[-2:]
-    m = m.reshape(-1, sq, sk)
-    nq, nk = -(-sq // bm), -(-sk // bn)
-    pad = np.ones((m.shape[0], nq * bm, nk * bn), bool)   # out-of-range elements: "set" for all
-    pad[:, :sq, :sk] = m
-    all_ = pad.reshape(m.shape[0], nq, bm, nk, bn).all(axis=(2, 4))
-    pad[:, sq:, :] = pad[:, :, sk:] = False                # ... and "unset" for any
-    any_ = pad.reshape(m.shape[0], nq, bm, nk, bn).any(axis=(2, 4))
-    return np.where(any_, np.where(all_, FULL, PARTIAL), EMPTY).astype(np.uint8)
-
-
-def count_bins(counts: np.ndarray, n_kb: int) -> np.ndarray:
-    """The count class the GPU orders query blocks by: the count itself below ORDER_BINS key
-    blocks, else scaled onto ORDER_BINS classes."""
-    c = np.clip(np.asarray(counts, np.int64), 0, n_kb)
-    return c if n_kb < ORDER_BINS else c * (ORDER_BINS - 1) // n_kb
-
-
-def block_order_reference(states: np.ndarray) -> np.ndarray:
-    """The query-block order per slice (int32 [slices, nQB]): by descending count class, ties
-    in ascending block order (the GPU's counting sort is stable, so it gives exactly this)."""
-    states = np.asarray(states)
-    bins = count_bins((states != EMPTY).sum(-1), states.shape[-1])
-    return np.argsort(-bins, axis=-1, kind="stable").astype(np.int32)
-
-
-def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
-                        scale: float | None = None) -> np.ndarray:
-    """Masked attention in float64; rows with no set element are zeros."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    m = np.broadcast_to(np.asarray(mask) != 0, q.shape[:-2] + (q.shape[-2], k.shape[-2]))
-    s = np.where(m, np.einsum("bhid,bhjd->bhij", q, k) * scale, -np.inf)
-    mx = s.max(axis=-1, keepdims=True)
-    p = np.where(m, np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
-    denom = p.sum(axis=-1, keepdims=True)
-    p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
-    return np.einsum("bhij,bhjd->bhid", p, v)
-
 
 # -- mask patterns ------------------------------------------------------------------------------
-
-def tile_mask(rng: np.random.Generator, sq: int, sk: int, tile: tuple[int, int],
-              density: float) -> np.ndarray:
-    """Random tiles of ``tile`` (e.g. 128x128 blocks, 1x64 or 16x16 micro-tiles), each set with
-    probability ``density``, aligned to the tile grid and cut at the edges."""
-    tr, tc = max(1, tile[0]), max(1, tile[1])
-    grid = rng.random((-(-sq // tr), -(-sk // tc))) < density
-    return np.kron(grid, np.ones((tr, tc), bool))[:sq, :sk]
-
-
-def longformer_mask(sq: int, sk: int, window: int, global_tokens: np.ndarray) -> np.ndarray:
-    """Longformer: a band |i - j| <= window // 2, plus global tokens (different every batch) that
-    attend to every key and that every query attends to."""
-    i = np.arange(sq)[:, None]
-    j = np.arange(sk)[None, :]
-    m = np.abs(i - j) <= window // 2
-    g = np.asarray(global_tokens, np.int64)
-    m[g[g < sq], :] = True
-    m[:, g[g < sk]] = True
-    return m
-
-
-def random_global_tokens(rng: np.random.Generator, seq: int, count: int) -> np.ndarray:
-    """``count`` distinct token positions (Longformer's dynamic global tokens)."""
-    return np.sort(rng.choice(seq, size=min(count, seq), replace=False))
 
 
 # -- GPU ----------------------------------------------------------------------------------------

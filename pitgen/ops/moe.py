@@ -146,62 +146,6 @@ class Routing(NamedTuple):
     tile_r: np.ndarray
 
 
-def route_reference(expert_ids: np.ndarray, experts: int, bm: int) -> Routing:
-    """NumPy version of the GPU index (pairs in ascending order inside a segment; the GPU's
-    order is arbitrary, which the permutation-invariant t axis allows)."""
-    ids = np.asarray(expert_ids).reshape(-1).astype(np.int64)
-    valid = (ids >= 0) & (ids < experts)
-    counts = np.bincount(ids[valid], minlength=experts).astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    pairs = np.flatnonzero(valid)
-    row_pair = pairs[np.argsort(ids[valid], kind="stable")]
-    tile_e, tile_r = [], []
-    for e in range(experts):
-        for r in range(offsets[e], offsets[e + 1], bm):
-            tile_e.append(e)
-            tile_r.append(r)
-    return Routing(counts, offsets, row_pair, np.array(tile_e, np.int64), np.array(tile_r, np.int64))
-
-
-def activation_reference(v: np.ndarray, activation: str) -> np.ndarray:
-    """The kernels' activations in float64 (GELU in its tanh approximation)."""
-    if activation == "relu":
-        return np.maximum(v, 0.0)
-    if activation == "gelu":
-        return 0.5 * v * (1.0 + np.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))
-    if activation == "silu":
-        return v / (1.0 + np.exp(-v))
-    if activation == "identity":
-        return v
-    raise PlanError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-
-
-def moe_reference(x: np.ndarray, expert_ids: np.ndarray, gates: np.ndarray, w1: np.ndarray,
-                  w2: np.ndarray, b1: np.ndarray | None = None, b2: np.ndarray | None = None,
-                  activation: str = "gelu") -> np.ndarray:
-    """Float64 reference of the layer, through the same routing (pairs with ids outside
-    [0, E) contribute nothing)."""
-    x = np.asarray(x, np.float64)
-    T, topk = np.asarray(expert_ids).shape
-    E = w1.shape[0]
-    r = route_reference(expert_ids, E, bm=max(1, T * topk))
-    g = np.asarray(gates, np.float64).reshape(-1)
-    y = np.zeros((T, w2.shape[2]))
-    for e in range(E):
-        pr = r.row_pair[r.offsets[e]:r.offsets[e + 1]]
-        if not len(pr):
-            continue
-        h = x[pr // topk] @ np.asarray(w1[e], np.float64)
-        if b1 is not None:
-            h += np.asarray(b1[e], np.float64)
-        h = activation_reference(h, activation)
-        o = h @ np.asarray(w2[e], np.float64)
-        if b2 is not None:
-            o += np.asarray(b2[e], np.float64)
-        np.add.at(y, pr // topk, g[pr][:, None] * o)
-    return y
-
-
 # -- GPU path ----------------------------------------------------------------------------------
 
 def _kernels(plan: MoEPlan) -> Any:
@@ -417,6 +361,5 @@ def flops(pairs: int, hidden: int, ffn: int) -> int:
     return 4 * pairs * hidden * ffn
 
 
-__all__ = ["MoEPlan", "Routing", "plan_moe", "render_moe", "route_reference", "moe_reference",
-           "activation_reference", "moe_route", "moe_ffn", "weight_bytes", "flops",
+__all__ = ["MoEPlan", "Routing", "plan_moe", "render_moe", "moe_route", "moe_ffn", "weight_bytes", "flops",
            "ACTIVATIONS"]

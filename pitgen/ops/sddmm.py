@@ -125,34 +125,6 @@ def grid_of(cfg: SddmmConfig, M: int, N: int) -> dict[str, tuple[int, int, int]]
 
 # -- NumPy references (float64) -----------------------------------------------------------------
 
-def reference_index(mask: np.ndarray, tile: Any) -> set[tuple[int, int]]:
-    """The (tile row, tile col) of every tile of ``mask`` holding a set element."""
-    th, tw = normalise_tile(tile)
-    M, N = mask.shape
-    gm, gn = -(-M // th), -(-N // tw)
-    pad = np.zeros((gm * th, gn * tw), bool)
-    pad[:M, :N] = mask != 0
-    hit = pad.reshape(gm, th, gn, tw).any(axis=(1, 3))
-    return {(int(r), int(c)) for r, c in zip(*np.nonzero(hit))}
-
-
-def reference_sddmm(q: np.ndarray, k: np.ndarray, mask: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """Dense float64 S ⊙ mask."""
-    s = scale * (q.astype(np.float64) @ k.astype(np.float64).T)
-    return np.where(mask != 0, s, 0.0)
-
-
-def reference_tiles(q: np.ndarray, k: np.ndarray, mask: np.ndarray, tile: Any,
-                    scale: float = 1.0) -> dict[tuple[int, int], np.ndarray]:
-    """Float64 values [th, tw] of every non-empty tile (elements outside S are 0)."""
-    th, tw = normalise_tile(tile)
-    s = reference_sddmm(q, k, mask, scale)
-    M, N = s.shape
-    pad = np.zeros((-(-M // th) * th, -(-N // tw) * tw))
-    pad[:M, :N] = s
-    return {(r, c): pad[r * th:(r + 1) * th, c * tw:(c + 1) * tw]
-            for r, c in reference_index(mask, tile)}
-
 
 # -- GPU ----------------------------------------------------------------------------------------
 

@@ -1,0 +1,262 @@
+"""Float64 NumPy references of every GPU operator, in one place: what each kernel must compute,
+and the index each builds, stated without tiles or threads. The tests, the benchmarks and users
+checking their own runs compare against these."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError, ShapeError
+from .graph.formats import BSR, CSR, ELL, Hyb, check_dense_operand
+from .ops.attention import BM, BN, EMPTY, FULL, ORDER_BINS, PARTIAL
+from .ops.moe import ACTIVATIONS, Routing
+from .ops.sddmm import normalise_tile
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+
+def block_index_reference(mask: np.ndarray, bm: int = BM, bn: int = BN) -> np.ndarray:
+    """The GPU index in NumPy: ``states[slice, qb, kb]`` (uint8) EMPTY when the block holds no
+    set element, FULL when every in-range element is set, PARTIAL otherwise."""
+    m = np.asarray(mask) != 0
+    sq, sk = m.shape[-2:]
+    m = m.reshape(-1, sq, sk)
+    nq, nk = -(-sq // bm), -(-sk // bn)
+    pad = np.ones((m.shape[0], nq * bm, nk * bn), bool)   # out-of-range elements: "set" for all
+    pad[:, :sq, :sk] = m
+    all_ = pad.reshape(m.shape[0], nq, bm, nk, bn).all(axis=(2, 4))
+    pad[:, sq:, :] = pad[:, :, sk:] = False                # ... and "unset" for any
+    any_ = pad.reshape(m.shape[0], nq, bm, nk, bn).any(axis=(2, 4))
+    return np.where(any_, np.where(all_, FULL, PARTIAL), EMPTY).astype(np.uint8)
+
+
+def count_bins(counts: np.ndarray, n_kb: int) -> np.ndarray:
+    """The count class the GPU orders query blocks by: the count itself below ORDER_BINS key
+    blocks, else scaled onto ORDER_BINS classes."""
+    c = np.clip(np.asarray(counts, np.int64), 0, n_kb)
+    return c if n_kb < ORDER_BINS else c * (ORDER_BINS - 1) // n_kb
+
+
+def block_order_reference(states: np.ndarray) -> np.ndarray:
+    """The query-block order per slice (int32 [slices, nQB]): by descending count class, ties
+    in ascending block order (the GPU's counting sort is stable, so it gives exactly this)."""
+    states = np.asarray(states)
+    bins = count_bins((states != EMPTY).sum(-1), states.shape[-1])
+    return np.argsort(-bins, axis=-1, kind="stable").astype(np.int32)
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
+                        scale: float | None = None) -> np.ndarray:
+    """Masked attention in float64; rows with no set element are zeros."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    m = np.broadcast_to(np.asarray(mask) != 0, q.shape[:-2] + (q.shape[-2], k.shape[-2]))
+    s = np.where(m, np.einsum("bhid,bhjd->bhij", q, k) * scale, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    p = np.where(m, np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
+    return np.einsum("bhij,bhjd->bhid", p, v)
+
+
+# -- MoE ----------------------------------------------------------------------------------------
+
+
+def route_reference(expert_ids: np.ndarray, experts: int, bm: int) -> Routing:
+    """NumPy version of the GPU index (pairs in ascending order inside a segment; the GPU's
+    order is arbitrary, which the permutation-invariant t axis allows)."""
+    ids = np.asarray(expert_ids).reshape(-1).astype(np.int64)
+    valid = (ids >= 0) & (ids < experts)
+    counts = np.bincount(ids[valid], minlength=experts).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    pairs = np.flatnonzero(valid)
+    row_pair = pairs[np.argsort(ids[valid], kind="stable")]
+    tile_e, tile_r = [], []
+    for e in range(experts):
+        for r in range(offsets[e], offsets[e + 1], bm):
+            tile_e.append(e)
+            tile_r.append(r)
+    return Routing(counts, offsets, row_pair, np.array(tile_e, np.int64), np.array(tile_r, np.int64))
+
+
+def activation_reference(v: np.ndarray, activation: str) -> np.ndarray:
+    """The kernels' activations in float64 (GELU in its tanh approximation)."""
+    if activation == "relu":
+        return np.maximum(v, 0.0)
+    if activation == "gelu":
+        return 0.5 * v * (1.0 + np.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))
+    if activation == "silu":
+        return v / (1.0 + np.exp(-v))
+    if activation == "identity":
+        return v
+    raise PlanError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+
+
+def moe_reference(x: np.ndarray, expert_ids: np.ndarray, gates: np.ndarray, w1: np.ndarray,
+                  w2: np.ndarray, b1: np.ndarray | None = None, b2: np.ndarray | None = None,
+                  activation: str = "gelu") -> np.ndarray:
+    """Float64 reference of the layer, through the same routing (pairs with ids outside
+    [0, E) contribute nothing)."""
+    x = np.asarray(x, np.float64)
+    T, topk = np.asarray(expert_ids).shape
+    E = w1.shape[0]
+    r = route_reference(expert_ids, E, bm=max(1, T * topk))
+    g = np.asarray(gates, np.float64).reshape(-1)
+    y = np.zeros((T, w2.shape[2]))
+    for e in range(E):
+        pr = r.row_pair[r.offsets[e]:r.offsets[e + 1]]
+        if not len(pr):
+            continue
+        h = x[pr // topk] @ np.asarray(w1[e], np.float64)
+        if b1 is not None:
+            h += np.asarray(b1[e], np.float64)
+        h = activation_reference(h, activation)
+        o = h @ np.asarray(w2[e], np.float64)
+        if b2 is not None:
+            o += np.asarray(b2[e], np.float64)
+        np.add.at(y, pr // topk, g[pr][:, None] * o)
+    return y
+
+
+# -- SDDMM over micro-tiles of a dynamic mask ---------------------------------------------------
+
+
+def sddmm_index_reference(mask: np.ndarray, tile: Any) -> set[tuple[int, int]]:
+    """The (tile row, tile col) of every tile of ``mask`` holding a set element."""
+    th, tw = normalise_tile(tile)
+    M, N = mask.shape
+    gm, gn = -(-M // th), -(-N // tw)
+    pad = np.zeros((gm * th, gn * tw), bool)
+    pad[:M, :N] = mask != 0
+    hit = pad.reshape(gm, th, gn, tw).any(axis=(1, 3))
+    return {(int(r), int(c)) for r, c in zip(*np.nonzero(hit))}
+
+
+def sddmm_reference(q: np.ndarray, k: np.ndarray, mask: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """Dense float64 S ⊙ mask."""
+    s = scale * (q.astype(np.float64) @ k.astype(np.float64).T)
+    return np.where(mask != 0, s, 0.0)
+
+
+def sddmm_tiles_reference(q: np.ndarray, k: np.ndarray, mask: np.ndarray, tile: Any,
+                    scale: float = 1.0) -> dict[tuple[int, int], np.ndarray]:
+    """Float64 values [th, tw] of every non-empty tile (elements outside S are 0)."""
+    th, tw = normalise_tile(tile)
+    s = sddmm_reference(q, k, mask, scale)
+    M, N = s.shape
+    pad = np.zeros((-(-M // th) * th, -(-N // tw) * tw))
+    pad[:M, :N] = s
+    return {(r, c): pad[r * th:(r + 1) * th, c * tw:(c + 1) * tw]
+            for r, c in sddmm_index_reference(mask, tile)}
+
+
+# -- graph formats: SpMM and SDDMM per layout ---------------------------------------------------
+
+
+def spmm_csr(a: CSR, x: np.ndarray) -> np.ndarray:
+    """Y[i, f] = sum_j A[i, j] X[j, f], straight from CSR."""
+    x = check_dense_operand("X", x, a.shape[1])
+    y = np.zeros((a.shape[0], x.shape[1]))
+    np.add.at(y, a.row_ids(), a.values()[:, None] * x[a.indices])
+    return y
+
+
+def sddmm_csr(a: CSR, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """E[i, j] = sum_f U[i, f] V[j, f] at A's non-zeros, in CSR order (A's values unused)."""
+    u, v = _sddmm_operands(a.shape, u, v)
+    return np.einsum("nf,nf->n", u[a.row_ids()], v[a.indices])
+
+
+def _csr_order(shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray,
+               vals: np.ndarray) -> np.ndarray:
+    """Values gathered from a layout, put back into CSR (row-major) order."""
+    return vals[np.argsort(rows.astype(np.int64) * shape[1] + cols, kind="stable")]
+
+
+def _sddmm_operands(shape: tuple[int, int], u: np.ndarray,
+                    v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    u = check_dense_operand("U", u, shape[0])
+    v = check_dense_operand("V", v, shape[1])
+    if u.shape[1] != v.shape[1]:
+        raise ShapeError(f"U and V need the same feature width, got {u.shape[1]} and "
+                         f"{v.shape[1]}")
+    return u, v
+
+
+def spmm_ell(e: ELL, x: np.ndarray) -> np.ndarray:
+    """One pass per padded slot; a padded slot (-1) contributes nothing, as in a masked kernel."""
+    x = check_dense_operand("X", x, e.shape[1])
+    y = np.zeros((e.shape[0], x.shape[1]))
+    for s in range(e.width):
+        live = e.cols[:, s] >= 0
+        y[live] += e.vals[live, s, None] * x[e.cols[live, s]]
+    return y
+
+
+def sddmm_ell(e: ELL, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    u, v = _sddmm_operands(e.shape, u, v)
+    out = np.zeros(e.cols.shape)
+    for s in range(e.width):
+        live = np.flatnonzero(e.cols[:, s] >= 0)
+        out[live, s] = np.einsum("nf,nf->n", u[live], v[e.cols[live, s]])
+    return out[e.cols >= 0]  # ELL keeps each row's order, so row-major slots are CSR order
+
+
+def _padded(x: np.ndarray, rows: int) -> np.ndarray:
+    return np.concatenate([x, np.zeros((rows - x.shape[0], x.shape[1]))])
+
+
+def spmm_bsr(m: BSR, x: np.ndarray) -> np.ndarray:
+    """A dense b x b times b x F product per block, accumulated into its block row."""
+    x = check_dense_operand("X", x, m.shape[1])
+    (nbr, nbc), b = m.grid, m.block
+    xb = _padded(x, nbc * b).reshape(nbc, b, x.shape[1])
+    y = np.zeros((nbr, b, x.shape[1]))
+    np.add.at(y, m.block_rows(), np.einsum("nij,njf->nif", m.blocks, xb[m.indices]))
+    return y.reshape(nbr * b, x.shape[1])[: m.shape[0]]
+
+
+def sddmm_bsr(m: BSR, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """A dense U_block V_block^T per block, sampled at the block's mask."""
+    u, v = _sddmm_operands(m.shape, u, v)
+    (nbr, nbc), b = m.grid, m.block
+    ub = _padded(u, nbr * b).reshape(nbr, b, u.shape[1])
+    vb = _padded(v, nbc * b).reshape(nbc, b, v.shape[1])
+    brow = m.block_rows()
+    full = np.einsum("nif,njf->nij", ub[brow], vb[m.indices])
+    n, i, j = np.nonzero(m.mask)
+    return _csr_order(m.shape, brow[n] * b + i, m.indices[n].astype(np.int64) * b + j,
+                      full[n, i, j])
+
+
+def spmm_hyb(h: Hyb, x: np.ndarray) -> np.ndarray:
+    """Per bucket, per padded slot; scatter-add where bucket rows may share an output row."""
+    x = check_dense_operand("X", x, h.shape[1])
+    y = np.zeros((h.shape[0], x.shape[1]))
+    for bk in h.buckets:
+        for s in range(bk.width):
+            live = bk.cols[:, s] >= 0
+            contrib = bk.vals[live, s, None] * x[bk.cols[live, s]]
+            if bk.needs_atomics:
+                np.add.at(y, bk.row_ids[live], contrib)
+            else:
+                y[bk.row_ids[live]] += contrib
+    return y
+
+
+def sddmm_hyb(h: Hyb, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    u, v = _sddmm_operands(h.shape, u, v)
+    rows, cols, vals = [], [], []
+    for bk in h.buckets:
+        for s in range(bk.width):
+            live = np.flatnonzero(bk.cols[:, s] >= 0)
+            r, c = bk.row_ids[live], bk.cols[live, s]
+            rows.append(r)
+            cols.append(c)
+            vals.append(np.einsum("nf,nf->n", u[r], v[c]))
+    if not rows:
+        return np.zeros(0)
+    return _csr_order(h.shape, np.concatenate(rows), np.concatenate(cols), np.concatenate(vals))
