@@ -1,6 +1,6 @@
 """Compilation: CUDA source -> cubin with nvcc, behind an on-disk cache.
 
-The cache key covers the source, the options (arch included) and the nvcc version; the version
+The cache (:mod:`pitgen.cache`) key covers the source, the options (arch included) and the nvcc version; the version
 itself is remembered per nvcc binary (path, size, mtime), so a warm start of a new process loads
 cubins without running nvcc at all. Entries are written to a temporary file and renamed into
 place, so two processes compiling the same kernel at once both end with one complete file.
@@ -16,18 +16,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from . import cache
 from .errors import CompileError
 
 BASE_OPTIONS = ("-std=c++17", "-O3")
-
-
-def cache_dir() -> Path:
-    """``$PITGEN_CACHE`` or ``~/.cache/pitgen``."""
-    root = os.environ.get("PITGEN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pitgen")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def find_nvcc() -> str:
@@ -41,40 +33,20 @@ def find_nvcc() -> str:
     raise CompileError("nvcc not found: set PITGEN_NVCC or CUDA_HOME, or put nvcc on PATH")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def nvcc_version(nvcc: str | None = None) -> str:
     """The ``release`` line of ``nvcc --version``, remembered per binary identity."""
     nvcc = nvcc or find_nvcc()
     st = os.stat(nvcc)
     ident = hashlib.sha256(f"{os.path.realpath(nvcc)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    memo = cache_dir() / f"nvcc-{ident}.json"
+    memo = cache.directory() / f"nvcc-{ident}.json"
     try:
         return json.loads(memo.read_text())["version"]
     except (OSError, ValueError, KeyError):
         pass
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
     version = next((ln.strip() for ln in out.splitlines() if "release" in ln), out.strip())
-    _atomic_write(memo, json.dumps({"nvcc": nvcc, "version": version}).encode())
+    cache.atomic_write(memo, json.dumps({"nvcc": nvcc, "version": version}).encode())
     return version
-
-
-def cache_key(source: str, options: tuple[str, ...], version: str) -> str:
-    h = hashlib.sha256()
-    for part in (source, "\0".join(options), version):
-        h.update(part.encode())
-        h.update(b"\1")
-    return h.hexdigest()
 
 
 def compile_source(source: str, arch: str, extra: tuple[str, ...] = ()) -> bytes:
@@ -82,7 +54,7 @@ def compile_source(source: str, arch: str, extra: tuple[str, ...] = ()) -> bytes
     were seen before."""
     nvcc = find_nvcc()
     options = (f"-arch={arch}", *BASE_OPTIONS, *extra)
-    path = cache_dir() / f"{cache_key(source, options, nvcc_version(nvcc))}.cubin"
+    path = cache.directory() / f"{cache.key(source, chr(0).join(options), nvcc_version(nvcc))}.cubin"
     try:
         return path.read_bytes()
     except OSError:
@@ -95,5 +67,5 @@ def compile_source(source: str, arch: str, extra: tuple[str, ...] = ()) -> bytes
         if proc.returncode != 0:
             raise CompileError(f"nvcc failed ({' '.join(options)}):\n{proc.stderr[-4000:]}")
         data = out.read_bytes()
-    _atomic_write(path, data)
+    cache.atomic_write(path, data)
     return data

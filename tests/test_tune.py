@@ -90,13 +90,13 @@ def test_similar_graphs_share_a_bucket_different_ones_do_not():
                   stats(rows=100_000, nnz=1_000_000, mean=10.0, mx=3000, std=2.0),
                   stats(rows=100_000, nnz=1_000_000, mean=10.0, mx=3000, std=40.0, empty=0.5)):
         assert T.stats_bucket(a) != T.stats_bucket(other)
-    k1 = T.cache_key("spmm", 64, "float16", "H100", a, ["hyb", "csr"])
-    assert k1 == T.cache_key("spmm", 64, "float16", "H100", b, ["csr", "hyb"])
-    for changed in (T.cache_key("sddmm", 64, "float16", "H100", a, ["csr", "hyb"]),
-                    T.cache_key("spmm", 128, "float16", "H100", a, ["csr", "hyb"]),
-                    T.cache_key("spmm", 64, "float32", "H100", a, ["csr", "hyb"]),
-                    T.cache_key("spmm", 64, "float16", "H200", a, ["csr", "hyb"]),
-                    T.cache_key("spmm", 64, "float16", "H100", a, ["csr"])):
+    k1 = T.tune_key("spmm", 64, "float16", "H100", a, ["hyb", "csr"])
+    assert k1 == T.tune_key("spmm", 64, "float16", "H100", b, ["csr", "hyb"])
+    for changed in (T.tune_key("sddmm", 64, "float16", "H100", a, ["csr", "hyb"]),
+                    T.tune_key("spmm", 128, "float16", "H100", a, ["csr", "hyb"]),
+                    T.tune_key("spmm", 64, "float32", "H100", a, ["csr", "hyb"]),
+                    T.tune_key("spmm", 64, "float16", "H200", a, ["csr", "hyb"]),
+                    T.tune_key("spmm", 64, "float16", "H100", a, ["csr"])):
         assert T.cache_path(changed) != T.cache_path(k1)
     assert T.stats_bucket(stats(rows=0, nnz=0, mean=0.0, mx=0, std=0.0))["cv"] == 0
 
@@ -229,7 +229,7 @@ def _result():
 def test_cache_round_trip(tune_cache):
     res = _result()
     st = stats()
-    key = T.cache_key("spmm", 64, "float16", res.device, st, T.FORMATS)
+    key = T.tune_key("spmm", 64, "float16", res.device, st, T.FORMATS)
     assert T.load(key) is None
     path = T.store(key, res)
     assert path.parent == tune_cache and path.suffix == ".json"
@@ -248,7 +248,7 @@ def test_cache_round_trip(tune_cache):
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_key", "missing_field"])
 def test_broken_cache_entry_is_ignored_with_a_warning(tune_cache, damage):
     res = _result()
-    key = T.cache_key("spmm", 64, "float16", res.device, stats(), T.FORMATS)
+    key = T.tune_key("spmm", 64, "float16", res.device, stats(), T.FORMATS)
     path = T.store(key, res)
     text = path.read_text()
     doc = json.loads(text)

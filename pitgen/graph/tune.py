@@ -11,7 +11,6 @@ one entry and a later process skips the search.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..compiler import _atomic_write, cache_dir
+from .. import cache
 from ..errors import PitgenError, PlanError
 
 FORMATS = ("csr", "ell", "bsr", "hyb")
@@ -99,7 +98,7 @@ def stats_bucket(s: GraphStats) -> dict[str, int]:
             "empty": round(s.empty * 10)}
 
 
-def cache_key(op: str, feat: int, dtype: str, device: str, stats: GraphStats,
+def tune_key(op: str, feat: int, dtype: str, device: str, stats: GraphStats,
               formats: Sequence[str]) -> dict[str, Any]:
     """What a cached result depends on; :func:`cache_path` hashes it to a file name."""
     return {"version": CACHE_VERSION, "op": op, "feat": int(feat), "dtype": dtype,
@@ -109,13 +108,15 @@ def cache_key(op: str, feat: int, dtype: str, device: str, stats: GraphStats,
 def tune_cache_dir() -> Path:
     """``$PITGEN_TUNE_CACHE`` or ``<pitgen cache>/tune``."""
     root = os.environ.get("PITGEN_TUNE_CACHE")
-    path = Path(root) if root else cache_dir() / "tune"
+    if not root:
+        return cache.directory("tune")
+    path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def cache_path(key: Mapping[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    digest = cache.key(json.dumps(key, sort_keys=True))[:24]
     return tune_cache_dir() / f"{key['op']}-{key['dtype']}-{key['feat']}-{digest}.json"
 
 
@@ -126,7 +127,7 @@ def _canon(d: Mapping[str, Any] | None) -> str:
 
 
 @dataclass(frozen=True)
-class Candidate:
+class TuneConfig:
     """One point of the search space: a format with its parameters and a kernel schedule."""
     fmt: str
     params: dict[str, Any]
@@ -157,7 +158,7 @@ class Trial:
     reason: str = ""
 
     @classmethod
-    def of(cls, c: Candidate, status: str, ms: float | None = None,
+    def of(cls, c: TuneConfig, status: str, ms: float | None = None,
            convert_ms: float | None = None, reason: str = "") -> Trial:
         return cls(c.fmt, dict(c.params), dict(c.schedule), c.phase, status, ms, convert_ms,
                    reason)
@@ -249,7 +250,7 @@ class Search:
     schedule of each format's best parameters (fastest format first). The first trial always
     runs; no trial starts once ``budget_s`` has passed."""
 
-    def __init__(self, space: Space, measure: Callable[[Candidate], Trial], budget_s: float,
+    def __init__(self, space: Space, measure: Callable[[TuneConfig], Trial], budget_s: float,
                  clock: Callable[[], float] = time.monotonic):
         self.space, self.measure, self.budget_s, self.clock = space, measure, budget_s, clock
         self.trials: list[Trial] = []
@@ -269,8 +270,8 @@ class Search:
         """Candidates in order; a generator, so later phases see the earlier phases' times."""
         sp = self.space
         for f in sp.formats:
-            yield Candidate(f, default_params(f, sp.stats), sp.default(f), "default")
-        queues = {f: [Candidate(f, p, sp.default(f), "params")
+            yield TuneConfig(f, default_params(f, sp.stats), sp.default(f), "default")
+        queues = {f: [TuneConfig(f, p, sp.default(f), "params")
                       for p in param_space(f, sp.stats)[1:]] for f in self._ranked_formats()}
         while any(queues.values()):
             for f in list(queues):
@@ -281,7 +282,7 @@ class Search:
             if best is None:
                 continue
             for s in sp.schedules(f):
-                yield Candidate(f, best.params, s, "schedule")
+                yield TuneConfig(f, best.params, s, "schedule")
 
     def run(self) -> list[Trial]:
         t0 = self.clock()
@@ -370,7 +371,7 @@ def store(key: Mapping[str, Any], result: TuneResult) -> Path:
     """Write a result under its key (atomically: readers never see half a file)."""
     path = cache_path(key)
     doc = {"key": dict(key), "result": result.to_json()}
-    _atomic_write(path, json.dumps(doc, indent=1).encode())
+    cache.atomic_write(path, json.dumps(doc, indent=1).encode())
     return path
 
 
@@ -427,7 +428,7 @@ class _GpuMeasure:
         self.flush = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
         self._converted: dict[tuple[str, str], Any] = {}
 
-    def _convert(self, c: Candidate) -> tuple[Any, float | None]:
+    def _convert(self, c: TuneConfig) -> tuple[Any, float | None]:
         """Converts on a private DeviceCSR over the same buffers: to_format's cache on the
         caller's matrix is not filled with every candidate, and conversions are really timed."""
         from .device import DeviceCSR, to_format
@@ -453,7 +454,7 @@ class _GpuMeasure:
         fn = graph_ops.spmm if self.op == "spmm" else graph_ops.sddmm
         return fn(m, *self.args, schedule=schedule)
 
-    def __call__(self, c: Candidate) -> Trial:
+    def __call__(self, c: TuneConfig) -> Trial:
         torch = self.torch
         try:
             m, conv_ms = self._convert(c)
@@ -511,7 +512,7 @@ def tune(a: Any, op: str, feat: int, dtype: str, budget_s: float = 60,
     device = _device_name()
     result = result_of(space, trials, time.perf_counter() - t0, device)
     if cache:
-        store(cache_key(op, feat, dtype, device, stats, formats), result)
+        store(tune_key(op, feat, dtype, device, stats, formats), result)
     return result
 
 
@@ -520,7 +521,7 @@ def lookup(a: Any, op: str, feat: int, dtype: str, formats: Sequence[str] = FORM
     """The cached result for a matrix like ``a`` (a DeviceCSR or its :class:`GraphStats`) on
     this device (or ``device``), or None. No timing, no kernel launch."""
     stats = _stats_of(a)
-    key = cache_key(op, feat, dtype, device or _device_name(), stats, formats)
+    key = tune_key(op, feat, dtype, device or _device_name(), stats, formats)
     return load(key)
 
 
