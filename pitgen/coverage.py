@@ -7,7 +7,7 @@ from typing import Any
 
 from .expr import Operator
 from .planner import Plan, candidate_specs, make_plan, parse_tile
-from .runtime import Operand
+from .operands import Operand
 
 
 def _tile_counts_torch(mask, specs, chunks):

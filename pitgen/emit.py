@@ -3,7 +3,7 @@ API that other projects build with nvcc alone (no Python, PyCUDA or pitgen).
 
 The device code is the JIT path's: each variant is a :class:`~pitgen.lower.ModuleSpec` rendered
 with ``module.cu.j2``; ``host.cu.j2`` wraps the variants with host functions that launch what
-:class:`~pitgen.runtime.GemmCall` launches, and ``header.h.j2`` declares them. An emitted kernel
+:class:`~pitgen.ops.matmul.GemmCall` launches, and ``header.h.j2`` declares them. An emitted kernel
 takes row-major operands of any extents, so what lowering decides from extents and pointers
 (copy widths, paired stores, direct or atomic row stores) is decided here for all of them:
 every store regime gets a *wide* variant, lowered for friendly extents and 16-byte aligned
@@ -23,13 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence, TextIO
 
-from .version import __version__
 from .compiler import find_nvcc
 from .errors import CompileError, PitgenError, PlanError
 from .expr import Operator, parse
 from .lower import DTYPES, GemmForm, Layout, ModuleSpec, Schedule, gemm_form, lower
 from .planner import Candidate, make_plan, parse_tile
-from .render import environment, render
+from .ops.matmul import MATMUL
+from .render import render_template
 
 #: Opt-in shared memory per block (bytes) of the archs the kernels run on: cp.async and
 #: mma.sync need sm_80 or newer (CUDA C++ Programming Guide, compute capabilities table).
@@ -282,9 +282,8 @@ def emit(req: Request) -> Emitted:
                         f"shared memory; {req.arch} gives a block at most {smem_limit - STATIC_SMEM}")
     emitted = Emitted(name, req, tuple(regimes), {})
     ctx = _context(emitted, op, form, plan.rules, smem)
-    env = environment()
-    files = {f"{name}.cu": env.get_template("host.cu.j2").render(**ctx),
-             f"{name}.h": env.get_template("header.h.j2").render(**ctx)}
+    files = {f"{name}.cu": render_template("host.cu.j2", **ctx),
+             f"{name}.h": render_template("header.h.j2", **ctx)}
     return replace(emitted, files=files)
 
 
@@ -302,7 +301,7 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
             index = replace(ix, name=f"{e.name}_index") if v is e.regimes[0].variants[0] else None
             spec = replace(v.spec, gemm=replace(v.spec.gemm, name=kernel), index=index)
             variants.append({"tag": v.tag, "ns": f"{kernel}_module", "kernel": kernel,
-                             "source": render(spec).rstrip("\n"), "needs": v.needs,
+                             "source": MATMUL.source(spec.context()).rstrip("\n"), "needs": v.needs,
                              "a_vec": v.spec.gemm.a_vec, "b_vec": v.spec.gemm.b_vec,
                              "c_mode": v.spec.gemm.c_mode, "c_pair": v.spec.gemm.c_pair})
         regimes.append({"k_max": r.k_max, "variants": variants})
@@ -312,7 +311,7 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
         ar = rules.axes[first.plan_axis]
         rule = {"axis": ar.axis, "role": ar.role, "needs": list(ar.needs), "reason": ar.reason}
     return {
-        "name": e.name, "guard": f"PITGEN_{e.name.upper()}_H", "version": __version__,
+        "name": e.name, "guard": f"PITGEN_{e.name.upper()}_H",
         "command": req.command(), "expression": op.text, "dtype": req.dtype, "arch": req.arch,
         "axes": list(op.axes),
         "tensors": [{"name": a.tensor, "axes": list(a.axes)} for a in (*op.inputs, op.output)],
@@ -328,7 +327,7 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
         "a_mode": g.a_mode, "ksub": g.ksub, "packed": g.a_mode == "packed",
         "tk": first.plan_shape[form.a_dims[1]] if g.a_mode == "rows" else 0,
         "index_kernel": f"{e.name}_index",
-        # tiles one block of the index kernel tests, as runtime.Launcher launches it
+        # tiles one block of the index kernel tests, as pitgen.ops.matmul.Launcher launches it
         "index_per_block": 256 if ix.kind == "micro" and ix.strategy == "thread" else 8,
         "strides": _stride_names(op, form),
         "f32": "always" if modes == {"atomic"} else "above_tk" if "atomic" in modes else "never",

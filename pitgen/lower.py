@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, replace
 import sympy
 
 from .errors import PitgenError, PlanError
+from .limits import GRID_Y_MAX, INT32_MAX
 from .expr import Operator
 
 DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
-INT32_MAX = 2**31 - 1
 #: Shared memory one block may use: two blocks per SM on sm_90, one on sm_80.
 SMEM_BUDGET = 112 * 1024
 
@@ -125,6 +125,10 @@ class ModuleSpec:
     @property
     def key(self) -> str:
         return hashlib.sha256(repr(asdict(self)).encode()).hexdigest()[:16]
+
+    def context(self) -> dict:
+        """Template context of ``module.cu.j2``: every decision, nested as the dataclasses."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -251,3 +255,48 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
             bn = gemm.bn // 2
             gemm = replace(gemm, bn=bn, wn=min(gemm.wn, max(1, bn // 16)))
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Launch shapes of one lowered GEMM: the tile kernel's grid, the index build's grid and
+    its (long stride, id stride, long extent, id extent) arguments, the list capacity per
+    group, and the flat grid of the zero/finish passes."""
+
+    grid: tuple[int, ...]
+    tk: int
+    groups: int
+    cap: int
+    index_grid: tuple[int, int]
+    index_args: tuple[int, int, int, int]
+    flat: tuple[int, int]
+
+
+def geometry(spec: ModuleSpec, layout: Layout, k_extent: int) -> Geometry:
+    """Grids and index sizes of ``spec`` on ``layout`` (``k_extent``: the micro-tile's extent
+    along k, which rows mode splits K by); PlanError past CUDA's grid limits."""
+    M, N, K, g, ix = layout.M, layout.N, layout.K, spec.gemm, spec.index
+    tk = k_extent if g.a_mode == "rows" else 0
+    grid_m = (M + g.bm - 1) // g.bm
+    groups = cap = 0
+    index_grid: tuple[int, int] = (0, 0)
+    index_args = (0, 0, 0, 0)
+    if ix is not None:
+        if g.a_mode == "rows":
+            groups, cap = (K + tk - 1) // tk, M
+            index_args = (layout.sa[1], layout.sa[0], K, M)
+        else:
+            groups = grid_m
+            cap = K if g.a_mode == "packed" else (K + g.bk * g.ksub - 1) // (g.bk * g.ksub)
+            index_args = (layout.sa[0], layout.sa[1], M, K)
+        if groups > GRID_Y_MAX:
+            raise PlanError(f"{groups} tile groups exceed the grid limit {GRID_Y_MAX}")
+        per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
+        index_grid = ((cap + per_block - 1) // per_block, groups)
+    grid: tuple[int, ...] = ((N + g.bn - 1) // g.bn, grid_m)
+    if g.a_mode == "rows":
+        grid += ((K + tk - 1) // tk,)
+    if grid_m > GRID_Y_MAX:
+        raise PlanError(f"{grid_m} m-tiles exceed the grid limit {GRID_Y_MAX}")
+    return Geometry(grid, tk, groups, cap, index_grid, index_args,
+                    (min((M * N + 255) // 256, 65535), 1))

@@ -12,7 +12,11 @@ import pytest
 import pitgen
 from pitgen import compiler
 from pitgen.lower import Layout, gemm_form, lower
-from pitgen.render import render
+from pitgen.ops.matmul import MATMUL
+
+
+def render(spec) -> str:
+    return MATMUL.source(spec.context())
 
 needs_nvcc = pytest.mark.skipif(
     shutil.which("nvcc") is None and not compiler.os.path.exists("/usr/local/cuda/bin/nvcc"),
@@ -141,31 +145,34 @@ def test_compile_error_is_a_pitgen_error(tmp_path, monkeypatch):
         compiler.compile_source("this is not CUDA", "sm_90")
 
 
-def test_load_kernels_renders_each_configuration_once(monkeypatch):
-    """Operators call load_kernels on every launch: a configuration seen before must come back
-    without rendering, and configurations rendering to one source share one module. Module
+def test_opspec_renders_each_configuration_once(monkeypatch):
+    """Operators ask their OpSpec for a module on every launch: a context seen before must come
+    back without rendering, and contexts rendering to one source share one module. Module
     loading is faked (no GPU here); rendering is real."""
-    from pitgen import runtime
+    from pitgen import cache, opspec, runtime
+    from pitgen.graph.device import CONVERT
 
     renders, loads = [], []
-    real_render = runtime.render_template
+    real_render = opspec.render_template
 
     def counting_render(name, **ctx):
         renders.append(name)
         return real_render(name, **ctx)
 
-    class FakeKernels:
-        def __init__(self, source, signatures, smem):
-            loads.append(source)
+    class FakeModule:
+        def __init__(self, cubin, signatures):
+            loads.append(cubin)
 
-    monkeypatch.setattr(runtime, "render_template", counting_render)
-    monkeypatch.setattr(runtime, "Kernels", FakeKernels)
+    monkeypatch.setattr(opspec, "render_template", counting_render)
+    monkeypatch.setattr(runtime, "Module", FakeModule)
+    monkeypatch.setattr(runtime, "compile_source", lambda source, arch: source)
     monkeypatch.setattr(runtime, "device_arch", lambda: "sm_90")
-    monkeypatch.setattr(runtime, "_KERNELS", {})
-    monkeypatch.setattr(runtime, "_CONFIGS", {})
-    sig = {"pit_csr_rows": "PPii"}
-    a = runtime.load_kernels("convert.cu.j2", sig, dtype="float32", src_dtype="float32")
-    b = runtime.load_kernels("convert.cu.j2", sig, src_dtype="float32", dtype="float32")
+    cache.clear()
+    a = CONVERT.module({"dtype": "float32", "src_dtype": "float32"})
+    b = CONVERT.module({"src_dtype": "float32", "dtype": "float32"})
     assert a is b and renders == ["convert.cu.j2"] and len(loads) == 1
-    c = runtime.load_kernels("convert.cu.j2", sig, dtype="float16", src_dtype="float16")
+    c = CONVERT.module({"dtype": "float16", "src_dtype": "float16"})
     assert c is not a and len(renders) == 2 and len(loads) == 2
+    assert cache.inventory()["opspec.modules"] == 2 and cache.inventory()["runtime.modules"] == 2
+    cache.clear()
+    assert cache.inventory()["opspec.modules"] == 0

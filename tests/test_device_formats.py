@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 from pitgen import PlanError, ShapeError, compiler
 from pitgen.graph.formats import CSR, Hyb
 from pitgen.graph.kernels import (GROUPS, HYB_WIDTHS, SPMM_CUT, SPMM_PACKS, SPMM_UNROLL, _resolve,
-                                  _rules, default_schedule, schedule_space)
+                                  GRAPH_SDDMM, SPMM, default_schedule, schedule_space)
 from pitgen.graph.device import hyb_atomic
 from pitgen.render import render_template
 
@@ -25,12 +25,9 @@ needs_nvcc = pytest.mark.skipif(
 # -- planning ---------------------------------------------------------------------------------
 
 def test_rules_of_the_graph_operators():
-    spmm = _rules("spmm")
-    assert spmm.require_invariant("j").role == "reduction"
-    assert spmm.require_invariant("i").role == "spatial"
-    sddmm = _rules("sddmm")
-    assert {sddmm.require_invariant(a).role for a in "ij"} == {"spatial"}
-    assert sddmm.require_invariant("f").role == "reduction"
+    assert SPMM.derive() == {"rows": ("i",), "neighbours": ("j",)}
+    assert GRAPH_SDDMM.derive() == {"edge rows": ("i",), "edge columns": ("j",),
+                                    "features": ("f",)}
 
 
 @given(st.sampled_from(["spmm", "sddmm"]), st.sampled_from(["csr", "ell", "bsr", "hyb"]),

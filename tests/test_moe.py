@@ -3,6 +3,7 @@
 variants for sm_80 and sm_90. No torch or GPU needed."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from pitgen import reference as R
 import pitgen
 import pitgen.ops.moe as moe
+from pitgen.opspec import Permutation
 from pitgen import compiler
 from pitgen.errors import PlanError, RuleError, ShapeError
 
@@ -99,7 +101,9 @@ def test_plan_decisions():
 
 def test_plan_uses_the_rules(monkeypatch):
     """The plan asks the rule engine about t; an expression where t is not invariant is refused."""
-    monkeypatch.setattr(moe, "GEMM1", "I[t,f] += X[t+f,h] * W1[h,f]")
+    bad = Permutation("tokens in", "I[t,f] += X[t+f,h] * W1[h,f]", "spatial", "X")
+    monkeypatch.setattr(moe, "MOE", dataclasses.replace(moe.MOE, name="moe (t+f)",
+                                                        permutes=(bad,)))
     moe.plan_moe.cache_clear()
     with pytest.raises(RuleError, match="not permutation invariant"):
         moe.plan_moe(16, 1, 2, 8, 8)
@@ -127,8 +131,8 @@ def test_float32_allows_multiples_of_4():
 
 def test_signatures_match_kernel_parameters():
     """Every PyCUDA signature has one letter per parameter of its kernel in the rendered source."""
-    src = moe.render_moe(moe.plan_moe(64, 2, 4, 64, 64))
-    for name, sig in moe.SIGNATURES.items():
+    src = moe.MOE.source(moe.plan_moe(64, 2, 4, 64, 64).context())
+    for name, sig in moe.MOE.kernels.items():
         m = re.search(r"\b" + name + r"\(([^)]*)\)", src)
         assert m, name
         params = [p.strip() for p in m.group(1).split(",")]
@@ -143,10 +147,10 @@ def test_signatures_match_kernel_parameters():
 
 
 def test_render_variants():
-    src = moe.render_moe(moe.plan_moe(64, 1, 4, 64, 64, "bfloat16", "silu", "int64"))
+    src = moe.MOE.source(moe.plan_moe(64, 1, 4, 64, 64, "bfloat16", "silu", "int64").context())
     assert "typedef long long eid_t;" in src and "__nv_bfloat16 elem_t" in src
     assert "__expf" in src and "BM = 64" in src
-    src = moe.render_moe(moe.plan_moe(64, 1, 4, 64, 64, "float32", "identity"))
+    src = moe.MOE.source(moe.plan_moe(64, 1, 4, 64, 64, "float32", "identity").context())
     assert "tf32" in src and "return v;" in src
 
 

@@ -78,14 +78,15 @@ def test_plan_transposes_row_tiles_and_follows_the_layouts():
 def test_the_operator_is_derived_through_the_rules():
     rules = pitgen.analyse(sddmm.EXPR)
     assert {"i", "j", "d"} <= set(rules.invariant_axes())
-    sddmm.derive((32, 1))
-    autograd.derive(autograd.WEIGHT_FORWARD, "A", "32x1")     # k: in features, reduced in yᵀ
-    autograd.derive(autograd.WEIGHT_DX, "B", "32x1")          # n: in-features of dX
-    autograd.derive(autograd.INPUT_DW, "B", "1x64")           # k: the batch, reduced in dW
+    assert sddmm.SDDMM.derive() == {"rows": ("i",), "columns": ("j",)}
+    # the linear layer's kernels: micro-tiles only along axes the rules let the planner permute
+    pitgen.plan(autograd.WEIGHT_FORWARD, "A", micro_tile="32x1")   # k: in features, reduced in yᵀ
+    pitgen.plan(autograd.WEIGHT_DX, "B", micro_tile="32x1")        # n: in-features of dX
+    pitgen.plan(autograd.INPUT_DW, "B", micro_tile="1x64")         # k: the batch, reduced in dW
     with pytest.raises(pitgen.RuleError, match="not permutation invariant"):  # conv's y+r
-        autograd.derive("O[n,f,y] += I[n,c,y+r] * W[f,c,r]", "I", "4x8x1")
-    with pytest.raises(pitgen.PlanError, match="micro_tile"):
-        autograd.derive(autograd.WEIGHT_FORWARD, "A", "32x1x1")
+        pitgen.plan("O[n,f,y] += I[n,c,y+r] * W[f,c,r]", "I", micro_tile="4x8x1")
+    with pytest.raises(pitgen.PlanError, match="micro"):
+        pitgen.plan(autograd.WEIGHT_FORWARD, "A", micro_tile="32x1x1")
 
 
 # -- the gradient formulas the Functions implement, against finite differences ------------------

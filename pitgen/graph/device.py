@@ -18,27 +18,31 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError, ShapeError
-from .formats import BSR, CSR, ELL, Hyb, HybBucket
+from ..limits import INT32_MAX
+from ..operands import check_tensor
+from ..opspec import OpSpec, Permutation
+from ..runtime import TorchLaunch
+from .formats import BSR, BSR_BLOCKS, CSR, ELL, FORMATS, SPMM_EXPR, Hyb, HybBucket
 
 __all__ = ["DeviceCSR", "DeviceMatrix", "to_format", "FORMATS", "VALUE_DTYPES"]
 
-FORMATS = ("csr", "ell", "bsr", "hyb")
 VALUE_DTYPES = ("float32", "float16")
-BSR_BLOCKS = (8, 16, 32)
-INT32_MAX = 2**31 - 1
 THREADS = 256
 MAX_GRID = 1 << 20  # conversion kernels are grid-stride loops
 
-CONVERT_SIGNATURES = {
-    "pit_csr_rows": "PiiP",
-    "pit_dense_to_csr": "PiiPiPP",
-    "pit_to_ell": "PPPiiiiPPP",
-    "pit_bsr_mark": "PPiiiiiP",
-    "pit_bsr_fill": "PPPiiiiiPiPPPP",
-    "pit_hyb_count": "PPiiiiiP",
-    "pit_hyb_classify": "PiiiiPP",
-    "pit_hyb_fill": "PPPiiiiiiPPPPiiPPPPP",
-}
+#: CSR -> ELL / BSR / hyb on the device. The layouts reorder a matrix's rows (hyb's buckets)
+#: and pad them, which SpMM's rules allow: rows are spatial, written back to their places.
+CONVERT = OpSpec("convert", "convert.cu.j2", {
+        "pit_csr_rows": "PiiP",
+        "pit_dense_to_csr": "PiiPiPP",
+        "pit_to_ell": "PPPiiiiPPP",
+        "pit_bsr_mark": "PPiiiiiP",
+        "pit_bsr_fill": "PPPiiiiiPiPPPP",
+        "pit_hyb_count": "PPiiiiiP",
+        "pit_hyb_classify": "PiiiiPP",
+        "pit_hyb_fill": "PPPiiiiiiPPPPiiPPPPP",
+    },
+    (Permutation("rows", SPMM_EXPR, "spatial", "A"),), VALUE_DTYPES)
 
 
 def _torch():
@@ -48,9 +52,7 @@ def _torch():
 
 def _convert_kernels(dtype: str, src_dtype: str | None = None):
     """The conversion module for these value / dense-source dtypes, loaded once per process."""
-    from ..runtime import load_kernels
-    return load_kernels("convert.cu.j2", CONVERT_SIGNATURES, dtype=dtype,
-                        src_dtype=src_dtype or dtype)
+    return CONVERT.module({"dtype": dtype, "src_dtype": src_dtype or dtype})
 
 
 def _grid(n: int, per_block: int = THREADS) -> tuple[int, int, int]:
@@ -59,7 +61,6 @@ def _grid(n: int, per_block: int = THREADS) -> tuple[int, int, int]:
 
 def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREADS) -> None:
     """Enqueue one grid-stride conversion kernel over n items on torch's current stream."""
-    from ..runtime import TorchLaunch
     if n <= 0:
         return
     with TorchLaunch() as tl:
@@ -85,7 +86,6 @@ class DeviceCSR:
     ``from_host`` / ``from_scipy`` validate sortedness and ranges."""
 
     def __init__(self, shape: tuple[int, int], indptr: Any, indices: Any, values: Any):
-        from ..runtime import check_tensor
         if len(shape) != 2 or min(int(s) for s in shape) < 0:
             raise ShapeError(f"DeviceCSR shape must be two non-negative extents, got {shape}")
         self.shape = (int(shape[0]), int(shape[1]))
@@ -136,7 +136,6 @@ class DeviceCSR:
         """A 2-D CUDA tensor's non-zeros, found on the GPU: a bool/uint8 mask gives values 1, a
         float16/float32 tensor its values. Synchronises with the host once (to read nnz)."""
         torch = _torch()
-        from ..runtime import check_tensor
         check_tensor("dense", t, ("bool", "uint8", "float16", "float32"), 2, contiguous=False)
         src = _dtype_name(t)
         dtype = _check_value_dtype(dtype or (src if src in VALUE_DTYPES else "float32"))
@@ -205,7 +204,6 @@ class DeviceMatrix:
 
     def with_values(self, values: Any) -> DeviceMatrix:
         """The same layout filled from new CSR-order values [nnz] on the GPU (no sync)."""
-        from ..runtime import check_tensor
         torch = _torch()
         check_tensor("values", values, (self.dtype,), 1, (self.nnz,))
         src = DeviceCSR(self.shape, self.source.indptr, self.source.indices, values)

@@ -16,7 +16,14 @@ import numpy as np
 
 from ..errors import ShapeError
 
-__all__ = ["CSR", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype"]
+__all__ = ["CSR", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype", "FORMATS",
+           "BSR_BLOCKS", "SPMM_EXPR", "SDDMM_EXPR"]
+
+FORMATS = ("csr", "ell", "bsr", "hyb")
+BSR_BLOCKS = (8, 16, 32)
+#: The graph operators: SpMM (aggregate neighbours) and SDDMM (a value per edge).
+SPMM_EXPR = "Y[i,f] += A[i,j] * X[j,f]"
+SDDMM_EXPR = "E[i,j] += U[i,f] * V[j,f]"
 
 
 def index_dtype(*extents: int) -> np.dtype:

@@ -24,8 +24,12 @@ import sympy
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..rules import analyse
-from ..runtime import check_tensor
-from .tune import FORMATS, GraphStats, best, default_params
+from ..operands import bind_operands, check_tensor
+from . import kernels as graph_ops
+from .device import DeviceCSR, to_format
+from .formats import CSR, FORMATS
+from .kernels import default_schedule
+from .tune import GraphStats, best, default_params
 
 GRAPH_DTYPES = ("float16", "float32")
 #: Matrices (by identity) whose conversions a kernel object keeps alive.
@@ -92,8 +96,6 @@ def as_device_csr(name: str, a: Any, dtype: str) -> Any:
     """A DeviceCSR from what callers hold: a DeviceCSR (its values must have ``dtype``), a torch
     sparse CSR tensor or a dense CUDA tensor (converted on the GPU; a dense one costs a host
     sync for its nnz), a scipy sparse matrix or a pitgen.graph.formats.CSR (uploaded)."""
-    from .device import DeviceCSR
-    from .formats import CSR
 
     if isinstance(a, DeviceCSR):
         got = str(a.values.dtype).replace("torch.", "")
@@ -181,7 +183,6 @@ class FormatKernel:
 
     def choice(self, csr: Any, feat: int) -> tuple[str, dict, dict]:
         """(format, params, schedule) for this DeviceCSR and feature width; may tune."""
-        from .kernels import default_schedule
 
         if self.format == "auto":
             r = best(csr, self.op, feat, self.dtype, self.budget_s)
@@ -197,7 +198,6 @@ class FormatKernel:
 
     def prepare(self, name: str, a: Any, feat: int) -> tuple[Any, tuple[str, dict, dict]]:
         """The converted matrix and the choice for ``a`` at feature width ``feat`` (cached)."""
-        from .device import to_format
 
         if feat < 1:
             raise ShapeError(f"feature width must be >= 1, got {feat}")
@@ -209,11 +209,9 @@ class FormatKernel:
         return per_feat[feat]
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        from ..ops.matmul import bind_operands
         return bind_operands(self.operator.text, self.form.inputs, args, kwargs)
 
     def __call__(self, *args: Any, sample: Any = None, out: Any = None, **kwargs: Any) -> Any:
-        from . import kernels as graph_ops
 
         ops = self._bind(args, kwargs)
         if self.op == "spmm":

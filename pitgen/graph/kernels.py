@@ -4,25 +4,25 @@ SpMM ``Y[i,f] += A[i,j] * X[j,f]``: the rule engine says i is spatial (rows are 
 order and written back to their own places: hyb's bucket rows are out of order, SWrite) and j
 is the reduction axis (a row's neighbours are gathered, SRead). SDDMM
 ``E[i,j] += U[i,f] * V[j,f]``: i and j are spatial (edges in any order, each written to its CSR
-position), f is reduced by a shuffle tree. Planning checks these with ``require_invariant``.
+position), f is reduced by a shuffle tree in any order. Each kernel family declares these as an
+:class:`~pitgen.opspec.OpSpec` whose permutations the rule engine must confirm.
 
 Every launch runs on torch's current stream with no host synchronisation; buffer sizes and grids
 come from host numbers recorded at conversion time.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, Mapping
 
-from .device import FORMATS, VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from ..errors import PlanError, ShapeError
-from ..runtime import load_kernels, stream_counters
+from ..operands import check_tensor
+from ..opspec import OpSpec, Permutation
+from ..runtime import TorchLaunch, stream_counters
+from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
+from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
 
 __all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "SPMM_EXPR", "SDDMM_EXPR"]
 
-SPMM_EXPR = "Y[i,f] += A[i,j] * X[j,f]"
-SDDMM_EXPR = "E[i,j] += U[i,f] * V[j,f]"
-OPS = {"spmm": (SPMM_EXPR, ("i", "j")), "sddmm": (SDDMM_EXPR, ("i", "j", "f"))}
 GROUPS = (4, 8, 16, 32)
 THREADS = (128, 256)
 HYB_WIDTHS = 7  # hyb "groups": one lane count per bucket width 1, 2, 4, ..., 64
@@ -37,20 +37,22 @@ SPMM_PACKS = 4
 #: sums (one launch).
 CUTS = ("atomic", "pieces")
 SPMM_CUT = "pieces"
-SPMM_SIGNATURE = {"pit_spmm": "PPPPPPiiiii"}
-HYB_SPMM_SIGNATURE = {"pit_spmm": "PPPPPPPPPPPPPiiiiiiiii", "pit_spmm_finish": "PiPiPPii"}
-SDDMM_SIGNATURE = {"pit_sddmm": "PPPiiPPPiiii"}
-
-
-@lru_cache(maxsize=None)
-def _rules(op: str) -> Any:
-    """The PIT rules of ``op``; RuleError if an axis the kernels permute is not invariant."""
-    from ..rules import analyse
-    expr, permuted = OPS[op]
-    rules = analyse(expr)
-    for axis in permuted:
-        rules.require_invariant(axis)
-    return rules
+#: Rows in any order, each written back to its own place (hyb's buckets; SWrite), and a row's
+#: neighbours gathered in any order (SRead).
+_SPMM_PERMUTES = (Permutation("rows", SPMM_EXPR, "spatial", "A"),
+                  Permutation("neighbours", SPMM_EXPR, "reduction", "A"))
+SPMM = OpSpec("spmm", "spmm.cu.j2", {"pit_spmm": "PPPPPPiiiii"}, _SPMM_PERMUTES, VALUE_DTYPES)
+#: hyb's SpMM: the same template with bucket tables, cut rows and a finish pass.
+HYB_SPMM = OpSpec("hyb spmm", "spmm.cu.j2",
+                  {"pit_spmm": "PPPPPPPPPPPPPiiiiiiiii", "pit_spmm_finish": "PiPiPPii"},
+                  _SPMM_PERMUTES, VALUE_DTYPES)
+#: Edges in any order, each to its CSR position; features reduced by a shuffle tree.
+GRAPH_SDDMM = OpSpec(
+    "graph sddmm", "graph_sddmm.cu.j2", {"pit_sddmm": "PPPiiPPPiiii"},
+    (Permutation("edge rows", SDDMM_EXPR, "spatial", "U"),
+     Permutation("edge columns", SDDMM_EXPR, "spatial", "V"),
+     Permutation("features", SDDMM_EXPR, "reduction", "U")),
+    VALUE_DTYPES)
 
 
 def _elem_bytes(dtype: str) -> int:
@@ -62,6 +64,10 @@ def _vecs(feat: int, dtype: str) -> list[int]:
     return [v for v in (1, 2, 4, 8) if v * _elem_bytes(dtype) <= 16 and feat % v == 0]
 
 
+#: The graph operators by name: the OpSpecs whose rules a schedule of each relies on.
+OPS = {"spmm": (SPMM, HYB_SPMM), "sddmm": (GRAPH_SDDMM,)}
+
+
 def _check(op: str, fmt: str, feat: int, dtype: str) -> None:
     if op not in OPS:
         raise PlanError(f"unknown graph operator {op!r}; choose from {tuple(OPS)}")
@@ -71,7 +77,8 @@ def _check(op: str, fmt: str, feat: int, dtype: str) -> None:
         raise ShapeError(f"dtype {dtype!r} is not supported; use one of {VALUE_DTYPES}")
     if not isinstance(feat, int) or feat < 1:
         raise ShapeError(f"feature size must be a positive integer, got {feat!r}")
-    _rules(op)
+    for spec in OPS[op]:
+        spec.derive()
 
 
 def _useful_groups(feat: int, vec: int) -> list[int]:
@@ -191,7 +198,6 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
     """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]
     of A's dtype; fp32 accumulation. ``out`` [rows, F] is overwritten. No host sync."""
     import torch
-    from ..runtime import TorchLaunch, check_tensor
     m = _matrix(a)
     n_rows, n_cols = m.shape
     check_tensor("x", x, (m.dtype,), 2, (n_cols, None))
@@ -204,7 +210,6 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
         return out
     if n_rows * feat > 2**31 - 1 or n_cols * feat > 2**31 - 1:
         raise ShapeError(f"SpMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
-    _rules("spmm")
     sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
     vec = _vec_for(sched["vec"], feat, m.dtype, x, out)
     ctx = spmm_context(m, sched, vec, feat)
@@ -224,7 +229,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
                                     info["cut_rows"], x.device) if pieces else out)
     with TorchLaunch() as tl:
         if m.fmt == "hyb":
-            kern = load_kernels("spmm.cu.j2", HYB_SPMM_SIGNATURE, **ctx)
+            kern = HYB_SPMM.module(ctx)
             # pieces: the launch zeroes the empty rows; otherwise the finish pass writes them
             # with the workspace rows
             zero, n_zero = (b["empty_rows"], info["empty_rows"]) if pieces else (out, 0)
@@ -239,7 +244,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
             finish = (b["fix_rows"], n_fix, b["ws_index"], n_ws, ws, out, n_rows, feat) \
                 if n_fix else None
         else:
-            kern = load_kernels("spmm.cu.j2", SPMM_SIGNATURE, **ctx)
+            kern = SPMM.module(ctx)
             grid = -(-n_rows // (threads // sched["group"]))
             if m.fmt == "csr":
                 args = (b["indptr"], b["indices"], b["values"], 0, x, out,
@@ -266,7 +271,6 @@ def sddmm(a: DeviceMatrix | DeviceCSR, u: Any, v: Any, schedule: Mapping | None 
     format (A's values are not used); U [rows, F], V [cols, F], one dtype, fp32 accumulation.
     No host sync."""
     import torch
-    from ..runtime import TorchLaunch, check_tensor
     m = _matrix(a)
     n_rows, n_cols = m.shape
     check_tensor("u", u, VALUE_DTYPES, 2, (n_rows, None))
@@ -280,7 +284,6 @@ def sddmm(a: DeviceMatrix | DeviceCSR, u: Any, v: Any, schedule: Mapping | None 
         return e.zero_()
     if max(n_rows, n_cols) * feat > 2**31 - 1:
         raise ShapeError(f"SDDMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
-    _rules("sddmm")
     sched = _resolve(schedule, "sddmm", m.fmt, feat, dtype)
     vec = _vec_for(sched["vec"], feat, dtype, u, v)
     threads, group = sched["threads"], sched["group"]
@@ -296,7 +299,7 @@ def sddmm(a: DeviceMatrix | DeviceCSR, u: Any, v: Any, schedule: Mapping | None 
     else:
         ctx["block"] = m.params["block"]
         slots, args = m.info["slots"], (b["brows"], b["bcols"], b["perm"], m.info["slots"], 0)
-    kern = load_kernels("graph_sddmm.cu.j2", SDDMM_SIGNATURE, **ctx)
+    kern = GRAPH_SDDMM.module(ctx)
     args = (*args, u, v, e, n_rows, n_cols, m.nnz, feat)
     with TorchLaunch() as tl:
         tl.keep(*(t for t in args if hasattr(t, "data_ptr")))

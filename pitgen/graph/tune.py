@@ -22,12 +22,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import cache
 from ..errors import PitgenError, PlanError
-
-FORMATS = ("csr", "ell", "bsr", "hyb")
-OPS = ("spmm", "sddmm")
+from . import kernels as graph_ops
+from .device import DeviceCSR, to_format
+from .formats import BSR_BLOCKS, FORMATS
+from .kernels import OPS
 HYB_C = (1, 2, 4, 8)
 HYB_K = (2, 3, 4, 5, 6)
-BSR_BLOCKS = (8, 16, 32)
 BSR_DEFAULT = 16
 #: ELL pads every row to the longest: tried only while padded slots stay within this many nnz
 #: (a power-law graph's longest row makes ELL many times larger than the matrix).
@@ -431,7 +431,6 @@ class _GpuMeasure:
     def _convert(self, c: TuneConfig) -> tuple[Any, float | None]:
         """Converts on a private DeviceCSR over the same buffers: to_format's cache on the
         caller's matrix is not filled with every candidate, and conversions are really timed."""
-        from .device import DeviceCSR, to_format
 
         if c.conversion in self._converted:
             return self._converted[c.conversion], None
@@ -449,7 +448,6 @@ class _GpuMeasure:
         return m, ms
 
     def _run(self, m: Any, schedule: dict[str, Any]) -> Any:
-        from . import kernels as graph_ops
 
         fn = graph_ops.spmm if self.op == "spmm" else graph_ops.sddmm
         return fn(m, *self.args, schedule=schedule)
@@ -488,7 +486,6 @@ def make_space(stats: GraphStats, op: str, feat: int, dtype: str,
     Schedules keep the default's vector width: a narrower one only adds loads (the kernels
     already narrow it where F or a pointer's alignment needs), and each schedule is a kernel
     to compile, so this cuts the space by up to 4x."""
-    from . import kernels as graph_ops
 
     def schedules(f: str) -> list[dict[str, Any]]:
         vec = graph_ops.default_schedule(op, f, feat, dtype)["vec"]

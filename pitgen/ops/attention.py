@@ -22,22 +22,24 @@ on first access, so importing this module needs no torch.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .. import cache
 from ..errors import PlanError, ShapeError
-from ..rules import Rules, analyse
+from ..limits import INDEX_THREADS
+from ..operands import check_tensor
+from ..opspec import OpSpec, Permutation
+from ..runtime import TorchLaunch, stream_counters
 
 SCORES = "S[b,h,i,j] += Q[b,h,i,d] * K[b,h,j,d]"
 OUTPUT = "O[b,h,i,d] += P[b,h,i,j] * V[b,h,j,d]"
 HEAD_DIMS = (64, 128)
-DTYPES = ("float16", "bfloat16")
 #: Query rows x key columns of one block; one warp owns 16 query rows.
 BM, BN = 64, 64
-#: Mask columns one index CTA covers (KPC = INDEX_COLUMNS // BN key blocks) and its threads.
-INDEX_COLUMNS, INDEX_THREADS = 512, 256
+#: Mask columns one index CTA covers (KPC = INDEX_COLUMNS // BN key blocks).
+INDEX_COLUMNS = 512
 #: Per head dim: K/V pipeline stages, and CTAs per SM that __launch_bounds__ budgets registers
 #: for (scripts/tune_attention.py on an H100, docs/attention.md: at D=64, 2 stages x 3 CTAs is
 #: fastest on all three benchmark masks since the mask tiles load with K/V; at D=128, 2 x 2 is
@@ -50,25 +52,22 @@ SMEM_LIMIT = 227 * 1024
 EMPTY, PARTIAL, FULL = 0, 1, 2
 #: Count classes of the query-block order (exact counts below this many key blocks).
 ORDER_BINS = INDEX_THREADS
-_SIGNATURES = {"pit_attn_index_vec": "PiiiPPPP", "pit_attn_index_byte": "PiiiPPPP",
-               "pit_attention": "PPPPPPPiiiiiif", "pit_attention_vec": "PPPPPPPiiiiiif"}
 #: Bytes per row of a shared-memory mask tile: BN, padded so a warp's rows use distinct banks.
 MASK_ROW = BN + 16
 
 
-# -- rules and plan -----------------------------------------------------------------------------
+# -- the operator -------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def derive() -> tuple[Rules, Rules]:
-    """The rules the kernel relies on; RuleError if an axis it permutes were not invariant.
-    Cached: the symbolic checks run once per process, not on every call."""
-    scores, output = analyse(SCORES), analyse(OUTPUT)
-    for axis in ("b", "h", "i", "j"):
-        scores.require_invariant(axis)       # a CTA per (b, h, query block) in any order
-    rule = output.require_invariant("j")     # key blocks in any order, empty ones dropped
-    if rule.role != "reduction":
-        raise PlanError(f"j must be a reduction axis of {OUTPUT!r}, got {rule.role}")
-    return scores, output
+ATTENTION = OpSpec(
+    "attention", "attention.cu.j2",
+    {"pit_attn_index_vec": "PiiiPPPP", "pit_attn_index_byte": "PiiiPPPP",
+     "pit_attention": "PPPPPPPiiiiiif", "pit_attention_vec": "PPPPPPPiiiiiif"},
+    permutes=(
+        # a CTA per (batch, head, query block), taken in any order: longest rows first
+        Permutation("query blocks", SCORES, "spatial", "Q"),
+        # key blocks visited in any order, empty ones dropped (online softmax is order-free)
+        Permutation("key blocks", OUTPUT, "reduction", "V")),
+    dtypes=("float16", "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -139,17 +138,16 @@ class AttentionPlan:
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW}
 
 
-@functools.lru_cache(maxsize=256)
+@cache.lru("attention.plans")
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
                    mask_shape: tuple[int, ...]) -> AttentionPlan:
     """Check the problem against what the kernel runs and fix its tiles; the rule derivation runs
     here so that a kernel permuting a non-invariant axis could not be planned. Cached per shape
     (every call plans; a refusal raises again each time)."""
-    derive()
+    ATTENTION.derive()
     if d not in HEAD_DIMS:
         raise ShapeError(f"head dim D={d} is not supported; sparse_attention runs D in {HEAD_DIMS}")
-    if dtype not in DTYPES:
-        raise ShapeError(f"dtype {dtype} is not supported; use {' or '.join(DTYPES)}")
+    ATTENTION.check_dtype(dtype)
     if len(mask_shape) not in (2, 3, 4):
         raise ShapeError(f"mask has shape {tuple(mask_shape)}; expected [Sq, Sk], [H, Sq, Sk] "
                          f"or [B, H, Sq, Sk]")
@@ -189,15 +187,8 @@ def _mask_u8(mask: Any) -> Any:
     return mask
 
 
-def _kernels(plan: AttentionPlan) -> Any:
-    """The loaded module of this plan's variant (load_kernels remembers each configuration)."""
-    from ..runtime import load_kernels
-    return load_kernels("attention.cu.j2", _SIGNATURES, **plan.context())
-
-
 def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
-    from ..runtime import check_tensor
-    check_tensor("q", q, DTYPES, ndim=4)
+    check_tensor("q", q, ATTENTION.dtypes, ndim=4)
     dtype = str(q.dtype).replace("torch.", "")
     b, h, sq, d = q.shape
     check_tensor("k", k, (dtype,), ndim=4, shape=(b, h, None, d))
@@ -224,7 +215,7 @@ class BlockIndex(NamedTuple):
 
 #: device index -> runtime.stream_counters cache of the index pass's row counts and done
 #: counters (the pass zeroes them again after use)
-_COUNTERS: dict[int, dict[int, Any]] = {}
+_COUNTERS = cache.memo("attention.counters")
 
 
 def _vector_mask(plan: AttentionPlan, mask: Any) -> bool:
@@ -237,8 +228,6 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
     fills."""
     import torch
-
-    from ..runtime import stream_counters
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
@@ -258,10 +247,9 @@ def block_index(q: Any, k: Any, v: Any, mask: Any) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
     query-block order (as ``block_order_reference``)."""
-    from ..runtime import TorchLaunch
     plan = _check(q, k, v, mask)
     with TorchLaunch() as launch:
-        return _index(_kernels(plan), plan, _mask_u8(mask.contiguous()), launch)
+        return _index(ATTENTION.module(plan.context()), plan, _mask_u8(mask.contiguous()), launch)
 
 
 def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
@@ -298,7 +286,6 @@ def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = No
     any contents stay in bounds, but only block_index's give the right answer)."""
     import torch
 
-    from ..runtime import TorchLaunch
     plan = _check(q, k, v, mask)
     out = torch.empty_like(q)
     if out.numel() == 0:
@@ -309,7 +296,7 @@ def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = No
     if not math.isfinite(scale):
         raise ShapeError(f"scale must be finite, got {scale}")
     mask = _mask_u8(mask.contiguous())
-    kernels = _kernels(plan)
+    kernels = ATTENTION.module(plan.context())
     sb, sh = plan.mask_strides
     with TorchLaunch() as launch:
         idx = (_index(kernels, plan, mask, launch) if index is None

@@ -21,13 +21,14 @@ needs no torch.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+import functools
 from typing import Any
 
+from .. import cache
 from ..errors import PlanError, ShapeError
+from ..operands import check_tensor
 from .matmul import SparseKernel, compile as compile_kernel
-from ..rules import analyse
-from .sddmm import DTYPES, normalise_tile, sddmm
+from .sddmm import SDDMM, normalise_tile, sddmm
 
 # yᵀ = W_eff xᵀ: W[m,k] sparse (A, k = in features reduced; xᵀ contiguous so the gathered
 # rows of B are contiguous); dX = dY W_eff: W[k,n] sparse (k = out features, reduced).
@@ -37,26 +38,8 @@ WEIGHT_DX = "C[m,n] += A[m,k] * B[k,n]"
 INPUT_FORWARD = "C[m,n] += A[m,k] * B[n,k]"
 INPUT_DW = "C[m,n] += A[k,m] * B[k,n]"
 
-_KERNELS: dict[tuple[str, str, str, str], SparseKernel] = {}
-
-
-def derive(expr: str, sparse: str, micro_tile: str) -> None:
-    """Require invariance, through the rules, of every axis along which ``micro_tile`` (in the
-    sparse operand's dimension order) has extent 1, i.e. the axes the kernel permutes."""
-    if micro_tile in ("auto", "dense"):
-        return
-    rules = analyse(expr)
-    access = rules.operator.access(sparse)
-    try:
-        extents = [int(e) for e in micro_tile.lower().split("x")]
-    except ValueError:
-        raise PlanError(f"micro_tile {micro_tile!r} is not 'auto', 'dense' or like '32x1'") from None
-    if len(extents) != access.rank:
-        raise PlanError(f"micro_tile {micro_tile!r} needs {access.rank} extents for {access.tensor}")
-    for index, ext in zip(access.indices, extents):
-        if ext == 1:
-            for symbol in sorted(index.free_symbols, key=lambda s: s.name):
-                rules.require_invariant(symbol.name)
+#: (expression, sparse operand, dtype, micro-tile, shapes) -> its compiled kernel
+_KERNELS = cache.memo("linear.kernels")
 
 
 def kernel(expr: str, sparse: str, dtype: str, micro_tile: str,
@@ -66,7 +49,6 @@ def kernel(expr: str, sparse: str, dtype: str, micro_tile: str,
     on its first call), and a plan made for one shape never runs another."""
     key = (expr, sparse, dtype, micro_tile, shapes if micro_tile == "auto" else ())
     if key not in _KERNELS:
-        derive(expr, sparse, micro_tile)
         _KERNELS[key] = compile_kernel(expr, sparse=sparse, dtype=dtype, micro_tile=micro_tile)
     return _KERNELS[key]
 
@@ -97,8 +79,7 @@ def _micro(tile: Any) -> str:
 
 def _check_linear(x: Any, weight: Any, bias: Any) -> str:
     """Validate x [batch, in], weight [out, in], bias [out] (CUDA, one dtype); returns the dtype."""
-    from ..runtime import check_tensor
-    check_tensor("x", x, DTYPES, ndim=2, contiguous=False)
+    check_tensor("x", x, SDDMM.dtypes, ndim=2, contiguous=False)
     dtype = str(x.dtype).replace("torch.", "")
     check_tensor("weight", weight, (dtype,), ndim=2, shape=(None, x.shape[1]), contiguous=False)
     if bias is not None:
@@ -106,7 +87,7 @@ def _check_linear(x: Any, weight: Any, bias: Any) -> str:
     return dtype
 
 
-@lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def _classes() -> dict[str, type]:
     """The torch classes, built once on first use."""
     import torch
@@ -260,7 +241,6 @@ def sparse_weight_linear(x: Any, weight: Any, mask: Any, bias: Any = None,
     'auto' or a micro-tile runs pitgen's GEMM with W ⊙ M sparse. No host synchronisation,
     except that an 'auto' kernel plans once per operand shape (one small copy back then).
     The result is a transposed view (the kernel writes yᵀ)."""
-    from ..runtime import check_tensor
     x2, lead = _flat(x, weight.shape[-1] if hasattr(weight, "shape") else 0)
     _check_linear(x2, weight, bias)
     check_tensor("mask", mask, ("bool", "uint8"), ndim=2, shape=tuple(weight.shape), contiguous=False)

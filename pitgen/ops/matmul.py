@@ -3,37 +3,180 @@ returns a :class:`SparseKernel`; calling it on device arrays builds the micro-ti
 GPU and runs the tile kernel over it, every call, with no host round-trip."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from ..coverage import plan_on_device
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
-from ..lower import DTYPES, Schedule, gemm_form
+from ..graph.jit import FormatKernel
+from ..lower import DTYPES, GemmForm, Layout, Schedule, gemm_form, geometry, lower
+from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
+                        distinct_strides, signature)
+from ..opspec import OpSpec
 from ..planner import Plan, make_plan
-from ..render import render
-from ..runtime import GemmCall, Launcher, TorchLaunch, as_operand, signature
+from ..runtime import TorchLaunch, memset_d32
 
-if TYPE_CHECKING:
-    from ..graph.jit import FormatKernel
+#: The GEMM module (index build, tile kernel, SWrite passes). Its permutations depend on the
+#: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
+#: axes), so none is declared here.
+MATMUL = OpSpec("matmul", "module.cu.j2", {
+    "pit_gemm": "PPPPPPiiiiiiiiii", "pit_build_index": "PiiiiPPPPii",
+    "pit_gemm_zero": "Piiii", "pit_gemm_finish": "PPiiiii"}, dtypes=tuple(DTYPES))
 
 
-def bind_operands(text: str, names: Sequence[str], args: tuple,
-                  kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Positional and keyword operands of a call matched to the expression's input names, with
-    a ShapeError naming what is missing, unknown or given twice."""
-    if len(args) > len(names):
-        raise ShapeError(f"{text!r} takes {len(names)} operands ({', '.join(names)}), "
-                         f"got {len(args)}")
-    bound = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k not in names:
-            raise ShapeError(f"unknown operand {k!r} (operands: {', '.join(names)})")
-        if k in bound:
-            raise ShapeError(f"operand {k!r} given twice")
-        bound[k] = v
-    missing = [n for n in names if n not in bound]
-    if missing:
-        raise ShapeError(f"missing operand(s) {', '.join(missing)}")
-    return bound
+class Launcher:
+    """The validated, compiled launch plan of one call signature: problem sizes, module, grids.
+
+    Built once per signature (validation, sympy extents, lowering and the module load are
+    all here), so that a call itself only allocates buffers and enqueues launches.
+    """
+
+    def __init__(self, op: Operator, form: GemmForm, kind: str, axis: str | None,
+                 shape: tuple[int, ...], dtype: str, ops: dict[str, Operand],
+                 out: Operand | None, accumulate: bool, schedule: Schedule = Schedule(),
+                 vendor_dense: bool = True, mask: Operand | None = None):
+        A, B = ops[form.sparse], ops[form.dense]
+        if mask is not None:
+            if mask.dtype not in ("bool", "uint8"):
+                raise ShapeError(f"mask has dtype {mask.dtype}; expected bool or uint8")
+            if mask.is_torch != A.is_torch:
+                raise ShapeError("mask must be the same kind of array as the operands")
+            if any(st < 0 for st in mask.strides):
+                raise ShapeError(f"mask has a negative stride {mask.strides}")
+        for o in (A, B):
+            if o.dtype != dtype:
+                raise ShapeError(f"{o.name} has dtype {o.dtype}, the kernel was compiled for {dtype}")
+            if any(s < 0 for s in o.strides):
+                raise ShapeError(f"{o.name} has a negative stride {o.strides}")
+        if A.is_torch != B.is_torch:
+            raise ShapeError("mixing torch tensors and GPUArrays in one call is not supported")
+        ext = op.extents({o.name: o.shape for o in ops.values()})
+        self.M, self.N, self.K = M, N, K = ext[form.m_axis], ext[form.n_axis], ext[form.k_axis]
+        self.out_shape = tuple(ext[a] for a in op.output.axes)
+        self.form, self.dtype, self.accumulate, self.is_torch = form, dtype, accumulate, A.is_torch
+        if out is None:
+            if accumulate:
+                raise ShapeError("accumulate=True needs out= (the array to add to)")
+            sc_out = contiguous_strides(self.out_shape)
+            align_c = 16
+        else:
+            if out.shape != self.out_shape or out.dtype != dtype:
+                raise ShapeError(f"out has shape {out.shape} and dtype {out.dtype}; expected "
+                                 f"{self.out_shape} {dtype}")
+            if out.is_torch != A.is_torch:
+                raise ShapeError("out must be the same kind of array as the operands")
+            if not distinct_strides(out.shape, out.strides):
+                raise ShapeError(f"out has overlapping strides {out.strides}: every element "
+                                 f"needs its own place")
+            sc_out, align_c = out.strides, align(out.ptr)
+        sc = (sc_out[form.c_dims[0]], sc_out[form.c_dims[1]])
+        self.layout = Layout(M, N, K, (A.strides[form.a_dims[0]], A.strides[form.a_dims[1]]),
+                             (B.strides[form.b_dims[0]], B.strides[form.b_dims[1]]), sc,
+                             align(A.ptr), align(B.ptr), align_c)
+        self.spec = lower(op, form.sparse, kind, axis, shape, dtype, self.layout,
+                          accumulate=accumulate, schedule=schedule)
+        #: a dense plan on torch tensors runs the vendor GEMM (cuBLAS through torch)
+        self.vendor = kind == "dense" and A.is_torch and vendor_dense
+        self.geo = geometry(self.spec, self.layout, shape[form.a_dims[1]])
+        self.mod = MATMUL.module(self.spec.context()) if M * N and not self.vendor else None
+        self.smem = self.spec.gemm.smem_bytes(dtype)
+        self.mask_strides = (0, 0)
+        if mask is not None:  # the mask's strides along the index's (long, id) dims
+            md = (mask.strides[form.a_dims[0]], mask.strides[form.a_dims[1]])
+            self.mask_strides = md[::-1] if self.spec.gemm.a_mode == "rows" else md
+
+
+class GemmCall:
+    """One call: the launcher's plan applied to this call's arrays and fresh buffers.
+
+    ``build_index()`` then ``compute()``: both only enqueue work on the stream; nothing waits.
+    """
+
+    def __init__(self, launcher: Launcher, ops: dict[str, Operand], out: Any | None,
+                 mask: Operand | None = None):
+        self.L = L = launcher
+        self.mask_ptr = mask.ptr if mask is not None else 0
+        self.A, self.B = ops[L.form.sparse], ops[L.form.dense]
+        self.ws = Workspace(self.A)
+        self.out = out if out is not None else self.ws.alloc(L.out_shape, L.dtype)
+        self.c_ptr = Workspace.ptr(self.out)
+        self.counts = self.ids = self.pack = None
+
+    def build_index(self, stream) -> None:
+        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block)."""
+        L = self.L
+        ix = L.spec.index
+        if ix is None or L.vendor or L.M * L.N * L.K == 0:
+            return
+        geo = L.geo
+        self.counts = self.ws.alloc((geo.groups,), "int32")
+        self.ids = self.ws.alloc((geo.groups, geo.cap), "int32")
+        if ix.pack:
+            self.pack = self.ws.alloc((geo.groups * geo.cap * ix.long_extent,), L.dtype)
+        memset_d32(Workspace.ptr(self.counts), 0, geo.groups, stream)
+        L.mod.launch(
+            "pit_build_index", geo.index_grid, (256, 1, 1), stream, self.A.ptr, *geo.index_args,
+            Workspace.ptr(self.counts), Workspace.ptr(self.ids),
+            Workspace.ptr(self.pack) if self.pack is not None else 0,
+            self.mask_ptr, *L.mask_strides)
+
+    def compute(self, stream) -> None:
+        """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
+        L = self.L
+        M, N, K, g, mod, sc = L.M, L.N, L.K, L.spec.gemm, L.mod, L.layout.sc
+        if M * N == 0:
+            return
+        if L.vendor:
+            return self._vendor()
+        if K == 0:
+            if not L.accumulate:
+                mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
+            return
+        f32 = None
+        if g.a_mode == "rows":
+            if g.c_mode == "atomic":
+                f32 = self.ws.alloc((M * N,), "float32")
+                memset_d32(Workspace.ptr(f32), 0, M * N, stream)
+            elif not L.accumulate:
+                mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
+        ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
+        lay = L.layout
+        mod.launch(
+            "pit_gemm", L.geo.grid, (g.threads, 1, 1), stream,
+            ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr, self.c_ptr,
+            ptr(f32), ptr(self.counts), ptr(self.ids),
+            M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk,
+            smem=L.smem)
+        if f32 is not None:
+            mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr,
+                       Workspace.ptr(f32), M, N, *sc, int(L.accumulate))
+
+    def _vendor(self) -> None:
+        """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""
+        f = self.L.form
+        a = self.A.obj.permute(*f.a_dims)
+        b = self.B.obj.permute(*f.b_dims)
+        c = self.out.permute(*f.c_dims)
+        if self.L.accumulate:
+            c.addmm_(a, b)
+        elif c.is_contiguous():
+            import torch
+            torch.mm(a, b, out=c)
+        else:
+            c.copy_(a @ b)
+
+    def run(self) -> Any:
+        """build_index + compute on the caller's stream; returns the output array."""
+        if self.L.vendor:
+            self.compute(None)
+            return self.out
+        with TorchLaunch(self.A.is_torch) as launch:
+            try:
+                self.build_index(launch.stream)
+                self.compute(launch.stream)
+            finally:
+                launch.keep(*self.ws.keep)
+        return self.out
 
 
 class SparseKernel:
@@ -94,7 +237,6 @@ class SparseKernel:
             raise ShapeError(f"mask has shape {m_op.shape} but {self.sparse} has shape "
                              f"{ops[self.sparse].shape}")
         if self._plan is None:
-            from ..coverage import plan_on_device
             self._plan = plan_on_device(self.operator, self.sparse, m_op or ops[self.sparse], self.tile)
         c_op = as_operand("out", out) if out is not None else None
         key = signature(ops, c_op, accumulate, m_op)
@@ -133,7 +275,7 @@ class SparseKernel:
     def source(self, *args: Any, **kwargs: Any) -> str:
         """The CUDA source this kernel runs for these operands."""
         launcher = self.prepare(*args, **kwargs).L
-        return render(launcher.spec)
+        return MATMUL.source(launcher.spec.context())
 
 
 def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
@@ -158,6 +300,5 @@ def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
                 or not vendor_dense:
             raise PlanError("micro_tile=, tile= and vendor_dense= are for micro-tile kernels; "
                             "a format kernel takes format= (and budget_s=) only")
-        from ..graph.jit import FormatKernel
         return FormatKernel(expr, sparse, format, dtype, budget_s)
     return SparseKernel(expr, sparse, dtype, micro_tile, tile, vendor_dense)

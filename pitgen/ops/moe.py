@@ -14,29 +14,32 @@ skipped (they contribute nothing). ``moe_ffn(..., check=True)`` refuses such ids
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import PlanError, ShapeError
-from ..rules import analyse
+from .. import cache
+from ..errors import DeviceError, PlanError, ShapeError
+from ..limits import INDEX_THREADS
+from ..operands import check_tensor
+from ..opspec import OpSpec, Permutation
+from ..runtime import TorchLaunch
 
 ACTIVATIONS = ("relu", "gelu", "silu", "identity")
-DTYPES = ("float16", "bfloat16", "float32")
 GEMM1 = "I[t,f] += X[t,h] * W1[h,f]"
 GEMM2 = "Y[t,o] += I[t,f] * W2[f,o]"
-INDEX_THREADS = 256
 
-# PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2.
-SIGNATURES = {
-    "moe_count": "PiiPP",
-    "moe_scan": "PiiPPPP",
-    "moe_place": "PPPiiP",
-    "moe_gemm1": "PPPPPPPPPiiiii",
-    "moe_gemm2": "PPPPPPPPPPPiiiiii",
-    "moe_finish": "PPq",
-}
+MOE = OpSpec(
+    "moe", "moe.cu.j2",
+    # PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2
+    {"moe_count": "PiiPP", "moe_scan": "PiiPPPP", "moe_place": "PPPiiP",
+     "moe_gemm1": "PPPPPPPPPiiiii", "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq"},
+    permutes=(
+        # tokens gathered into per-expert row blocks (SRead), any order within an expert ...
+        Permutation("tokens in", GEMM1, "spatial", "X"),
+        # ... and scattered back to their rows, gate-weighted (SWrite)
+        Permutation("tokens out", GEMM2, "spatial", "I")),
+    dtypes=("float16", "bfloat16", "float32"))
 
 
 @dataclass(frozen=True)
@@ -96,17 +99,15 @@ class MoEPlan:
                 "stages": self.stages, "vec": self.vec}
 
 
-@lru_cache(maxsize=256)
+@cache.lru("moe.plans")
 def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype: str = "float16",
              activation: str = "gelu", id_dtype: str = "int32") -> MoEPlan:
     """Check the shapes against the PIT rules and choose the tiles.
 
     BM = 128 when an expert gets >= 256 rows on average (fewer weight re-reads per row), else
     64, so that a lightly loaded expert reads each weight tile once for all its tokens."""
-    for expr in (GEMM1, GEMM2):
-        analyse(expr).require_invariant("t")
-    if dtype not in DTYPES:
-        raise ShapeError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPES)}")
+    MOE.derive()
+    MOE.check_dtype(dtype)
     if activation not in ACTIVATIONS:
         raise PlanError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     if id_dtype not in ("int32", "int64"):
@@ -127,12 +128,6 @@ def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype:
                    "int" if id_dtype == "int32" else "long long", bm, 128, 32, 2, 4, stages)
 
 
-def render_moe(plan: MoEPlan) -> str:
-    """CUDA source of the MoE kernels for ``plan``."""
-    from ..render import render_template
-    return render_template("moe.cu.j2", **plan.context())
-
-
 # -- NumPy references (CPU) --------------------------------------------------------------------
 
 class Routing(NamedTuple):
@@ -147,13 +142,6 @@ class Routing(NamedTuple):
 
 
 # -- GPU path ----------------------------------------------------------------------------------
-
-def _kernels(plan: MoEPlan) -> Any:
-    """Loaded kernels of ``plan`` (load_kernels remembers each configuration)."""
-    from ..runtime import load_kernels
-    return load_kernels("moe.cu.j2", SIGNATURES,
-                        {"moe_gemm1": plan.smem, "moe_gemm2": plan.smem}, **plan.context())
-
 
 def _name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
@@ -193,14 +181,13 @@ def moe_route(expert_ids: Any, num_experts: int, block_m: int = 64) -> tuple[Rou
     """Build the routing index on the GPU for ``expert_ids [T, topk]`` (int32/int64 CUDA tensor);
     returns (Routing of device tensors, ntiles [1]). ``tile_e/tile_r`` hold ``ntiles`` valid
     entries. For inspection and tests; :func:`moe_ffn` builds it itself."""
-    from ..runtime import TorchLaunch, check_tensor
     check_tensor("expert_ids", expert_ids, ("int32", "int64"), ndim=2)
     if block_m not in (64, 128):
         raise PlanError(f"block_m must be 64 or 128, got {block_m}")
     T, topk = expert_ids.shape
     plan = plan_moe(T, topk, num_experts, 8, 8, "float16", "identity", _name(expert_ids))
     plan = MoEPlan(**{**plan.__dict__, "bm": block_m})
-    kernels = _kernels(plan)
+    kernels = MOE.module(plan.context())
     with TorchLaunch() as launch:
         launch.keep(expert_ids)
         return _route(kernels, plan, expert_ids, launch.stream, launch.keep)
@@ -220,9 +207,8 @@ def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = Non
     synchronises with the host once to read the verdict. check=False never synchronises: pairs
     with out-of-range ids are skipped (they add nothing), NaN gates propagate."""
     import torch
-    from ..runtime import TorchLaunch, check_tensor
 
-    check_tensor("x", x, DTYPES, ndim=2)
+    check_tensor("x", x, MOE.dtypes, ndim=2)
     dt = _name(x)
     T, H = x.shape
     check_tensor("w1", w1, (dt,), ndim=3, shape=(None, H, None))
@@ -238,7 +224,6 @@ def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = Non
     for name, t in (("w1", w1), ("w2", w2), ("expert_ids", expert_ids), ("gates", gates),
                     ("b1", b1), ("b2", b2)):
         if t is not None and t.device != x.device:
-            from ..errors import DeviceError
             raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
     plan = plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
@@ -257,7 +242,7 @@ def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = Non
     y = torch.zeros_like(x) if direct else torch.empty_like(x)
     if T == 0:
         return y
-    kernels = _kernels(plan)
+    kernels = MOE.module(plan.context())
     inter = torch.empty((plan.pairs, F), dtype=x.dtype, device=x.device)
     ws = y if direct else torch.zeros((T, H), dtype=torch.float32, device=x.device)
     with TorchLaunch() as launch:
@@ -269,10 +254,10 @@ def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = Non
                r.offsets.data_ptr(), ntiles.data_ptr())
         block = (plan.threads, 1, 1)
         kernels.launch("moe_gemm1", plan.gemm_grid(F), block, s, x.data_ptr(), w1.data_ptr(),
-                       0 if b1 is None else b1.data_ptr(), inter.data_ptr(), *idx, T, topk, E, H, F)
+                       0 if b1 is None else b1.data_ptr(), inter.data_ptr(), *idx, T, topk, E, H, F, smem=plan.smem)
         kernels.launch("moe_gemm2", plan.gemm_grid(H), block, s, inter.data_ptr(), w2.data_ptr(),
                        0 if b2 is None else b2.data_ptr(), y.data_ptr(), ws.data_ptr(),
-                       g.data_ptr(), *idx, T, topk, E, F, H, int(direct))
+                       g.data_ptr(), *idx, T, topk, E, F, H, int(direct), smem=plan.smem)
         if not direct:
             n = T * H
             kernels.launch("moe_finish", (min(-(-n // 256), 4096), 1, 1), (256, 1, 1), s,
@@ -361,5 +346,5 @@ def flops(pairs: int, hidden: int, ffn: int) -> int:
     return 4 * pairs * hidden * ffn
 
 
-__all__ = ["MoEPlan", "Routing", "plan_moe", "render_moe", "moe_route", "moe_ffn", "weight_bytes", "flops",
+__all__ = ["MOE", "MoEPlan", "Routing", "plan_moe", "moe_route", "moe_ffn", "weight_bytes", "flops",
            "ACTIVATIONS"]

@@ -12,23 +12,29 @@ and the mask's and output's strides, swapped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from .. import cache
 from ..errors import PlanError, ShapeError
-from ..rules import analyse
+from ..limits import GRID_Y_MAX, INDEX_THREADS
+from ..operands import check_tensor
+from ..opspec import OpSpec, Permutation
+from ..runtime import TorchLaunch
 
 EXPR = "S[i,j] += Q[i,d] * K[j,d]"
-DTYPES = ("float16", "bfloat16", "float32")
 EXTENTS = (16, 32, 64)           # tile extents along the dense-row side (mma's m16 multiple)
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # tile extents along the gathered side (divide BN = 64)
 BN = 64
-GRID_Y_MAX = 65535
-INDEX_THREADS = 256
-SIGNATURES = {"pit_sddmm_index": "PiiiiiPP",
-              "pit_sddmm_tiles": "PiiPiiPiiiiiifPPPiiPPPP"}
+SDDMM = OpSpec(
+    "sddmm", "sddmm.cu.j2",
+    {"pit_sddmm_index": "PiiiiiPP", "pit_sddmm_tiles": "PiiPiiPiiiiiifPPPiiPPPP"},
+    # a (th, tw) tile gathers rows of Q and rows of K in any order (SRead) and its values go
+    # back to their own (i, j) (SWrite): both spatial axes are permuted
+    permutes=(Permutation("rows", EXPR, "spatial", "Q"),
+              Permutation("columns", EXPR, "spatial", "K")),
+    dtypes=("float16", "bfloat16", "float32"))
 
 
 @dataclass(frozen=True)
@@ -56,17 +62,6 @@ class SddmmConfig:
                 "k_vec": self.k_vec}
 
 
-@lru_cache(maxsize=None)
-def derive(tile: tuple[int, int]) -> None:
-    """Check through the rule engine what the kernels permute: i and j (tiles are gathered and
-    scattered in any order; a (th, tw) tile permutes both) and d (reduced in chunks)."""
-    rules = analyse(EXPR)
-    rules.require_invariant("i")
-    rules.require_invariant("j")
-    if rules.axes["d"].role != "reduction":
-        raise PlanError(f"d is not the reduction axis of {EXPR!r}")
-
-
 def normalise_tile(tile: Any) -> tuple[int, int]:
     """``(th, tw)``: (L, 1), (1, L) micro-tiles or (b, b') blocks; PlanError naming the rule."""
     try:
@@ -87,17 +82,16 @@ def vector_width(dtype: str, D: int, strides: tuple[int, int], ptr: int) -> int:
     return v if ok else 1
 
 
-@lru_cache(maxsize=1024)
+@cache.lru("sddmm.plans", maxsize=1024)
 def plan_sddmm(dtype: str, tile: Any, q_strides: tuple[int, int], k_strides: tuple[int, int],
                mask_strides: tuple[int, int], vecs: tuple[int, int] = (1, 1)) -> SddmmConfig:
     """Choose the kernel variant: (1, L) tiles run transposed; loads walk each operand's
     contiguous axis (16 bytes at a time where ``vecs``, from :func:`vector_width` of q and k,
     allow); the index uses one thread per tile where the mask's tile columns are adjacent in
     memory, else one warp per tile with lanes along the contiguous axis."""
-    if dtype not in DTYPES:
-        raise PlanError(f"dtype {dtype!r} has no SDDMM kernel (supported: {', '.join(DTYPES)})")
+    SDDMM.check_dtype(dtype)
     th, tw = normalise_tile(tile)
-    derive((th, tw))
+    SDDMM.derive()
     transposed = th == 1
     if transposed:
         th, tw = tw, th
@@ -121,9 +115,6 @@ def grid_of(cfg: SddmmConfig, M: int, N: int) -> dict[str, tuple[int, int, int]]
         raise ShapeError(f"S of {M}x{N} has too many tiles of {cfg.th}x{cfg.tw} for one launch "
                          f"({groups} groups, {chunks} chunks; at most {GRID_Y_MAX})")
     return {"index": (-(-items // per), groups, 1), "tiles": (groups, chunks, 1)}
-
-
-# -- NumPy references (float64) -----------------------------------------------------------------
 
 
 # -- GPU ----------------------------------------------------------------------------------------
@@ -165,12 +156,6 @@ class SparseTiles:
         return dense[:M, :N]
 
 
-def _kernels(cfg: SddmmConfig) -> Any:
-    """The compiled module of one configuration (load_kernels loads it once per process)."""
-    from ..runtime import load_kernels
-    return load_kernels("sddmm.cu.j2", SIGNATURES, **cfg.context())
-
-
 def _check_int32(name: str, x: Any) -> None:
     span = sum((n - 1) * abs(s) for n, s in zip(x.shape, x.stride())) + 1
     if span >= 2 ** 31:
@@ -188,8 +173,7 @@ def sddmm(q: Any, k: Any, mask: Any, tile: Any = (32, 1), out: Any = None,
     """
     import torch
 
-    from ..runtime import TorchLaunch, check_tensor
-    check_tensor("q", q, DTYPES, ndim=2, contiguous=False)
+    check_tensor("q", q, SDDMM.dtypes, ndim=2, contiguous=False)
     dtype = str(q.dtype).replace("torch.", "")
     check_tensor("k", k, (dtype,), ndim=2, shape=(None, q.shape[1]), contiguous=False)
     M, D = q.shape
@@ -229,7 +213,7 @@ def sddmm(q: Any, k: Any, mask: Any, tile: Any = (32, 1), out: Any = None,
         out.zero_()  # elements of tiles the mask leaves empty
         vptr = rptr = cptr = tptr = 0
         optr, o_str = out.data_ptr(), out.stride()[::-1] if cfg.transposed else out.stride()
-    kern = _kernels(cfg)
+    kern = SDDMM.module(cfg.context())
     with TorchLaunch() as L:
         L.keep(q, k, m8, counts, ids)
         kern.launch("pit_sddmm_index", grids["index"], (INDEX_THREADS, 1, 1), L.stream,

@@ -1,0 +1,8 @@
+"""Hardware and launch limits every kernel family shares (one definition each)."""
+
+#: CUDA's limit on gridDim.y and gridDim.z.
+GRID_Y_MAX = 65535
+#: Largest value of the kernels' int32 indices.
+INT32_MAX = 2**31 - 1
+#: Threads per CTA of the index-building kernels (attention, MoE routing, SDDMM).
+INDEX_THREADS = 256

@@ -1,0 +1,157 @@
+"""Operands: device arrays (CUDA torch tensors, PyCUDA GPUArrays) seen as what kernels need
+(pointer, shape, element strides, dtype), validated with the pitgen error that names what is
+wrong, and the per-call device buffers the launches use."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import DeviceError, ShapeError
+
+
+def bind_operands(text: str, names: Sequence[str], args: tuple,
+                  kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Positional and keyword operands of a call matched to the expression's input names, with
+    a ShapeError naming what is missing, unknown or given twice."""
+    if len(args) > len(names):
+        raise ShapeError(f"{text!r} takes {len(names)} operands ({', '.join(names)}), "
+                         f"got {len(args)}")
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise ShapeError(f"unknown operand {k!r} (operands: {', '.join(names)})")
+        if k in bound:
+            raise ShapeError(f"operand {k!r} given twice")
+        bound[k] = v
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise ShapeError(f"missing operand(s) {', '.join(missing)}")
+    return bound
+
+
+@dataclass
+class Operand:
+    """A device array seen through what the kernels need: pointer, shape, element strides."""
+
+    name: str
+    obj: Any
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    is_torch: bool
+
+
+def check_device(name: str, x: Any) -> None:
+    """A torch tensor must be on the current CUDA device (the one PyCUDA's context runs on)."""
+    import torch
+    if not x.is_cuda:
+        raise DeviceError(f"{name} is on {x.device}; pitgen kernels need CUDA tensors "
+                          f"(move it with .cuda())")
+    current = torch.cuda.current_device()
+    if x.device.index != current:
+        raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:{current} "
+                          f"(the current device)")
+
+
+def as_operand(name: str, x: Any) -> Operand:
+    """Accept a CUDA torch tensor or a PyCUDA GPUArray; refuse anything else with the reason."""
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+        if not isinstance(x, torch.Tensor):
+            raise ShapeError(f"{name}: expected a tensor, got {type(x).__name__}")
+        check_device(name, x)
+        return Operand(name, x, x.data_ptr(), tuple(x.shape), tuple(x.stride()),
+                       str(x.dtype).replace("torch.", ""), True)
+    gpudata = getattr(x, "gpudata", None)
+    if gpudata is not None:
+        item = x.dtype.itemsize
+        return Operand(name, x, int(gpudata), tuple(x.shape),
+                       tuple(s // item for s in x.strides), str(x.dtype), False)
+    if isinstance(x, np.ndarray):
+        raise DeviceError(f"{name} is a NumPy array in host memory; pass a CUDA torch tensor or a "
+                          f"pycuda GPUArray (pitgen.execute runs plans on the CPU)")
+    raise ShapeError(f"{name}: unsupported array type {type(x).__name__}")
+
+
+class Workspace:
+    """Device buffers for one call, from torch's caching allocator when the operands are torch
+    tensors (stream-ordered reuse), else from PyCUDA."""
+
+    def __init__(self, like: Operand):
+        self.torch = like.is_torch
+        self.keep: list[Any] = []
+
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> Any:
+        if self.torch:
+            import torch
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+        else:
+            import pycuda.gpuarray as ga
+            t = ga.empty(shape, dtype=np.dtype(dtype))
+        self.keep.append(t)
+        return t
+
+    @staticmethod
+    def ptr(x: Any) -> int:
+        return x.data_ptr() if hasattr(x, "data_ptr") else int(x.gpudata)
+
+
+def align(ptr: int) -> int:
+    """Largest power-of-two alignment of a device pointer, capped at 16 bytes."""
+    return min(16, ptr & -ptr) if ptr else 16
+
+
+def signature(ops: dict[str, Operand], out: Operand | None, accumulate: bool,
+              mask: Operand | None = None) -> tuple:
+    """Everything a launch plan depends on besides the data: shapes, strides, dtypes, array
+    kinds and pointer alignment. Calls with equal signatures reuse one :class:`Launcher`."""
+    extra = [("out", out), ("mask", mask)]
+    parts = [(o.name, o.shape, o.strides, o.dtype, o.is_torch, align(o.ptr))
+             for o in (*ops.values(), *(x for _, x in extra if x is not None))]
+    return tuple(parts), accumulate, out is not None, mask is not None
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def distinct_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when no two in-range indices map to one element (dims sorted by stride nest)."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            return False
+        span = st * n
+    return True
+
+
+def check_tensor(name: str, x: Any, dtypes: tuple[str, ...], ndim: int | None = None,
+                 shape: tuple[int | None, ...] | None = None, contiguous: bool = True) -> Any:
+    """Validate a CUDA torch tensor operand, raising the pitgen error that names what is wrong
+    (type, device, dtype, rank, shape, layout); returns ``x``."""
+    import torch
+    if not isinstance(x, torch.Tensor):
+        raise ShapeError(f"{name}: expected a torch tensor, got {type(x).__name__}")
+    check_device(name, x)
+    dt = str(x.dtype).replace("torch.", "")
+    if dt not in dtypes:
+        raise ShapeError(f"{name} has dtype {dt}; expected {' or '.join(dtypes)}")
+    if ndim is not None and x.dim() != ndim:
+        raise ShapeError(f"{name} has {x.dim()} dims {tuple(x.shape)}; expected {ndim}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(x.shape, shape)):
+            if want is not None and got != want:
+                raise ShapeError(f"{name} has shape {tuple(x.shape)}; dim {i} must be {want}")
+    if contiguous and not x.is_contiguous():
+        raise ShapeError(f"{name} is not contiguous (strides {tuple(x.stride())}); "
+                         f"pass {name}.contiguous()")
+    return x
