@@ -3,13 +3,13 @@ shipped in ``pitgen.templates`` (the repository's ``templates/`` folder, which a
 checkout without an install reads in place)."""
 from __future__ import annotations
 
-from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
+from . import cache
 from .errors import CompileError
 from .version import __version__
 
@@ -23,7 +23,7 @@ def template_dir() -> Path:
         return Path(__file__).resolve().parents[1] / "templates"
 
 
-@lru_cache(maxsize=1)
+@cache.lru("render.environment", maxsize=1)
 def environment() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),

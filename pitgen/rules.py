@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 import sympy
 
+from . import cache
 from .errors import RuleError
 from .expr import Operator, parse
 
@@ -266,7 +267,13 @@ def _rule(op: Operator, axis: str) -> AxisRule:
 
 
 def analyse(op: Operator | str) -> Rules:
-    """Derive the PIT rule of every loop axis of ``op``, each confirmed by symbolic evaluation."""
-    if isinstance(op, str):
-        op = parse(op)
+    """Derive the PIT rule of every loop axis of ``op``, each confirmed by symbolic evaluation.
+    Remembered per expression text: the symbolic checks run once per process, however many
+    plans, operators and calls ask."""
+    return _analyse(op if isinstance(op, str) else op.text)
+
+
+@cache.lru("rules.analyse", maxsize=1024)
+def _analyse(text: str) -> Rules:
+    op = parse(text)
     return Rules(op, {a: _rule(op, a) for a in op.axes})

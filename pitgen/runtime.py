@@ -154,7 +154,8 @@ class _Streams:
     Callers hold ``bound_context()`` from enter to leave."""
 
     def __init__(self):
-        self._twins: dict[int, tuple[Any, Any]] = {}
+        #: torch stream handle -> (PyCUDA stream, torch ExternalStream of it)
+        self._twins: dict[int, tuple[Any, Any]] = cache.memo("runtime.stream_twins")
 
     def enter(self, use_torch: bool, cur: Any = None):
         """(PyCUDA stream, token for leave) for torch's current stream (``cur`` when the caller

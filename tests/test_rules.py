@@ -100,11 +100,16 @@ def test_disagreement_fails_loudly(monkeypatch):
         return rules_mod.AxisRule(rule.axis, rule.role, not rule.invariant, rule.needs, rule.reason)
 
     monkeypatch.setattr(rules_mod, "_structural", wrong)
-    with pytest.raises(pitgen.RuleError, match="internal inconsistency.*axis m.*bug in pitgen"):
-        analyse("C[m,n] += A[m,k] * B[k,n]")
+    pitgen.cache.clear()  # analyse remembers verdicts per expression
+    try:
+        with pytest.raises(pitgen.RuleError, match="internal inconsistency.*axis m.*bug in pitgen"):
+            analyse("C[m,n] += A[m,k] * B[k,n]")
+    finally:
+        pitgen.cache.clear()
 
 
 def test_analyse_conv_is_fast():
+    pitgen.cache.clear()
     start = time.perf_counter()
     analyse("O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]")
     assert time.perf_counter() - start < 1.0
