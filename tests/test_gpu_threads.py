@@ -53,12 +53,11 @@ def in_thread(fn):
 
 
 @pytest.fixture
-def cold(monkeypatch):
+def cold():
     """PyCUDA imported by this thread first (as an application does), then no module loaded:
     the threads below load every module they launch."""
     runtime._drv()
-    for name in ("_MODULES", "_KERNELS", "_CONFIGS"):
-        monkeypatch.setattr(runtime, name, {})
+    pitgen.cache.clear()
 
 
 def test_every_operator_runs_and_loads_in_another_thread(cold):

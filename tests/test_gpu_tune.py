@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pitgen
+from pitgen import reference as R
 from pitgen.graph import formats as F
 from pitgen.graph import tune as T
 
@@ -91,10 +92,10 @@ def test_tune_matches_reference_and_caches(op, dtype, tune_cache, monkeypatch):
     feat = 40
     if op == "spmm":
         x, x64 = dense(rng, 301, feat, dtype)
-        args, ref = (x,), F.spmm(host, x64)
+        args, ref = (x,), R.spmm_csr(host, x64)
     else:
         (u, u64), (v, v64) = dense(rng, 333, feat, dtype), dense(rng, 301, feat, dtype)
-        args, ref = (u, v), F.sddmm(host, u64, v64)
+        args, ref = (u, v), R.sddmm_csr(host, u64, v64)
     before = set(tune_cache.iterdir())
     res = T.tune(a, op, feat, dtype, budget_s=3.0)
     assert res.fmt in T.FORMATS and res.ms > 0 and res.trials >= 1 and not res.from_cache
@@ -138,13 +139,13 @@ def test_compile_format_matches_reference(seed, rows, cols, feat, kind, fmt, dty
         out = torch.full((rows, feat), float("nan"), dtype=x.dtype, device="cuda")
         got = k(a, x, out=out)
         assert got.data_ptr() == out.data_ptr()
-        ref = F.spmm(host, x64)
+        ref = R.spmm_csr(host, x64)
     else:
         k = pitgen.compile(SDDMM, sparse="E", format=fmt, dtype=dtype, budget_s=0.5)
         (u, u64), (v, v64) = dense(rng, rows, feat, dtype), dense(rng, cols, feat, dtype)
         got = k(u, v, sample=a)
         assert tuple(got.shape) == (csr.nnz,)
-        ref = F.sddmm(host, u64, v64)
+        ref = R.sddmm_csr(host, u64, v64)
     assert rel(got, ref) < TOL[dtype]
 
 
@@ -166,12 +167,12 @@ def test_matrix_sources_and_conversion_once(source, monkeypatch):
     k = pitgen.compile(SPMM, sparse="A", format="hyb", dtype=dtype)
     rng = np.random.default_rng(0)
     x, x64 = dense(rng, 130, 24, dtype)
-    ref = F.spmm(host, x64)
+    ref = R.spmm_csr(host, x64)
     for _ in range(3):
         assert rel(k(m, x), ref) < TOL[dtype]
     assert len(calls) == 1 and calls[0][0] == "hyb"
     x2, x2_64 = dense(rng, 130, 8, dtype)           # another feature width: same conversion
-    assert rel(k(A=m, X=x2), F.spmm(host, x2_64)) < TOL[dtype]
+    assert rel(k(A=m, X=x2), R.spmm_csr(host, x2_64)) < TOL[dtype]
 
 
 def test_sddmm_of_torch_sparse_and_empty_graph():
@@ -184,7 +185,7 @@ def test_sddmm_of_torch_sparse_and_empty_graph():
         got = k(U=u, V=v, sample=a.to_torch())
         assert got.shape == (csr.nnz,)
         if csr.nnz:
-            assert rel(got, F.sddmm(host, u64, v64)) < TOL[dtype]
+            assert rel(got, R.sddmm_csr(host, u64, v64)) < TOL[dtype]
 
 
 def test_bad_inputs_raise_pitgen_errors():
