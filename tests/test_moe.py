@@ -174,7 +174,7 @@ def test_compile_variants(tmp_path, monkeypatch):
     def build(v):
         dtype, act, ids, T, arch = v
         plan = moe.plan_moe(T, 1, 8, 64, 128, dtype, act, ids)
-        return plan.bm, compiler.compile_source(moe.render_moe(plan), arch)
+        return plan.bm, compiler.compile_source(moe.MOE.source(plan.context()), arch)
 
     with ThreadPoolExecutor(2) as pool:
         out = list(pool.map(build, VARIANTS))
