@@ -12,7 +12,7 @@ format conversions all go through here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import cache
@@ -53,6 +53,8 @@ class Permutation:
 
 _DERIVED = cache.memo("opspec.derived")
 _MODULES = cache.memo("opspec.modules")
+#: Every OpSpec by name, as its module declares it (the manifest of GPU operators).
+OPERATORS: dict[str, "OpSpec"] = {}
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,10 @@ class OpSpec:
     kernels: Mapping[str, str]
     permutes: tuple[Permutation, ...] = ()
     dtypes: tuple[str, ...] = ()
-    doc: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if OPERATORS.setdefault(self.name, self) != self:
+            raise RuleError(f"two different operators are named {self.name!r}")
 
     def derive(self) -> dict[str, tuple[str, ...]]:
         """Permutation name -> the axes it moves, derived through the rule engine once per
