@@ -7,7 +7,7 @@ from .errors import (CompileError, DeviceError, ExpressionError, PitgenError, Pl
 from .executor import evaluate, execute
 from .expr import Access, Operator, parse
 from .index import TileIndex, build_index
-from .ops.matmul import SparseKernel, compile
+from .ops.matmul import SparseKernel, compile  # noqa: F401  (pitgen.compile, not in __all__)
 from .planner import Candidate, Plan, make_plan as plan
 from .rules import AxisRule, Rules, analyse
 from .version import __version__

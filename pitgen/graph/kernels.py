@@ -12,7 +12,7 @@ come from host numbers recorded at conversion time.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import PlanError, ShapeError
 from ..operands import check_tensor
@@ -20,6 +20,9 @@ from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "SPMM_EXPR", "SDDMM_EXPR"]
 
@@ -193,7 +196,7 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
     return ctx
 
 
-def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
+def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None,
          out: Any = None) -> Any:
     """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]
     of A's dtype; fp32 accumulation. ``out`` [rows, F] is overwritten. No host sync."""
@@ -266,7 +269,8 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Any, schedule: Mapping | None = None,
     return out
 
 
-def sddmm(a: DeviceMatrix | DeviceCSR, u: Any, v: Any, schedule: Mapping | None = None) -> Any:
+def sddmm(a: DeviceMatrix | DeviceCSR, u: Tensor, v: Tensor,
+          schedule: Mapping | None = None) -> Tensor:
     """E[p] = U[row(p)] . V[col(p)] at every non-zero p of A, in A's CSR order whatever the
     format (A's values are not used); U [rows, F], V [cols, F], one dtype, fp32 accumulation.
     No host sync."""

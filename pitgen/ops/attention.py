@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import cache
 from ..errors import PlanError, ShapeError
@@ -32,6 +32,9 @@ from ..limits import INDEX_THREADS
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SCORES = "S[b,h,i,j] += Q[b,h,i,d] * K[b,h,j,d]"
 OUTPUT = "O[b,h,i,d] += P[b,h,i,j] * V[b,h,j,d]"
@@ -243,7 +246,7 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     return BlockIndex(states, order)
 
 
-def block_index(q: Any, k: Any, v: Any, mask: Any) -> BlockIndex:
+def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
     query-block order (as ``block_order_reference``)."""
@@ -273,8 +276,8 @@ def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
     return index
 
 
-def sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None = None,
-                     index: Any = None) -> Any:
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
+                     index: BlockIndex | None = None) -> Tensor:
     """out[b,h,i] = sum_j softmax_j(scale * q_i . k_j over {j : mask[.., i, j]}) v_j.
 
     q [B, H, Sq, D], k/v [B, H, Sk, D]: contiguous, 16-byte aligned CUDA tensors, float16 or

@@ -22,13 +22,16 @@ needs no torch.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..operands import check_tensor
 from .matmul import SparseKernel, compile as compile_kernel
 from .sddmm import SDDMM, normalise_tile, sddmm
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # yᵀ = W_eff xᵀ: W[m,k] sparse (A, k = in features reduced; xᵀ contiguous so the gathered
 # rows of B are contiguous); dX = dY W_eff: W[k,n] sparse (k = out features, reduced).
@@ -230,7 +233,7 @@ def _flat(x: Any, in_features: int) -> tuple[Any, tuple[int, ...]]:
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
-def sparse_weight_linear(x: Any, weight: Any, mask: Any, bias: Any = None,
+def sparse_weight_linear(x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor | None = None,
                          micro_tile: Any = (32, 1), dx_micro_tile: Any = "dense",
                          sddmm_tile: Any = (32, 1)) -> Any:
     """``x (weight ⊙ mask)ᵀ + bias`` with gradients; mask (bool/uint8 [out, in]) may change every
@@ -250,7 +253,8 @@ def sparse_weight_linear(x: Any, weight: Any, mask: Any, bias: Any = None,
     return y.reshape(*lead, weight.shape[0])
 
 
-def sparse_input_linear(x: Any, weight: Any, bias: Any = None, micro_tile: Any = "auto") -> Any:
+def sparse_input_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                        micro_tile: str | tuple[int, int] = "auto") -> Tensor:
     """``x weightᵀ + bias`` with gradients, skipping x's zeros in forward and dW. With
     ``micro_tile='auto'`` each kernel plans once per operand shape, on that shape's first call,
     from coverage counts copied back from the GPU (one small host sync then; none later)."""

@@ -14,7 +14,7 @@ skipped (they contribute nothing). ``moe_ffn(..., check=True)`` refuses such ids
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from ..limits import INDEX_THREADS
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 ACTIVATIONS = ("relu", "gelu", "silu", "identity")
 GEMM1 = "I[t,f] += X[t,h] * W1[h,f]"
@@ -177,7 +180,7 @@ def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: Any, keep: Any) -> tup
     return Routing(counts, offsets, row_pair, tile_e, tile_r), ntiles
 
 
-def moe_route(expert_ids: Any, num_experts: int, block_m: int = 64) -> tuple[Routing, Any]:
+def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[Routing, Tensor]:
     """Build the routing index on the GPU for ``expert_ids [T, topk]`` (int32/int64 CUDA tensor);
     returns (Routing of device tensors, ntiles [1]). ``tile_e/tile_r`` hold ``ntiles`` valid
     entries. For inspection and tests; :func:`moe_ffn` builds it itself."""
@@ -193,8 +196,9 @@ def moe_route(expert_ids: Any, num_experts: int, block_m: int = 64) -> tuple[Rou
         return _route(kernels, plan, expert_ids, launch.stream, launch.keep)
 
 
-def moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = None, b2: Any = None,
-            activation: str = "gelu", check: bool = True) -> Any:
+def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+            b1: Tensor | None = None, b2: Tensor | None = None,
+            activation: str = "gelu", check: bool = True) -> Tensor:
     """Fused MoE FFN on CUDA torch tensors: ``y[t] = sum_j gates[t,j] * (act(x[t] @ w1[e] + b1[e])
     @ w2[e] + b2[e])`` with ``e = expert_ids[t,j]``.
 

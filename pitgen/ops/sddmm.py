@@ -12,7 +12,7 @@ and the mask's and output's strides, swapped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from ..limits import GRID_Y_MAX, INDEX_THREADS
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 EXPR = "S[i,j] += Q[i,d] * K[j,d]"
 EXTENTS = (16, 32, 64)           # tile extents along the dense-row side (mma's m16 multiple)
@@ -162,8 +165,9 @@ def _check_int32(name: str, x: Any) -> None:
         raise ShapeError(f"{name} spans {span} elements; int32 offsets overflow")
 
 
-def sddmm(q: Any, k: Any, mask: Any, tile: Any = (32, 1), out: Any = None,
-          scale: float = 1.0) -> Any:
+def sddmm(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int] = (32, 1),
+          out: Tensor | None = None,
+          scale: float = 1.0) -> SparseTiles | Tensor:
     """``S = scale · Q Kᵀ`` where ``mask`` is set, on the GPU, no host synchronisation.
 
     q [M, D], k [N, D]: float16, bfloat16 or float32 (tf32 tensor cores), same dtype, any
