@@ -1,23 +1,26 @@
-"""The workloads of ``scripts/bench.py``: each is a function of a :class:`Ctx` that appends
-result rows (plain dicts, one per system and configuration) to a list it is given, so that the
-rows measured before a crash are kept.
+"""The GPU workloads of the peer suite (``pitgen bench peers``): each is a function of a
+:class:`Ctx` that appends result rows (plain dicts, one per system and configuration) to a list
+it is given, so that the rows measured before a crash are kept.
 
 Every system runs inside :func:`attempt`: a failure becomes a row carrying its error, so one
 broken peer never hides the others. Rows hold only measured times; a stage a system does not
 have (dense cuBLAS has no conversion) or that was not measured is ``None``. Derived columns
-(total, ideal, speed-ups) are computed by ``bench.derive`` from these, so that ``--replot`` can
-recompute them from the saved JSON.
+(total, ideal, speed-ups) are computed by :func:`pitgen.bench.peers.derive` from these, so that
+``--replot`` can recompute them from the saved JSON. Also the masks and skewed distributions
+other benchmarks draw their inputs from.
 """
 from __future__ import annotations
 
 import math
 import time
-import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
+
+from .report import describe
+from .timing import Timer
 
 #: Relative error (Frobenius, against a float32 reference) above which a row is disqualified.
 TOL = {"float16": 1e-2, "bfloat16": 2e-2}
@@ -33,35 +36,19 @@ MICRO_EXPR = "C[m,n] += A[m,k] * B[k,n]"
 
 @dataclass
 class Ctx:
-    """What a workload needs from the harness: the timer, the clock, where to report."""
+    """What a workload needs from the harness: the timer, where to report, when to stop."""
 
-    device: str
-    #: timer(fn, repeats=None, warmup=2, hide_ms=1.0) -> median device ms of fn()
-    timer: Callable[..., float]
-    #: host_ms(fn, n) -> host wall-clock ms per call of fn, back to back, synchronised
-    host_ms: Callable[[Callable[[], Any], int], float]
-    repeats: int
+    timer: Timer
     quick: bool
     step: Callable[[str], None]
     out_of_time: Callable[[], bool]
     report: Callable[[dict], None]
     #: bytes per ms of a device-to-device copy (read + write), measured by the harness
     copy_bytes_per_ms: float | None = None
-
-    def sync(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+    device: str = "cuda"
 
 
 # -- harness helpers --------------------------------------------------------------------------
-
-def describe(e: BaseException) -> str:
-    """One line for a failure: type, first line of the message, where it was raised."""
-    msg = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" [{tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}]" if tb else ""
-    return f"{type(e).__name__}: {msg}"[:300] + where
-
 
 def attempt(ctx: Ctx, rows: list[dict], base: dict, system: str,
             fn: Callable[[], dict]) -> dict:
@@ -72,11 +59,10 @@ def attempt(ctx: Ctx, rows: list[dict], base: dict, system: str,
     except Exception as e:  # a failing system is a result, not a crash
         row.update(status="error", error=describe(e))
         try:
-            ctx.sync()
+            torch.cuda.synchronize()
         except Exception as e2:  # a sticky CUDA error: later rows will say so too
             row["error"] += f"; then {describe(e2)}"
-        if ctx.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     rows.append(row)
     ctx.report(row)
     return row
@@ -99,7 +85,7 @@ def judge(out: torch.Tensor, ref: torch.Tensor, dtype: str = "float16") -> dict:
 # -- data generators --------------------------------------------------------------------------
 
 def block_mask(shape: tuple[int, int], unit: tuple[int, int], density: float,
-               gen: torch.Generator, device: str) -> torch.Tensor:
+               gen: torch.Generator | None = None, device: str = "cuda") -> torch.Tensor:
     """Boolean mask whose non-zeros come in aligned ``unit`` blocks, each kept with
     probability ``density`` (fresh random draw on the device)."""
     grid = torch.rand((-(-shape[0] // unit[0]), -(-shape[1] // unit[1])), generator=gen,
@@ -156,7 +142,7 @@ MICRO_SYSTEMS = ("dense", "cusparse", "bsr", "stk", "pitgen-auto", "pitgen-tile"
 
 
 def _cusparse(ctx: Ctx, a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> dict:
-    reps = min(ctx.repeats, CUSPARSE_REPEATS)
+    reps = min(ctx.timer.repeats, CUSPARSE_REPEATS)
     conv = ctx.timer(lambda: a.to_sparse_csr(), repeats=reps, warmup=1)
     s = a.to_sparse_csr()
     comp = ctx.timer(lambda: torch.matmul(s, b), repeats=reps, warmup=1)
@@ -173,7 +159,7 @@ def _bsr(ctx: Ctx, a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor,
         try:
             s = a.to_sparse_bsr(bs)
             bsr_dense_mm(s, b)
-            ctx.sync()
+            torch.cuda.synchronize()
             break
         except Exception as e:
             refused.append(f"{bs[0]}x{bs[1]}: {describe(e)}")
@@ -237,12 +223,9 @@ MOE_SYSTEMS = ("loop", "grouped-fp16", "grouped-bf16", "pitgen-experts", "pitgen
 
 
 def _timed_layer(ctx: Ctx, fn: Callable[[], torch.Tensor]) -> dict:
-    """Device time of a whole layer with its host launches hidden (the spin before the start
-    event lasts longer than the host needs to queue the layer), plus host wall time per call."""
-    fn()  # compiles, plans, tunes: kept out of both clocks
-    ctx.sync()
-    host = ctx.host_ms(fn, 3)
-    return {"total_ms": ctx.timer(fn, hide_ms=min(1.5 * host + 0.5, 200.0)), "host_ms": host}
+    """Device time of a whole layer with its host launches hidden, and host wall time per call."""
+    t = ctx.timer.both(fn, calls=3)
+    return {"total_ms": t.gpu_ms, "host_ms": t.wall_ms}
 
 
 class _Moe:
