@@ -32,7 +32,8 @@ def module_names() -> list[str]:
     """The modules the page documents, in page order."""
     names = [MODULES[0]]
     for pkg in PACKAGES:
-        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__)
+        path = importlib.import_module(pkg).__path__
+        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules(path)
                   if not m.name.startswith("_")]
     names += MODULES[1:]
     return names + [m for m in OPTIONAL if importlib.util.find_spec(m) is not None]
@@ -88,7 +89,8 @@ def signature(node: Definition) -> str:
 def constant(module: ModuleType, name: str, path: str | None) -> tuple[str, str]:
     """(value, the ``#:`` comment above its assignment) of a module-level name."""
     value = getattr(module, name, None)
-    text = repr(value) if isinstance(value, (str, int, float, tuple, frozenset)) else type(value).__name__
+    simple = isinstance(value, (str, int, float, tuple, frozenset))
+    text = repr(value) if simple else type(value).__name__
     doc = ""
     if path:
         lines = Path(path).read_text().splitlines()

@@ -150,7 +150,8 @@ def _micro_cell(sparsity: float = 90.0, auto_ms: float = 0.02) -> list[dict]:
     base = {"workload": "micro", "size": 4096, "granularity": "32x1", "sparsity": sparsity,
             "density": 0.1, "dtype": "float16", "rel_err": 1e-4}
     times = {"dense": {"compute_ms": 0.2}, "cusparse": {"conv_ms": 0.5, "compute_ms": 0.5},
-             "bsr": {"conv_ms": 0.03, "compute_ms": 0.05}, "stk": {"conv_ms": 0.1, "compute_ms": 0.1},
+             "bsr": {"conv_ms": 0.03, "compute_ms": 0.05},
+             "stk": {"conv_ms": 0.1, "compute_ms": 0.1},
              "pitgen-auto": {"conv_ms": 0.005, "compute_ms": 0.01, "call_ms": auto_ms},
              "pitgen-tile": {"conv_ms": 0.005, "compute_ms": 0.02, "call_ms": 0.03}}
     return [{**base, "system": s, "status": "ok", **t} for s, t in times.items()]

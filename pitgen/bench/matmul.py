@@ -72,7 +72,8 @@ def run(r: Run) -> int:
                     "choice": f"{c.kind} {'x'.join(map(str, c.shape))}", "index_ms": index_ms,
                     "compute_ms": compute_ms, "total_ms": total.gpu_ms, "host_ms": total.wall_ms,
                     "dense_ms": dense_ms, "ideal_ms": ideal, "vs_dense": dense_ms / total.gpu_ms,
-                    "vs_ideal": total.gpu_ms / max(ideal, 1e-9), "index_vs_copy": index_ms / copy_ms,
+                    "vs_ideal": total.gpu_ms / max(ideal, 1e-9),
+                    "index_vs_copy": index_ms / copy_ms,
                     "rel_err": rel_err(out, ref)})
                 x = rows[-1]
                 print(f"{gran:>6} {sp:5.1f}% {micro:>6} ({x['choice']:>12}): index {index_ms:.4f} "

@@ -96,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated subset of micro,seqlen,ffn,moe (default all)")
     g.add_argument("--replot", metavar="DIR", help="rewrite tables, plots and summary from "
                                                    "DIR/bench.json (no GPU needed)")
-    g.add_argument("--tar", help="bundle path when more than 8 files (default OUT/bench_results.tar)")
+    g.add_argument("--tar", help="bundle path when there are more than 8 files "
+                                 "(default OUT/bench_results.tar)")
     return ap
 
 
