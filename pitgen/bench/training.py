@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 SHAPES = [(4096, 4096, 4096), (4096, 3072, 768)]  # batch, in, out
 SPARSITY = 0.9
 MASKS_PER_CASE = 4  # distinct masks cycled so every step sees a new one
+PARTS_N = 4096  # the step timed part by part: N x N -> N
 
 
 def step_bytes(batch: int, in_f: int, out_f: int, mask: bool) -> int:
@@ -119,13 +120,21 @@ def _shape_rows(r: Run, batch: int, in_f: int, out_f: int, gen: Any) -> list[dic
 def run(r: Run) -> int:
     import torch
 
+    from .report import Progress
+
+    shapes = SHAPES[:1] if r.args.quick else SHAPES
+    progress = Progress(len(shapes) + 1)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [row for shape in SHAPES[:1 if r.args.quick else None]
-            for row in _shape_rows(r, *shape, gen)]
+    rows = []
+    for batch, in_f, out_f in shapes:
+        progress.step(f"training {batch}x{in_f}->{out_f}")
+        rows += _shape_rows(r, batch, in_f, out_f, gen)
+    progress.step("training: parts of the weight-sparse step")
     gen2 = torch.Generator(device="cuda").manual_seed(1)
-    bx, bw = (torch.randn(4096, 4096, device="cuda", dtype=torch.float16, generator=gen2)
+    n = PARTS_N
+    bx, bw = (torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen2)
               for _ in range(2))
-    parts = {kind: breakdown(r.timer, bx, bw, bx, weight_masks(kind, 4096, 4096, gen2)[0])
+    parts = {kind: breakdown(r.timer, bx, bw, bx, weight_masks(kind, n, n, gen2)[0])
              for kind in ("32x1", "random")}
     for x in rows:
         x["vs_dense"] = x["dense_ms"] / x["pitgen_ms"]
@@ -146,7 +155,7 @@ def run(r: Run) -> int:
           fmt(x["pitgen_ms"]), fmt(x["dense_ms"]), fmt(x["masked_ms"]), fmt_x(x["vs_dense"]),
           fmt_x(x["vs_masked"]), fmt(x["floor_ms"]), fmt_x(x["floor_ratio"]),
           fmt(x["host_ms"])] for x in rows])
-    lines += ["", "Parts of the weight-sparse step, 4096×4096→4096 (device ms, median):", ""]
+    lines += ["", f"Parts of the weight-sparse step, {n}×{n}→{n} (device ms, median):", ""]
     lines += md_table(["part", "32x1 mask", "random mask"],
                       [[name, fmt(a), fmt(b)]
                        for (name, a), (_, b) in zip(parts["32x1"], parts["random"])])
