@@ -7,10 +7,10 @@
 #   tune-attention, tune-spmm
 #             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
-#   matmul    sparse-matmul benchmark vs cuBLAS (scripts/bench_matmul.py)
-#   peers     benchmark suite vs the peers (scripts/bench.py; BENCH_ARGS adds options)
-#   moe, attention, training, graphs
-#             the model-level benchmarks (scripts/bench_<step>.py), results under $LOGS/bench
+#   matmul, attention, moe, training, graphs, peers
+#             one part of the benchmark suite (python3 -m pitgen.bench PART, i.e. pitgen bench;
+#             STEP_ARGS adds options), results under $LOGS/bench
+#   bench     every part of the suite in one process (BENCH_ARGS adds options, e.g. --quick)
 # Logs and results go to $LOGS (default /tmp/pitgen-session) and are bundled into
 # $OUT/session.tar when $OUT is set (a lent-GPU call returns few files).
 set -u
@@ -42,17 +42,12 @@ for step in "$@"; do
       echo "$step: exit $r"; tail -40 "$LOGS/$step.log" ;;
     profile)
       timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
-    matmul)
-      timeout ${MATMUL_TIMEOUT:-200} python3 scripts/bench_matmul.py --out "$LOGS" ${MATMUL_ARGS:-} \
-        >"$LOGS/bench-matmul.log" 2>&1; tail -25 "$LOGS/matmul.md" ;;
-    peers)
-      timeout ${PEERS_TIMEOUT:-400} python3 scripts/bench.py --out "$LOGS/bench" ${BENCH_ARGS:-} \
-        >"$LOGS/bench-peers.log" 2>&1; tail -30 "$LOGS/bench/summary.md" 2>/dev/null || tail -30 "$LOGS/bench-peers.log" ;;
-    moe|attention|training|graphs)
-      timeout ${STEP_TIMEOUT:-300} python3 scripts/bench_$step.py --out "$LOGS/bench" ${STEP_ARGS:-} \
-        >"$LOGS/bench-$step.log" 2>&1; r=$?
-      md=$step; [ $step = moe ] && md=moe_layer
-      echo "bench $step: exit $r"; tail -30 "$LOGS/bench/$md.md" 2>/dev/null || tail -30 "$LOGS/bench-$step.log"
+    matmul|attention|moe|training|graphs|peers|bench)
+      part=$step limit=300; [ $step = peers ] && limit=400; [ $step = bench ] && part= limit=570
+      timeout ${STEP_TIMEOUT:-$limit} python3 -m pitgen.bench $part --out "$LOGS/bench" \
+        ${STEP_ARGS:-} ${BENCH_ARGS:-} >"$LOGS/bench-$step.log" 2>&1; r=$?
+      md=$step.md; [ $step = moe ] && md=moe_layer.md; [ $step = peers ] && md=summary.md
+      echo "bench $step: exit $r"; tail -30 "$LOGS/bench/$md" 2>/dev/null || tail -30 "$LOGS/bench-$step.log"
       rc=$((rc | r)) ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 import pitgen
-from bench import Timer  # the suite's timing method, shared
+from pitgen.bench import Timer
+from pitgen.bench.workloads import block_mask
 from pitgen.planner import make_plan
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
@@ -52,8 +53,7 @@ def main() -> None:
         for micro in micros:
             unit = (1, 1) if micro == "dense" else tuple(int(v) for v in micro.split("x"))
             for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1)):
-                grid = torch.rand(-(-n // unit[0]), -(-n // unit[1]), device="cuda", generator=gen) < density
-                mask = grid.repeat_interleave(unit[0], 0).repeat_interleave(unit[1], 1)[:n, :n]
+                mask = block_mask((n, n), unit, density, gen)
                 A = A0 * mask.to(A0.dtype)
                 kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro)
                 call = kern.prepare(A, B)

@@ -1,6 +1,6 @@
 """Sweep the attention kernel's query rows per CTA (BM), pipeline depth (stages) and register
 budget (CTAs per SM) per head dim on this GPU: fp16, B=1, 12 heads, sequence 4096, the three
-masks of bench_attention.py; compute-only time (index built once) and index time, CUDA events,
+masks of ``pitgen bench attention``; compute-only time (index built once) and index time, CUDA events,
 median, L2 flushed. Prints one line per variant; pitgen/attention.py's BM, STAGES and
 MIN_BLOCKS follow the results (docs/attention.md).
 
@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from bench import Timer
-from bench_attention import B, H, S, masks
+from pitgen.bench import Timer
+from pitgen.bench.attention import B, H, S, masks
 from pitgen.ops import attention as A
 from pitgen.compiler import compile_source
 from pitgen.render import render_template

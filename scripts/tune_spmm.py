@@ -1,6 +1,6 @@
 """Sweep SpMM's gather unroll (neighbours whose X rows one lane requests before using any),
 packs (feature vectors per lane per pass) and cut (how hyb's cut rows combine) on
-the layouts and schedules bench_graphs.py's tuner chose (docs/bench/graphs.json), against
+the layouts and schedules ``pitgen bench graphs``'s tuner chose (docs/bench/graphs.json), against
 cuSPARSE in the same run: CUDA events, median, L2 flushed. Prints one line per case and the
 geometric-mean speed-up per variant; graph_ops.SPMM_UNROLL, SPMM_PACKS and SPMM_CUT follow the
 results
@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench import Timer
-from bench_graphs import device_csr, graph_file, rel_err
+from pitgen.bench import Timer, fmt, geomean, rel_err
+from pitgen.bench.graphs import device_csr, graph_file
 from pitgen.graph import kernels as graph_ops
 from pitgen.compiler import compile_source
 from pitgen.graph.device import DeviceCSR, to_format
@@ -74,14 +73,15 @@ def main() -> None:
             graph_ops.spmm(m, x, schedule=s, out=y)
             err = rel_err(y, ref)
             t = timer(lambda: graph_ops.spmm(m, x, schedule=s, out=y))
-            speed.setdefault((r["dtype"], u, p, cut), []).append(peer / t if err < 1e-2 else 0.0)
+            speed.setdefault((r["dtype"], u, p, cut), []).append(peer / t if err < 1e-2 else None)
             cells.append(f"u{u}p{p}{cut[0]} {t:.4f} ({peer / t:.2f}x"
                          f"{'' if err < 1e-2 else ' WRONG'})")
         print(f"{r['graph']:14s} {r['dtype']} F={r['feat']:3d} {r['choice']} peer {peer:.4f} | "
               + " | ".join(cells), flush=True)
     for (dtype, u, p, cut), xs in sorted(speed.items()):
-        g = math.exp(sum(math.log(max(v, 1e-9)) for v in xs) / len(xs))
-        print(f"geomean {dtype} unroll {u} packs {p} cut {cut}: {g:.3f}x over {len(xs)} cases")
+        wrong = xs.count(None)
+        print(f"geomean {dtype} unroll {u} packs {p} cut {cut}: {fmt(geomean(xs))}x over "
+              f"{len(xs) - wrong} cases" + (f", {wrong} WRONG" if wrong else ""))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ and the ``pitgen tune`` command line's validation."""
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -377,52 +376,3 @@ def test_make_graphs_unique_matches_numpy():
     x = np.random.default_rng(1).integers(0, 1000, 5000)
     assert np.array_equal(_unique(x), np.unique(x))
     assert _unique(np.zeros(0, np.int64)).size == 0
-
-
-# -- GNN benchmark script: planning and report (no GPU) ----------------------------------------
-
-def _bench():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_graphs
-    return bench_graphs
-
-
-def test_bench_graphs_cases_and_floor():
-    b = _bench()
-    full = b.cases(False)
-    assert len(full) == 6 * 5 + 3 and full[0] == ("citeseer", 32) and full[-1] == ("reddit", 128)
-    assert b.cases(True) == [(g, f) for g in b.QUICK_GRAPHS for f in b.QUICK_FEATS]
-    # SpMM, 3 rows, 4 cols, 5 nnz, F=2, fp16: indptr 16 + indices 20 + values 10 + X 16 + Y 12
-    assert b.floor_bytes("spmm", 3, 4, 5, 2, 2) == 16 + 20 + 10 + 16 + 12
-    assert b.floor_bytes("sddmm", 3, 4, 5, 2, 2) == 16 + 20 + 2 * 7 * 2 + 10
-    assert b.geomean([1.0, 4.0, None]) == pytest.approx(2.0) and b.geomean([]) is None
-    assert b.case_budget(10, None) == 0.25 and b.case_budget(10**8, None) == 0.75
-    assert b.case_budget(10, 3.0) == 3.0
-
-
-def test_bench_graphs_warm_sources_render():
-    from pitgen.render import render_template
-
-    jobs = _bench().warm_sources()
-    assert {t for t, _ in jobs} == {"spmm.cu.j2", "graph_sddmm.cu.j2"}
-    assert {c["fmt"] for _, c in jobs} == set(T.FORMATS)
-    assert all("pit_" in render_template(t, **c) for t, c in jobs[:: max(1, len(jobs) // 8)])
-
-
-def test_bench_graphs_report(tmp_path):
-    b = _bench()
-    row = {"graph": "cora", "nodes": 2708, "nnz": 10556, "op": "spmm", "dtype": "float16",
-           "feat": 64, "flop": 1, "floor_ms": 0.001, "choice": "hyb", "params": {"c": 1, "k": 3},
-           "schedule": {"groups": [8] * 7, "vec": 8, "threads": 256}, "tune_s": 0.5,
-           "trials": 4, "convert_ms": 1.0, "pitgen_ms": 0.01, "csr_ms": 0.1, "peer_ms": 0.02,
-           "rel_err": 3e-4, "csr_rel_err": 3e-4, "ok": True, "speedup": 2.0, "csr_speedup": 0.2}
-    meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "cuda": "13.0", "date": "now",
-            "copy_gbs": 2976.0, "repeats": 10, "elapsed_s": 100.0}
-    b.write(tmp_path, [row, {**row, "feat": 128, "speedup": 0.5, "ok": False}], meta,
-            ["reddit spmm float16 F=128"], ["a note"])
-    md = (tmp_path / "graphs.md").read_text()
-    assert "NVIDIA H100 80GB HBM3" in md and "| spmm | float16 | 2 | 1.00x |" in md
-    assert "**missed**" in md and "MISMATCH" in md and "hyb(c=1,k=3) g8 v8 t256" in md
-    assert "skipped (time budget --max-s): reddit spmm float16 F=128" in md
-    doc = json.loads((tmp_path / "graphs.json").read_text())
-    assert doc["summary"][0]["all_correct"] is False and len(doc["rows"]) == 2

@@ -1,0 +1,136 @@
+"""Dynamic sparse attention (``pitgen bench attention``): pitgen, its index built every call,
+against dense SDPA, SDPA with the boolean mask and FlexAttention (its BlockMask built from the
+same mask). fp16, B=1, 12 heads, sequence 4096, head dim 64; masks: random 128x128 blocks at 90%
+sparsity, Longformer (window 256 + 16 global tokens drawn anew), random 1x64 micro-tiles at 90%
+sparsity. pitgen's total includes the index build; index and compute are also timed apart.
+FlexAttention's BlockMask build is host wall clock per build."""
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .report import fmt, fmt_e, fmt_x, md_table, ratio, rel_err, write_json
+
+if TYPE_CHECKING:
+    from .suite import Run
+
+B, H, S, D = 1, 12, 4096, 64
+#: pitgen / dense SDPA at 90% sparsity, index included
+TARGET = 0.5
+
+
+def masks(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The three masks, seeded (shared with scripts/tune_attention.py)."""
+    from pitgen.ops import attention as A
+
+    return {
+        "blocks 128x128, 90% sparse": A.tile_mask(rng, S, S, (128, 128), 0.1),
+        "Longformer w256 + 16 global": A.longformer_mask(S, S, 256,
+                                                         A.random_global_tokens(rng, S, 16)),
+        "micro 1x64, 90% sparse": A.tile_mask(rng, S, S, (1, 64), 0.1),
+    }
+
+
+def _flex() -> tuple[Any, Any] | None:
+    """(compiled flex_attention, create_block_mask), or None where this torch has none."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        return torch.compile(flex_attention), create_block_mask
+    except Exception as e:  # a missing peer is reported, not fatal
+        print(f"FlexAttention unavailable: {e}", file=sys.stderr)
+        return None
+
+
+def _flex_columns(row: dict, flex: tuple[Any, Any], q: Any, k: Any, v: Any, m: Any,
+                  timer: Any, ref: Any, live: Any) -> None:
+    """FlexAttention's columns of a row, or its error."""
+    from .timing import host_ms
+
+    attend, create_block_mask = flex
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return m[q_idx, kv_idx]
+
+    try:
+        bm = create_block_mask(mask_mod, None, None, S, S, device="cuda")
+        row["flex_build_ms"] = host_ms(
+            lambda: create_block_mask(mask_mod, None, None, S, S, device="cuda"), 3)
+        out = attend(q, k, v, block_mask=bm)
+        row["flex_ms"] = timer(lambda: attend(q, k, v, block_mask=bm))
+        row["rel_err_flex_vs_sdpa_mask"] = rel_err(out[..., live, :], ref[..., live, :])
+    except Exception as e:  # a peer that fails is reported, not fatal
+        row["flex_error"] = f"{type(e).__name__}: {e}"[:200]
+
+
+def run(r: Run) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from pitgen.ops import attention as A
+
+    torch.manual_seed(0)
+    timer = r.timer
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    dense_flop = 4.0 * B * H * S * S * D
+    dense_ms = timer(lambda: F.scaled_dot_product_attention(q, k, v))
+    flex = _flex()
+    rows = []
+    for name, mask_np in masks(np.random.default_rng(0)).items():
+        print(f"attention: {name}", file=sys.stderr, flush=True)
+        m = torch.from_numpy(mask_np).cuda()
+        block_density = float((A.block_index_reference(mask_np) != A.EMPTY).mean())
+        density = float(mask_np.mean())
+        row: dict[str, Any] = {"pattern": name, "density": density,
+                               "block_density_64": block_density, "dense_sdpa_ms": dense_ms}
+        out = A.sparse_attention(q, k, v, m)
+        total = timer.both(lambda: A.sparse_attention(q, k, v, m))
+        row["pitgen_ms"], row["pitgen_host_ms"] = total.gpu_ms, total.wall_ms
+        row["pitgen_index_ms"] = timer(lambda: A.block_index(q, k, v, m))
+        idx = A.block_index(q, k, v, m)
+        row["pitgen_compute_ms"] = timer(lambda: A.sparse_attention(q, k, v, m, index=idx))
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        row["sdpa_mask_ms"] = timer(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+        live = m.any(-1)  # SDPA gives NaN on rows that attend to nothing
+        row["rel_err_vs_sdpa_mask"] = rel_err(out[..., live, :], ref[..., live, :])
+        row["fully_masked_rows_zero"] = bool((out[..., ~live, :] == 0).all())
+        if flex:
+            _flex_columns(row, flex, q, k, v, m, timer, ref, live)
+        row["flop"] = dense_flop * block_density
+        row["bytes_floor"] = 4 * B * H * S * D * 2 + mask_np.size  # q, k, v, out, the mask
+        row["bytes_floor_ms"] = r.ceilings.copy_ms(row["bytes_floor"])
+        row["ideal_ms"] = max(density * dense_ms, row["bytes_floor_ms"])
+        row["pitgen_vs_dense"] = row["pitgen_ms"] / dense_ms
+        row["pitgen_vs_flex"] = ratio(row["pitgen_ms"], row.get("flex_ms"))
+        rows.append(row)
+    meta = {**r.meta, "shape": {"B": B, "H": H, "S": S, "D": D}, "dtype": "float16",
+            "dense_flop": dense_flop}
+    write_json(r.out / "attention.json", {"meta": meta, "rows": rows})
+    copy_gbs = r.ceilings.copy_bytes_per_ms / 1e6
+    lines = [f"# Sparse attention ({meta['device']}; fp16, B={B}, H={H}, S={S}, D={D}; median "
+             f"of {timer.repeats}, L2 flushed)", "",
+             f"Dense SDPA (no mask): {dense_ms:.3f} ms = {dense_flop / dense_ms / 1e9:.0f} "
+             f"TFLOP/s. Floor per row: max(density x dense SDPA, bytes (q, k, v, out, mask) / "
+             f"{copy_gbs:.0f} GB/s). pitgen's total includes its GPU index build; host ms is its "
+             "eager wall time per call; ratios are time / dense SDPA time. FlexAttention's "
+             "BlockMask build is host wall clock.", ""]
+    lines += md_table(
+        ["pattern", "density", "64x64 blocks visited", "floor ms", "pitgen total ms", "index ms",
+         "compute ms", "host ms", "pitgen / dense", "SDPA+mask ms", "Flex ms", "Flex build ms",
+         "pitgen / Flex", "rel err vs SDPA+mask"],
+        [[x["pattern"], fmt(x["density"]), fmt(x["block_density_64"]), fmt(x["ideal_ms"]),
+          fmt(x["pitgen_ms"]), fmt(x["pitgen_index_ms"]), fmt(x["pitgen_compute_ms"]),
+          fmt(x["pitgen_host_ms"]), fmt_x(x["pitgen_vs_dense"]), fmt(x["sdpa_mask_ms"]),
+          fmt(x.get("flex_ms")), fmt(x.get("flex_build_ms")), fmt_x(x["pitgen_vs_flex"]),
+          fmt_e(x["rel_err_vs_sdpa_mask"])] for x in rows])
+    lines += ["", f"Target (90% sparsity, index included, <= {TARGET}x dense SDPA): " + "; ".join(
+        f"{x['pattern']}: {x['pitgen_vs_dense']:.2f}x "
+        f"({'met' if x['pitgen_vs_dense'] <= TARGET else 'missed'})"
+        for x in rows if "90%" in x["pattern"])]
+    (r.out / "attention.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if any(x["rel_err_vs_sdpa_mask"] > 1e-2 or not x["fully_masked_rows_zero"]
+                    for x in rows) else 0

@@ -1,0 +1,268 @@
+"""The MoE expert layer (``pitgen bench moe``): pitgen's fused layer (GPU routing index + two
+grouped tensor-core GEMMs) against a PyTorch loop over experts, torch._grouped_mm and stk
+block-sparse (MegaBlocks style), routing included in every time.
+
+Workload: T=4096 tokens, H=768, F=3072, top-1, skewed (Zipf-like, seeded) expert popularity,
+GELU and biases, E = 64 and 128, fp16. Floor: reading every expert's weights once at the copy
+rate measured in the run. The stk peer runs in a child process (``--stk-only``): a fault in its
+kernels kills a CUDA context, and must not take the other rows with it. Writes moe_layer.md and
+moe_layer.json (moe.md is the peer suite's Switch-base workload).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from .report import describe, fmt, fmt_e, fmt_x, md_table, ratio, rel_err, write_json
+from .timing import Timer
+
+if TYPE_CHECKING:
+    from .suite import Run
+
+T, H, F = 4096, 768, 3072
+SEED = 0
+STK = "stk block-sparse 128 (MegaBlocks-style)"
+#: relative error against the loop above which a result is refused (and not timed)
+TOL = 5e-2
+
+
+def routing(tokens: int, experts: int, seed: int) -> np.ndarray:
+    """Top-1 expert ids with Zipf-like popularity (p_e ~ 1/(e+1)^1.1, experts shuffled)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, experts + 1) ** 1.1
+    perm = rng.permutation(experts)
+    return perm[rng.choice(experts, size=(tokens, 1), p=p / p.sum())]
+
+
+def loop_peer(x, ids, gates, w1, w2, b1, b2):
+    """PyTorch loop over experts: tokens of each expert found by sorting (one sync for the
+    counts), index_select, two matmuls, index_add with the gate."""
+    import torch
+    import torch.nn.functional as F
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    y = torch.zeros_like(x)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            rows = order[start:start + c]
+            h = F.gelu(torch.index_select(x, 0, rows) @ w1[e] + b1[e], approximate="tanh")
+            o = (h @ w2[e] + b2[e]) * gates.reshape(-1)[rows, None].to(x.dtype)
+            y.index_add_(0, rows, o)
+        start += c
+    return y
+
+
+def grouped_peer(x, ids, gates, w1, w2, b1, b2):
+    """torch._grouped_mm: sort tokens by expert (GPU, no sync), offs = int32 cumulative row
+    ends, two grouped GEMMs, scatter back with the gate."""
+    import torch
+    import torch.nn.functional as F
+    E = w1.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat)
+    se = flat[order]
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    xs = x[order]
+    h = torch._grouped_mm(xs, w1, offs=offs) + b1[se]
+    h = F.gelu(h, approximate="tanh")
+    o = (torch._grouped_mm(h, w2, offs=offs) + b2[se]) * gates.reshape(-1)[order, None].to(x.dtype)
+    y = torch.empty_like(x)
+    y[order] = o
+    return y
+
+
+def stk_peer(x, ids, gates, w1c, w2c, b1, b2, E, F_, blk=128):
+    """MegaBlocks-style dMoE on stk: tokens sorted and padded per expert to 128-row blocks, a
+    block-diagonal topology [padded tokens, E*F], sdd then dsd (topology built with one sync)."""
+    import torch
+    import torch.nn.functional as Fn
+    import stk
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + blk - 1) // blk * blk
+    pend = torch.cumsum(padded, 0)
+    pstart = pend - padded
+    order = torch.argsort(flat)
+    se = flat[order]
+    start = torch.cumsum(counts, 0) - counts
+    dest = pstart[se] + (torch.arange(flat.numel(), device=x.device) - start[se])
+    nb = (padded // blk).tolist()
+    rows_total = int(sum(nb)) * blk
+    xp = torch.zeros(rows_total, x.shape[1], dtype=x.dtype, device=x.device)
+    xp[dest] = x[order]
+    cb = F_ // blk
+    row_idx, col_idx, row_blk = [], [], 0
+    for e, n in enumerate(nb):
+        for r in range(n):
+            row_idx.extend([row_blk + r] * cb)
+            col_idx.extend(range(e * cb, (e + 1) * cb))
+        row_blk += n
+    dev = x.device
+    ri = torch.tensor(row_idx, dtype=torch.int16, device=dev)
+    ci = torch.tensor(col_idx, dtype=torch.int16, device=dev)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev),
+                         torch.cumsum(torch.full((rows_total // blk,), cb, device=dev), 0).to(torch.int32)])
+    gather = torch.argsort(ci.long(), stable=True)
+    ci_t = ri.gather(0, gather)
+    offsets_t = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev),
+                           torch.cumsum(torch.bincount(ci.long(), minlength=E * cb), 0).to(torch.int32)])
+    data = torch.empty(len(row_idx), blk, blk, dtype=x.dtype, device=dev)
+    topo = stk.Matrix((rows_total, E * F_), data, ri, ci, offsets, ci_t, offsets_t,
+                      gather.to(torch.int32))
+    h = stk.ops.sdd(xp, w1c, topo)
+    hb = h.data.view(-1, blk, blk)
+    bias = b1.reshape(E * cb, blk)[ci.long()]  # per block column
+    hd = Fn.gelu(hb + bias[:, None, :], approximate="tanh")
+    h = stk.Matrix(topo.size(), hd, ri, ci, offsets, ci_t, offsets_t, gather.to(torch.int32))
+    o = stk.ops.dsd(h, w2c)
+    y = torch.empty_like(x)
+    y[order] = (o[dest] + b2[se]) * gates.reshape(-1)[order, None].to(x.dtype)
+    return y
+
+
+class _Case:
+    """One expert count's inputs, the loop's output as reference, and the rows measured."""
+
+    def __init__(self, timer: Timer, experts: int):
+        import torch
+
+        from pitgen.ops.moe import flops, weight_bytes
+
+        torch.manual_seed(SEED)
+        E, dev = experts, "cuda"
+        self.timer, self.rows = timer, []
+        self.x = torch.randn(T, H, device=dev, dtype=torch.float16)
+        self.w1 = (torch.randn(E, H, F, device=dev) * H ** -0.5).half()
+        self.w2 = (torch.randn(E, F, H, device=dev) * F ** -0.5).half()
+        self.b1 = (torch.randn(E, F, device=dev) * 0.1).half()
+        self.b2 = (torch.randn(E, H, device=dev) * 0.1).half()
+        self.ids = torch.tensor(routing(T, E, SEED), device=dev, dtype=torch.int64)
+        self.gates = torch.rand(T, 1, device=dev) * 0.5 + 0.5
+        counts = torch.bincount(self.ids.reshape(-1), minlength=E).cpu().numpy()
+        self.base = {"E": E, "T": T, "H": H, "F": F, "topk": 1, "gflop": flops(T, H, F) / 1e9,
+                     "weight_mb": weight_bytes(E, H, F) / 1e6,
+                     "max_tokens_per_expert": int(counts.max()),
+                     "empty_experts": int((counts == 0).sum())}
+        self.ref = loop_peer(*self.args())
+
+    def args(self) -> tuple:
+        return self.x, self.ids, self.gates, self.w1, self.w2, self.b1, self.b2
+
+    def add(self, name: str, fn: Callable[[], Any], dtype: str = "float16", note: str = "") -> None:
+        """One system's row: checked against the loop, then timed (device and eager host)."""
+        row = dict(self.base, impl=name, dtype=dtype, note=note)
+        try:
+            row["rel_err_vs_loop"] = err = rel_err(fn(), self.ref)
+            if not err < TOL:
+                raise ValueError(f"wrong result (rel err {err:.2g} vs the loop)")
+            t = self.timer.both(fn)
+            row["ms"], row["host_ms"] = t.gpu_ms, t.wall_ms
+        except Exception as e:  # a peer that fails is a row, not a crash
+            row["error"] = describe(e)
+        self.rows.append(row)
+        print(name, self.base["E"], row.get("ms"), row.get("rel_err_vs_loop"),
+              row.get("error", ""), file=sys.stderr, flush=True)
+
+    def stk(self) -> None:
+        E = self.base["E"]
+        w1c = self.w1.permute(1, 0, 2).reshape(H, E * F).contiguous()
+        w2c = self.w2.reshape(E * F, H).contiguous()
+        self.add(STK, lambda: stk_peer(*self.args()[:3], w1c, w2c, self.b1, self.b2, E, F),
+                 note="topology built with one sync")
+
+
+def stk_only(timer: Timer, args: argparse.Namespace) -> int:
+    """The child side: the stk rows of one expert count, as JSON on stdout's last line."""
+    case = _Case(timer, int(args.experts[0]))
+    case.stk()
+    print(json.dumps(case.rows))
+    return 0
+
+
+def _stk_child(experts: int, repeats: int) -> list[dict]:
+    """The stk rows of one case, timed in a child process; its failure becomes a row."""
+    cmd = [sys.executable, "-m", "pitgen.bench", "moe", "--stk-only", "--experts", str(experts),
+           "--repeats", str(repeats)]
+    proc = None
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except Exception as e:  # crashed (e.g. an illegal address kills its CUDA context) or hung
+        tail = proc.stderr.strip().splitlines() if proc is not None else []
+        err = (tail[-1] if tail else f"{type(e).__name__}: {e}")[:160]
+        return [{"E": experts, "impl": STK, "dtype": "float16", "note": "", "error": err}]
+
+
+def _rows(r: Run, experts: int) -> list[dict]:
+    """Every system's row at one expert count (stk's from a child process)."""
+    from pitgen.ops.moe import moe_ffn
+
+    case = _Case(r.timer, experts)
+    x, ids, gates, w1, w2, b1, b2 = case.args()
+    case.add("pitgen moe_ffn (check=False)",
+             lambda: moe_ffn(x, ids, gates, w1, w2, b1, b2, activation="gelu", check=False))
+    case.add("pitgen moe_ffn (check=True)",
+             lambda: moe_ffn(x, ids, gates, w1, w2, b1, b2, activation="gelu", check=True),
+             note="one host sync for the id/gate check")
+    case.add("torch loop over experts", lambda: loop_peer(*case.args()))
+    try:
+        grouped_peer(*case.args())
+        case.add("torch._grouped_mm", lambda: grouped_peer(*case.args()))
+    except Exception as e:  # fp16 not supported: run it in bf16 as PyTorch allows
+        bf = (x.bfloat16(), ids, gates, *(t.bfloat16() for t in (w1, w2, b1, b2)))
+        case.add("torch._grouped_mm", lambda: grouped_peer(*bf), dtype="bfloat16",
+                 note=f"fp16 refused ({type(e).__name__}); run in bf16")
+    floor_ms = r.ceilings.copy_ms(case.base["weight_mb"] * 1e6)
+    stk = [dict(case.base, **x) for x in _stk_child(experts, r.timer.repeats)]
+    return [dict(row, floor_ms=floor_ms) for row in case.rows + stk]
+
+
+def run(r: Run) -> int:
+    import torch
+
+    rows = []
+    for experts in r.args.experts or ([64] if r.args.quick else [64, 128]):
+        rows += _rows(r, int(experts))
+        torch.cuda.empty_cache()
+    for row in rows:
+        gm = next((x.get("ms") for x in rows if x["impl"] == "torch._grouped_mm"
+                   and x["E"] == row["E"]), None)
+        if "ms" in row:
+            row["vs_floor"] = row["ms"] / row["floor_ms"]
+            row["speedup_vs_grouped_mm"] = ratio(gm, row["ms"])
+            row["tflops"] = row["gflop"] / row["ms"]
+    write_json(r.out / "moe_layer.json", {"meta": r.meta, "rows": rows})
+    text = table(rows, r.meta, r.ceilings.copy_bytes_per_ms)
+    (r.out / "moe_layer.md").write_text(text)
+    print(text)
+    return 1 if any(row["impl"].startswith("pitgen") and "error" in row for row in rows) else 0
+
+
+def table(rows: list[dict], meta: dict, copy_rate: float) -> str:
+    lines = [f"# MoE expert layer ({meta['device']})", "",
+             f"fp16, T={T} tokens, H={H}, F={F}, top-1, Zipf-like routing (seeded), GELU (tanh), "
+             "biases; routing/index build included in every time; CUDA events, L2 flushed, "
+             f"median of {meta['repeats']}; host ms is eager wall time per call. Floor = reading "
+             f"every expert's weights once at the measured copy rate "
+             f"({copy_rate / 1e9:.2f} TB/s).", ""]
+    lines += md_table(
+        ["E", "impl", "dtype", "ms", "vs _grouped_mm", "× floor", "TFLOP/s", "host ms/call",
+         "rel err vs loop", "note"],
+        [[x["E"], x["impl"], x["dtype"], "failed", "", "", "", "", "", x["error"]] if "error" in x
+         else [x["E"], x["impl"], x["dtype"], fmt(x["ms"]), fmt_x(x["speedup_vs_grouped_mm"]),
+               fmt(x["vs_floor"], 2), fmt(x["tflops"], 0), fmt(x["host_ms"]),
+               fmt_e(x["rel_err_vs_loop"]), x["note"]] for x in rows])
+    lines.append("")
+    for E in sorted({x["E"] for x in rows}):
+        x = next(x for x in rows if x["E"] == E)
+        lines.append(f"- E={E}: {x['gflop']:.1f} GFLOP, weights {x['weight_mb']:.0f} MB "
+                     f"(floor {x['floor_ms']:.3f} ms), busiest expert "
+                     f"{x['max_tokens_per_expert']} tokens, {x['empty_experts']} experts empty.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,281 @@
+"""Tests of the benchmark harness (pitgen.bench): tables, CSV, JSON, geometric means, floors,
+the peer suite's derived columns and targets, the graph benchmark's planning and report, the
+command line and its refusal without a GPU (CPU); the timer and the ceilings (GPU)."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from pitgen.bench import (Ceilings, Progress, fmt, fmt_e, fmt_x, geomean, main, md_table, plot,
+                          ratio, write_csv, write_json)
+from pitgen.bench import graphs, peers, suite
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def test_number_formats():
+    assert fmt(None) == "-" and fmt(float("nan")) == "NaN" and fmt("csr") == "csr"
+    assert fmt(1.23456) == "1.235" and fmt(0.5, 1) == "0.5" and fmt(0.0) == "0.000"
+    assert fmt(2e-5, 4) == "2.0e-05"  # would print 0.0000
+    assert fmt_x(1.234) == "1.23x" and fmt_x(None) == "-"
+    assert fmt_e(3.21e-4) == "3.2e-04" and fmt_e(None) == "-"
+
+
+def test_ratio_and_geomean():
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None and ratio(1.0, None) is None
+    assert geomean([1.0, 4.0, None]) == pytest.approx(2.0)
+    assert geomean([2.0, 0.0, -1.0, math.inf, math.nan]) == pytest.approx(2.0)
+    assert geomean([]) is None and geomean([None, 0.0]) is None
+
+
+def test_md_table_escapes_cells():
+    lines = md_table(["a", "b"], [[1, "x|y"], ["two\nlines", None]])
+    assert lines == ["| a | b |", "|---|---|", "| 1 | x\\|y |", "| two lines | None |"]
+
+
+def test_csv_lead_columns_first(tmp_path):
+    path = tmp_path / "r.csv"
+    write_csv([{"z": 1, "system": "dense", "a": 2}, {"system": "stk", "note": "n"}], path,
+              lead=("system", "missing", "z"))
+    head, first, second = path.read_text().splitlines()
+    assert head == "system,z,a,note" and first == "dense,1,2," and second == "stk,,,n"
+
+
+def test_json_writes_what_json_cannot_hold_as_text(tmp_path):
+    write_json(tmp_path / "r.json", {"out": tmp_path, "x": 1.5})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"out": str(tmp_path), "x": 1.5}
+
+
+def test_progress_goes_to_stderr(capsys):
+    p = Progress(2, width=4)
+    p.step("first")
+    p.step("second")
+    out, err = capsys.readouterr()
+    assert out == "" and "[....] 1/2 first" in err and "[##..] 2/2 second" in err
+
+
+def test_plot_without_matplotlib_is_a_note(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    note = plot(tmp_path / "p.png", lambda plt: pytest.fail("drawn without matplotlib"))
+    assert "p.png not drawn: matplotlib is not installed" in note
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_saves_the_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert plot(tmp_path / "p.png", lambda plt: plt.subplots()[0]) is None
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+# -- floors ------------------------------------------------------------------------------------
+
+def test_ceilings_turn_bytes_into_floors():
+    c = Ceilings(copy_bytes_per_ms=3e9, matmul_tflops={"float16": 700.04})
+    assert c.copy_ms(6e9) == pytest.approx(2.0)
+    assert c.to_json() == {"copy_gb_s": 3000.0, "matmul_tflops": {"float16": 700.0}}
+
+
+def test_floor_bytes_of_the_graph_kernels():
+    # SpMM, 3 rows, 4 cols, 5 nnz, F=2, fp16: indptr 16 + indices 20 + values 10 + X 16 + Y 12
+    assert graphs.floor_bytes("spmm", 3, 4, 5, 2, 2) == 16 + 20 + 10 + 16 + 12
+    assert graphs.floor_bytes("sddmm", 3, 4, 5, 2, 2) == 16 + 20 + 2 * 7 * 2 + 10
+
+
+def test_training_step_bytes():
+    from pitgen.bench.training import step_bytes
+
+    assert step_bytes(2, 3, 4, False) == 2 * (3 * 6 + 3 * 12 + 3 * 8)
+    assert step_bytes(2, 3, 4, True) == step_bytes(2, 3, 4, False) + 3 * 12
+
+
+def test_moe_routing_is_seeded_and_skewed():
+    from pitgen.bench.moe import routing
+
+    ids = routing(4096, 64, 0)
+    assert ids.shape == (4096, 1) and ids.min() >= 0 and ids.max() < 64
+    assert (ids == routing(4096, 64, 0)).all()
+    counts = sorted(((ids == e).sum() for e in range(64)), reverse=True)
+    assert counts[0] > 10 * counts[31]  # Zipf-like: the busiest expert dwarfs the median one
+
+
+# -- graph benchmark: planning and report ------------------------------------------------------
+
+def test_graph_cases_and_budgets():
+    full = graphs.cases(False)
+    assert len(full) == 6 * 5 + 3 and full[0] == ("citeseer", 32) and full[-1] == ("reddit", 128)
+    assert graphs.cases(True) == [(g, f) for g in graphs.QUICK_GRAPHS for f in graphs.QUICK_FEATS]
+    assert graphs.case_budget(10, None) == 0.25 and graphs.case_budget(10**8, None) == 0.75
+    assert graphs.case_budget(10, 3.0) == 3.0
+
+
+def test_graph_warm_sources_render():
+    from pitgen.graph.tune import FORMATS
+    from pitgen.render import render_template
+
+    jobs = graphs.warm_sources()
+    assert {t for t, _ in jobs} == {"spmm.cu.j2", "graph_sddmm.cu.j2"}
+    assert {c["fmt"] for _, c in jobs} == set(FORMATS)
+    assert all("pit_" in render_template(t, **c) for t, c in jobs[:: max(1, len(jobs) // 8)])
+
+
+def test_graph_report(tmp_path):
+    row = {"graph": "cora", "nodes": 2708, "nnz": 10556, "op": "spmm", "dtype": "float16",
+           "feat": 64, "flop": 1, "floor_ms": 0.001, "choice": "hyb", "params": {"c": 1, "k": 3},
+           "schedule": {"groups": [8] * 7, "vec": 8, "threads": 256}, "tune_s": 0.5,
+           "trials": 4, "convert_ms": 1.0, "pitgen_ms": 0.01, "csr_ms": 0.1, "peer_ms": 0.02,
+           "rel_err": 3e-4, "csr_rel_err": 3e-4, "ok": True, "speedup": 2.0, "csr_speedup": 0.2}
+    meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "cuda": "13.0", "date": "now",
+            "copy_gb_s": 2976.0, "repeats": 10, "elapsed_s": 100.0}
+    graphs.write(tmp_path, [row, {**row, "feat": 128, "speedup": 0.5, "ok": False}], meta,
+                 ["reddit spmm float16 F=128"], ["a note"])
+    md = (tmp_path / "graphs.md").read_text()
+    assert "NVIDIA H100 80GB HBM3" in md and "| spmm | float16 | 2 | 1.00x |" in md
+    assert "**missed**" in md and "MISMATCH" in md and "hyb(c=1,k=3) g8 v8 t256" in md
+    assert "skipped (time budget --budget): reddit spmm float16 F=128" in md
+    doc = json.loads((tmp_path / "graphs.json").read_text())
+    assert doc["summary"][0]["all_correct"] is False and len(doc["rows"]) == 2
+
+
+# -- peer suite: derived columns, targets, files -----------------------------------------------
+
+def _micro_cell(sparsity: float = 90.0, auto_ms: float = 0.02) -> list[dict]:
+    base = {"workload": "micro", "size": 4096, "granularity": "32x1", "sparsity": sparsity,
+            "density": 0.1, "dtype": "float16", "rel_err": 1e-4}
+    times = {"dense": {"compute_ms": 0.2}, "cusparse": {"conv_ms": 0.5, "compute_ms": 0.5},
+             "bsr": {"conv_ms": 0.03, "compute_ms": 0.05},
+             "stk": {"conv_ms": 0.1, "compute_ms": 0.1},
+             "pitgen-auto": {"conv_ms": 0.005, "compute_ms": 0.01, "call_ms": auto_ms},
+             "pitgen-tile": {"conv_ms": 0.005, "compute_ms": 0.02, "call_ms": 0.03}}
+    return [{**base, "system": s, "status": "ok", **t} for s, t in times.items()]
+
+
+def test_derive_totals_speedups_and_best_peer():
+    rows = _micro_cell()
+    peers.derive({"micro": rows})
+    by = {r["system"]: r for r in rows}
+    assert by["cusparse"]["total_ms"] == pytest.approx(1.0)  # conversion + compute
+    assert by["pitgen-auto"]["total_ms"] == 0.02  # pitgen: its whole call
+    assert by["pitgen-auto"]["vs_base"] == pytest.approx(10.0)
+    assert by["pitgen-auto"]["best_peer"] == "bsr"
+    assert by["pitgen-auto"]["vs_peer"] == pytest.approx(0.08 / 0.02)
+    assert by["pitgen-auto"]["ideal_ms"] == pytest.approx(0.02)  # density x dense
+
+
+def test_targets_judge_every_cell():
+    rows = _micro_cell() + _micro_cell(sparsity=99.0, auto_ms=0.05)
+    peers.derive({"micro": rows})
+    t = {x["target"].split(" (")[0]: x for x in peers.micro_targets(rows)}
+    three = t["3x faster than the fastest sparse peer"]
+    assert [c["met"] for c in three["cells"]["auto"]] == [True, False]
+    assert three["verdicts"]["auto"] == "NOT reached (1 of 2 cells miss)"
+    ten = t["10x faster than cuSPARSE"]
+    assert ten["verdicts"]["auto"] == "reached (all 2 cells)"
+
+
+def test_wrong_rows_are_never_a_peer():
+    rows = _micro_cell()
+    rows[3]["status"] = "wrong"  # stk
+    rows[2]["status"] = "wrong"  # bsr
+    peers.derive({"micro": rows})
+    assert {r["system"]: r for r in rows}["pitgen-auto"]["best_peer"] == "cusparse"
+
+
+def test_replot_writes_every_file_without_a_gpu(tmp_path):
+    doc = {"meta": {"device": "test GPU", "mode": "quick"}, "params": {"repeats": 10},
+           "notes": ["a note"], "results": {"micro": _micro_cell() + _micro_cell(99.0)}}
+    (tmp_path / "bench.json").write_text(json.dumps(doc))
+    assert main(["peers", "--replot", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Targets" in summary and "- a note" in summary and "test GPU" in summary
+    assert "| 4096 | 32x1 | 90% | 0.2000 | torch BSR (Triton) 0.0800 |" in summary
+    assert "| 32x1 | 99% | pitgen auto |" in (tmp_path / "micro.md").read_text()
+    assert (tmp_path / "micro.csv").read_text().startswith("workload,size,granularity,sparsity")
+
+
+# -- command line ------------------------------------------------------------------------------
+
+def test_arguments_and_defaults():
+    args = suite.parser().parse_args([])
+    assert args.parts == [] and not args.quick and args.out == "pitgen-bench"
+    args = suite.parser().parse_args(["graphs", "peers", "--quick", "--workloads", "moe,micro",
+                                      "--sparsity", "0,90", "--granularity", "32x1"])
+    assert args.parts == ["graphs", "peers"] and args.quick
+    assert args.workloads == ["micro", "moe"]  # run order, not the order given
+    assert args.sparsity == ["0", "90"] and args.granularity == ["32x1"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bogus"], "unknown part(s) bogus"),
+    (["peers", "--workloads", "micro,nope"], "unknown workload(s) ['nope']"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--budget", "-1"], "--budget must be positive"),
+    (["matmul", "--granularity", "32y1"], "expected ROWSxCOLS"),
+    (["moe", "--experts", "many"], "--experts: numbers"),
+])
+def test_bad_arguments_exit_2(capsys, argv, match):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "matmul" in capsys.readouterr().out
+
+
+def test_refuses_without_torch(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails
+    assert main(["attention"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("pitgen: error: pitgen bench needs a CUDA GPU: torch is not installed")
+    assert "Traceback" not in err and out == ""
+
+
+def test_refuses_without_a_cuda_device(capsys, monkeypatch):
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(is_available=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert main(["--quick"]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_no_sys_path_edits_in_scripts_or_tests():
+    edit = "sys." + "path"
+    offenders = [str(p.relative_to(ROOT)) for folder in ("scripts", "tests")
+                 for p in (ROOT / folder).glob("*.py") if edit in p.read_text()]
+    assert offenders == []
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_timer_times_a_small_op():
+    import torch
+
+    from pitgen.bench import Timer
+
+    timer = Timer(repeats=5)
+    a = torch.randn(1024, 1024, device="cuda")
+    ms = timer(lambda: a @ a)
+    assert 0 < ms < 100
+    t = timer.both(lambda: a @ a, calls=5)
+    assert t.gpu_ms > 0 and t.wall_ms > 0
+    seen = []
+    timer(lambda x: seen.append(x), inputs=[(1,), (2,), (3,)], repeats=4, warmup=0)
+    assert seen == [1, 2, 3, 1]  # rotation among the input sets
+
+
+@pytest.mark.gpu
+def test_ceilings_are_plausible():
+    from pitgen.bench import Timer, measure_ceilings
+
+    c = measure_ceilings(Timer(repeats=3), copy_mib=256, matmul_n=4096)
+    assert 1e8 < c.copy_bytes_per_ms < 2e10  # 100 GB/s .. 20 TB/s, reads + writes
+    assert all(1 < v < 10_000 for v in c.matmul_tflops.values())
