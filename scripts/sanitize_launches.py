@@ -31,7 +31,8 @@ for dtype in ("float16", "float32"):
 # the sparse-training autograd path.
 import numpy as np
 
-from pitgen.ops.attention import sparse_attention, tile_mask
+from pitgen.ops.attention import sparse_attention
+from pitgen.testing import tile_mask
 from pitgen.graph.device import DeviceCSR, to_format
 from pitgen.graph.kernels import sddmm as graph_sddmm, spmm
 from pitgen.ops.moe import moe_ffn

@@ -15,8 +15,9 @@ from pitgen.bench.workloads import block_mask
 from pitgen.compiler import compile_source
 from pitgen.errors import PlanError
 from pitgen.lower import Layout, Schedule, gemm_form, lower
-from pitgen.render import render
-from pitgen.runtime import GemmCall, Launcher, as_operand, device_arch
+from pitgen.operands import as_operand
+from pitgen.ops.matmul import MATMUL, GemmCall, Launcher
+from pitgen.runtime import device_arch
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
 
@@ -49,7 +50,7 @@ def main():
                 pass
     arch = device_arch()
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda sp: compile_source(render(sp), arch), specs))
+        list(pool.map(lambda sp: compile_source(MATMUL.source(sp.context()), arch), specs))
     print(f"compiled {len(specs)} variants")
     for kind, axis, shape, density in modes:
         A = A0 * block_mask((n, n), shape or (1, 1), density).half()

@@ -23,13 +23,13 @@ TARGET = 0.5
 
 def masks(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """The three masks, seeded (shared with scripts/tune_attention.py)."""
-    from pitgen.ops import attention as A
+    from pitgen import testing as T
 
     return {
-        "blocks 128x128, 90% sparse": A.tile_mask(rng, S, S, (128, 128), 0.1),
-        "Longformer w256 + 16 global": A.longformer_mask(S, S, 256,
-                                                         A.random_global_tokens(rng, S, 16)),
-        "micro 1x64, 90% sparse": A.tile_mask(rng, S, S, (1, 64), 0.1),
+        "blocks 128x128, 90% sparse": T.tile_mask(rng, S, S, (128, 128), 0.1),
+        "Longformer w256 + 16 global": T.longformer_mask(S, S, 256,
+                                                         T.random_global_tokens(rng, S, 16)),
+        "micro 1x64, 90% sparse": T.tile_mask(rng, S, S, (1, 64), 0.1),
     }
 
 
@@ -70,6 +70,7 @@ def run(r: Run) -> int:
     import torch
     import torch.nn.functional as F
 
+    from pitgen import reference as R
     from pitgen.ops import attention as A
 
     torch.manual_seed(0)
@@ -82,7 +83,7 @@ def run(r: Run) -> int:
     for name, mask_np in masks(np.random.default_rng(0)).items():
         print(f"attention: {name}", file=sys.stderr, flush=True)
         m = torch.from_numpy(mask_np).cuda()
-        block_density = float((A.block_index_reference(mask_np) != A.EMPTY).mean())
+        block_density = float((R.block_index_reference(mask_np) != A.EMPTY).mean())
         density = float(mask_np.mean())
         row: dict[str, Any] = {"pattern": name, "density": density,
                                "block_density_64": block_density, "dense_sdpa_ms": dense_ms}

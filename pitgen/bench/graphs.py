@@ -163,7 +163,8 @@ def warm_sources() -> list[tuple[str, dict]]:
     from types import SimpleNamespace
 
     from pitgen.graph import kernels as graph_ops
-    from pitgen.graph.device import BSR_BLOCKS, hyb_atomic
+    from pitgen.graph.device import hyb_atomic
+    from pitgen.graph.formats import BSR_BLOCKS
     from pitgen.graph.tune import HYB_C, HYB_K
 
     out: dict[str, tuple[str, dict]] = {}
@@ -302,11 +303,11 @@ def run(r: Run) -> int:
     rewritten after every graph."""
     import torch
 
-    from pitgen.compiler import cache_dir
+    from pitgen import cache
 
     t0 = time.monotonic()
     max_s = r.budget(220.0)
-    folder = Path(r.args.graphs) if r.args.graphs else cache_dir() / "graphs"
+    folder = Path(r.args.graphs) if r.args.graphs else cache.directory("graphs")
     folder.mkdir(parents=True, exist_ok=True)
     old_cache = os.environ.get("PITGEN_TUNE_CACHE")
     os.environ["PITGEN_TUNE_CACHE"] = tempfile.mkdtemp(prefix="pitgen-tune-")  # every case searches
