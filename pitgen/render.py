@@ -31,9 +31,9 @@ def environment() -> jinja2.Environment:
         trim_blocks=False, lstrip_blocks=False)
 
 
-def render_template(name: str, **ctx: Any) -> str:
-    """CUDA source of template ``name`` rendered with ``ctx``."""
+def render_template(template: str, /, **ctx: Any) -> str:
+    """CUDA source of ``template`` rendered with ``ctx``."""
     try:
-        return environment().get_template(name).render(version=__version__, **ctx)
+        return environment().get_template(template).render(version=__version__, **ctx)
     except jinja2.TemplateError as e:  # a template bug, never user input: say where
-        raise CompileError(f"template error while rendering {name}: {e}") from e
+        raise CompileError(f"template error while rendering {template}: {e}") from e

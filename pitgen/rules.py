@@ -269,7 +269,7 @@ def _rule(op: Operator, axis: str) -> AxisRule:
 def analyse(op: Operator | str) -> Rules:
     """Derive the PIT rule of every loop axis of ``op``, each confirmed by symbolic evaluation.
     Remembered per expression text: the symbolic checks run once per process, however many
-    plans, operators and calls ask."""
+    plans, operators and calls ask (so the result is shared: read it, never mutate it)."""
     return _analyse(op if isinstance(op, str) else op.text)
 
 

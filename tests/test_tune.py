@@ -3,6 +3,7 @@ timing function), cache keys and the on-disk cache, expression recognition of fo
 and the ``pitgen tune`` command line's validation."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -303,10 +304,9 @@ def test_rules_are_consulted(monkeypatch):
     real = gk.analyse
 
     def no_j(op):
-        rules = real(op)
-        rules.axes["j"] = type(rules.axes["j"])(**{**rules.axes["j"].__dict__,
-                                                    "invariant": False, "reason": "test"})
-        return rules
+        rules = real(op)  # shared by every caller: build a new one, never mutate it
+        j = dataclasses.replace(rules.axes["j"], invariant=False, reason="test")
+        return dataclasses.replace(rules, axes={**rules.axes, "j": j})
     monkeypatch.setattr(gk, "analyse", no_j)
     for expr, sparse in ((SPMM, "A"), (SDDMM, "E")):
         with pytest.raises(pitgen.RuleError, match="axis j .* not permutation invariant"):
