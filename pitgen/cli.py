@@ -1,4 +1,9 @@
-"""The ``pitgen`` command line: thin wrappers over the library, one subcommand per stage."""
+"""The ``pitgen`` command line: thin wrappers over the library, one subcommand per stage.
+
+Exit status: 0 done; 1 a :class:`PitgenError` while running (``pitgen: error: ...``); 2 a usage
+error (argparse's, or an option value or combination checked before anything runs: usage and
+message as argparse prints them); 141 when stdout is closed early (``pitgen rules EXPR | head``:
+no traceback, the status a shell reports for a tool that SIGPIPE ends); 130 on Ctrl-C."""
 from __future__ import annotations
 
 import argparse
@@ -14,8 +19,7 @@ from .errors import PitgenError
 from .version import __version__
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
-#: Status when stdout is closed early (``pitgen ... | head``): 128 + SIGPIPE, what a shell
-#: reports for a tool that SIGPIPE ends, so ``set -o pipefail`` scripts see what they see for cat.
+#: 128 + SIGPIPE: ``set -o pipefail`` scripts see for pitgen what they see for cat or seq.
 EXIT_PIPE = 141
 EXIT_INTERRUPTED = 130
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
