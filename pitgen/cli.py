@@ -1,14 +1,37 @@
-"""The ``pitgen`` command line: thin wrappers over the library, one subcommand per stage."""
+"""The ``pitgen`` command line: thin wrappers over the library, one subcommand per stage.
+
+Exit status: 0 done; 1 a :class:`PitgenError` while running (``pitgen: error: ...``); 2 a usage
+error (argparse's, or an option value or combination checked before anything runs: usage and
+message as argparse prints them); 141 when stdout is closed early (``pitgen rules EXPR | head``:
+no traceback, the status a shell reports for a tool that SIGPIPE ends); 130 on Ctrl-C."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .errors import PitgenError
+from .version import __version__
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+#: 128 + SIGPIPE: ``set -o pipefail`` scripts see for pitgen what they see for cat or seq.
+EXIT_PIPE = 141
+EXIT_INTERRUPTED = 130
+MATMUL = "C[m,n] += A[m,k] * B[k,n]"
+
+
+class UsageError(PitgenError):
+    """A bad option value or combination, found before anything runs: exit status 2."""
+
+
+def _say(msg: str) -> None:
+    """Progress for steps that take seconds: stderr, so stdout stays the result."""
+    print(f"pitgen: {msg}", file=sys.stderr, flush=True)
 
 
 def _rules(args: argparse.Namespace) -> None:
@@ -43,34 +66,38 @@ def _emit(args: argparse.Namespace) -> None:
                       for o in ("sparse", "dtype", "micro_tile", "tile", "arch", "out"))
     if args.list or args.catalogue:
         if args.expr or kernel_opts or (args.list and args.catalogue):
-            raise PitgenError("--list and --catalogue take no expression or kernel options")
+            raise UsageError("--list and --catalogue take no expression or kernel options")
         requests = list(CATALOGUE)
     else:
         missing = [o for o, v in (("EXPR", args.expr), ("--sparse", args.sparse),
                                   ("--micro-tile", args.micro_tile), ("--out", args.out)) if not v]
         if missing:
-            raise PitgenError(f"emit needs {', '.join(missing)} (or --catalogue DIR, or --list)")
+            raise UsageError(f"emit needs {', '.join(missing)} (or --catalogue DIR, or --list)")
         requests = [Request(args.expr, args.sparse, args.micro_tile, args.dtype or DEFAULT_DTYPE,
                             args.tile, args.arch or DEFAULT_ARCH)]
+    if args.compile and args.list:
+        raise UsageError("--compile needs files: use it with --out or --catalogue, not --list")
     items = emit_all(requests, Progress("emit", len(requests)))
     if args.list:
         print(listing(items))
         return
     paths = write(items, Path(args.catalogue or args.out))
-    print("\n".join(map(str, paths)))
+    print("\n".join(map(str, paths)), flush=True)
     if args.compile:
         sources = [p for p in paths if p.suffix == ".cu"]
         archs = sorted({r.arch for r in requests})
+        _say(f"compiling {len(sources)} source(s) with nvcc for {', '.join(archs)} ...")
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="pitgen-emit-") as tmp:
             compile_objects(sources, archs, Path(tmp), jobs(), Progress("nvcc", len(sources)))
-        print(f"compiled {len(sources)} source(s) with nvcc for {', '.join(archs)}", file=sys.stderr)
+        _say(f"compiled {len(sources)} source(s) with nvcc for {', '.join(archs)} "
+             f"in {time.perf_counter() - t0:.1f} s")
 
 
 def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
     """GRAPH of ``pitgen tune``: a .npz sparse matrix (scipy's save_npz or make_graphs' plain
-    arrays) or ``synthetic:NAME``, a graph of :mod:`pitgen.graph.synthetic`."""
-    from pathlib import Path
-
+    arrays) or ``synthetic:NAME``, a graph of :mod:`pitgen.graph.synthetic`. A bad name or
+    ``scale`` is a :class:`UsageError`; an unreadable file a plain :class:`PitgenError`."""
     from .graph.formats import load_graph
 
     if spec.startswith("synthetic:"):
@@ -78,12 +105,12 @@ def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
 
         name = spec.split(":", 1)[1]
         if name not in synthetic.GRAPHS:
-            raise PitgenError(f"unknown synthetic graph {name!r}; known: {', '.join(synthetic.GRAPHS)}")
+            raise UsageError(f"unknown synthetic graph {name!r}; known: {', '.join(synthetic.GRAPHS)}")
         if not 0 < scale <= 1:
-            raise PitgenError(f"--scale must be in (0, 1], got {scale}")
+            raise UsageError(f"--scale must be in (0, 1], got {scale}")
         return synthetic.make_graph(name, seed=seed, scale=scale)
     if scale != 1.0:
-        raise PitgenError("--scale applies to synthetic:NAME graphs only")
+        raise UsageError("--scale applies to synthetic:NAME graphs only")
     try:
         return load_graph(spec)
     except (OSError, ValueError, EOFError, KeyError) as e:
@@ -92,42 +119,27 @@ def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
         raise PitgenError(f"cannot read graph {spec!r}: {e}") from None
 
 
-def tune_options(args: argparse.Namespace) -> tuple[str, int, str, float, list[str]]:
-    """Validated (op, feat, dtype, budget, formats) of ``pitgen tune``: no GPU needed."""
-    from .graph.jit import GRAPH_DTYPES
-    from .graph.tune import FORMATS, OPS
-
-    if args.op not in OPS:
-        raise PitgenError(f"--op must be one of {', '.join(OPS)}, got {args.op!r}")
-    if args.feat < 1:
-        raise PitgenError(f"--feat must be >= 1, got {args.feat}")
-    if args.dtype not in GRAPH_DTYPES:
-        raise PitgenError(f"--dtype must be one of {', '.join(GRAPH_DTYPES)}, got {args.dtype!r}")
-    if not args.budget > 0:
-        raise PitgenError(f"--budget must be > 0 seconds, got {args.budget}")
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        raise PitgenError(f"--formats: unknown format(s) {bad or args.formats!r}; choose from "
-                          f"{','.join(FORMATS)}")
-    return args.op, args.feat, args.dtype, args.budget, formats
-
-
 def _tune(args: argparse.Namespace) -> None:
-    """Options and graph are checked before the GPU is touched."""
+    """The graph is loaded (and the options checked) before the GPU is touched. tune() reports
+    nothing while it searches, so progress is a line before the search and the summary after."""
     from .errors import DeviceError
     from .graph.tune import tune
 
-    op, feat, dtype, budget, formats = tune_options(args)
+    t0 = time.perf_counter()
     csr = load_graph_arg(args.graph, args.scale, args.seed)
+    _say(f"tune: graph {args.graph}: {csr.shape[0]} x {csr.shape[1]}, {csr.nnz} non-zeros "
+         f"(loaded in {time.perf_counter() - t0:.1f} s)")
     try:
         import torch  # noqa: F401
 
         from .graph.device import DeviceCSR
     except ImportError as e:
         raise DeviceError(f"pitgen tune runs on the GPU and needs torch: {e}") from None
-    a = DeviceCSR.from_host(csr, dtype)
-    result = tune(a, op, feat, dtype, budget_s=budget, formats=formats, cache=not args.no_cache)
+    a = DeviceCSR.from_host(csr, args.dtype)
+    _say(f"tune: searching {args.op} (feat {args.feat}, {args.dtype}) over "
+         f"{','.join(args.formats)} for up to {args.budget:g} s ...")
+    result = tune(a, args.op, args.feat, args.dtype, budget_s=args.budget, formats=args.formats,
+                  cache=not args.no_cache)
     if args.json:
         doc = result.to_json()
         doc["graph"] = {"spec": args.graph, "rows": csr.shape[0], "cols": csr.shape[1],
@@ -141,59 +153,161 @@ def _tune(args: argparse.Namespace) -> None:
         print(f"  {t.status}: {t.fmt} {t.params} {t.schedule}: {t.reason}")
 
 
+def _bench(argv: list[str]) -> int:
+    """``pitgen bench ARGS``: ARGS go unchanged to :func:`pitgen.bench.main` (its options, its
+    --help, its progress); imported only here, since it is optional and pulls in plotting."""
+    import importlib
+
+    try:
+        bench = importlib.import_module(f"{__package__}.bench")
+    except ImportError as e:
+        if e.name == f"{__package__}.bench":
+            raise PitgenError("this pitgen has no benchmark suite (the pitgen.bench package is "
+                              "missing)") from None
+        raise PitgenError(f"pitgen bench needs {e.name or e}: pip install 'pitgen[bench]'") from None
+    t0 = time.perf_counter()
+    status = bench.main(argv)
+    if time.perf_counter() - t0 >= 1:
+        _say(f"bench: finished in {time.perf_counter() - t0:.1f} s (exit status {status})")
+    return status
+
+
+def _at_least(minimum: float, kind: Callable[[str], Any], strict: bool = False
+              ) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` (int or float) at least (or, ``strict``, above) ``minimum``."""
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum:g}, "
+                                             f"got {text}")
+        return value
+    return check
+
+
+def _formats(text: str) -> list[str]:
+    """An argparse type: comma-separated formats of ``pitgen tune``, each one checked."""
+    from .graph.tune import FORMATS
+
+    items = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in items if f not in FORMATS]
+    if bad or not items:
+        what = f"unknown format(s) {', '.join(map(repr, bad))}" if bad else "no format given"
+        raise argparse.ArgumentTypeError(f"{what}; choose from {','.join(FORMATS)}")
+    return items
+
+
+def _subcommand(sub: Any, name: str, summary: str, example: str,
+                func: Callable[[argparse.Namespace], None]) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with an example; it reports its own usage errors."""
+    sp = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".",
+                        epilog=example, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.set_defaults(func=func, parser=sp)
+    return sp
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pitgen", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    """The parser of every subcommand but ``bench``'s arguments, which go to pitgen.bench."""
+    from .emit import ARCH_SMEM, DEFAULT_ARCH, DEFAULT_DTYPE
+    from .graph.jit import GRAPH_DTYPES
+    from .graph.tune import FORMATS, OPS
+    from .lower import DTYPES
 
-    r = sub.add_parser("rules", help="derive the PIT rules (invariant axes) of an expression")
-    r.add_argument("expr", help="e.g. 'C[m,n] += A[m,k] * B[k,n]'")
+    p = argparse.ArgumentParser(
+        prog="pitgen", description="CUDA kernels for dynamically sparse operators (PIT): one "
+        "subcommand per stage, from an expression's rules to standalone kernels.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"examples:\n  pitgen rules '{MATMUL}'\n  pitgen emit --list\n"
+               "  pitgen bench --help       # the benchmark suite's own options\n\n"
+               f"exit status: {EXIT_OK} done, {EXIT_ERROR} error while running, {EXIT_USAGE} usage "
+               f"error, {EXIT_PIPE} output closed early (| head), {EXIT_INTERRUPTED} interrupted")
+    p.add_argument("--version", action="version", version=f"pitgen {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = _subcommand(sub, "rules", "derive the PIT rules (invariant axes) of an expression",
+                    f"example:\n  pitgen rules '{MATMUL}' --json", _rules)
+    r.add_argument("expr", metavar="EXPR", help=f"e.g. '{MATMUL}'")
     r.add_argument("--json", action="store_true", help="machine-readable output")
-    r.set_defaults(func=_rules)
 
-    pl = sub.add_parser("plan", help="choose a micro-tile for a sparse operand from its mask")
-    pl.add_argument("--expr", required=True)
+    pl = _subcommand(sub, "plan", "choose a micro-tile for a sparse operand from its mask",
+                     f"example:\n  pitgen plan '{MATMUL}' --sparse A --mask mask.npy --json",
+                     _plan)
+    pl.add_argument("expr", metavar="EXPR", help=f"e.g. '{MATMUL}'")
     pl.add_argument("--sparse", required=True, help="name of the sparse operand, e.g. A")
     pl.add_argument("--mask", required=True, help=".npy file: boolean mask of the operand's shape")
     pl.add_argument("--tile", default=None, help="dense compute tile, e.g. 64x64x32 (axis order)")
-    pl.add_argument("--json", action="store_true")
-    pl.set_defaults(func=_plan)
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
 
-    e = sub.add_parser("emit", help="write standalone kernels (.cu + .h with a C API) for other projects")
-    e.add_argument("expr", nargs="?", help="e.g. 'C[m,n] += A[m,k] * B[k,n]'")
+    e = _subcommand(sub, "emit", "write standalone kernels (.cu + .h with a C API) for other projects",
+                    f"examples:\n  pitgen emit '{MATMUL}' --sparse A --micro-tile 32x1 --out kernels/ "
+                    "--compile\n  pitgen emit --catalogue generated/\n  pitgen emit --list", _emit)
+    e.add_argument("expr", metavar="EXPR", nargs="?", help=f"e.g. '{MATMUL}'")
     e.add_argument("--sparse", help="name of the sparse operand, e.g. A")
-    e.add_argument("--dtype", help="float16 (default), bfloat16 or float32")
+    e.add_argument("--dtype", choices=list(DTYPES), help=f"element type (default {DEFAULT_DTYPE})")
     e.add_argument("--micro-tile", help="micro-tile or block of the sparse operand, e.g. 32x1 (dim order)")
     e.add_argument("--tile", help="compute tile, e.g. 64x128x32 (axis order)")
-    e.add_argument("--arch", help="architecture the tile must fit, sm_80 (default) or newer")
+    e.add_argument("--arch", choices=list(ARCH_SMEM),
+                   help=f"architecture the tile must fit (default {DEFAULT_ARCH})")
     e.add_argument("--out", help="directory for <name>.cu and <name>.h")
     e.add_argument("--catalogue", metavar="DIR", help="write pitgen's catalogue of kernels into DIR")
     e.add_argument("--list", action="store_true", help="list the catalogue's kernels")
     e.add_argument("--compile", action="store_true", help="check that the files build with nvcc")
-    e.set_defaults(func=_emit)
 
-    t = sub.add_parser("tune", help="search formats x schedules for a graph operator (GPU)")
-    t.add_argument("graph", help="a .npz sparse matrix, or synthetic:NAME (cora, pubmed, reddit, ...)")
-    t.add_argument("--op", default="spmm", help="spmm (default) or sddmm")
-    t.add_argument("--feat", type=int, default=128, help="feature width (default 128)")
-    t.add_argument("--dtype", default="float16", help="float16 (default) or float32")
-    t.add_argument("--budget", type=float, default=60.0, help="search seconds (default 60)")
-    t.add_argument("--formats", default="csr,ell,bsr,hyb", help="comma-separated formats to search")
+    t = _subcommand(sub, "tune", "search formats x schedules for a graph operator (GPU)",
+                    "example:\n  pitgen tune synthetic:cora --op spmm --feat 128 --budget 30", _tune)
+    t.add_argument("graph", metavar="GRAPH",
+                   help="a .npz sparse matrix, or synthetic:NAME (cora, pubmed, reddit, ...)")
+    t.add_argument("--op", default="spmm", choices=OPS, help="operator (default spmm)")
+    t.add_argument("--feat", type=_at_least(1, int), default=128, help="feature width (default 128)")
+    t.add_argument("--dtype", default="float16", choices=GRAPH_DTYPES,
+                   help="element type (default float16)")
+    t.add_argument("--budget", type=_at_least(0, float, strict=True), default=60.0,
+                   help="search seconds (default 60)")
+    t.add_argument("--formats", type=_formats, default=",".join(FORMATS),
+                   help=f"comma-separated formats to search (default {','.join(FORMATS)})")
     t.add_argument("--scale", type=float, default=1.0, help="shrink a synthetic graph by this")
     t.add_argument("--seed", type=int, default=0, help="seed of a synthetic graph")
     t.add_argument("--no-cache", action="store_true", help="do not store the result in the tune cache")
     t.add_argument("--json", action="store_true", help="the whole result, every trial included")
-    t.set_defaults(func=_tune)
+
+    sub.add_parser("bench", add_help=False, help="run the benchmark suite (pitgen.bench; "
+                   "every argument goes to it: pitgen bench --help)")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _run(argv: list[str]) -> int:
+    if argv[:1] == ["bench"]:  # verbatim: argparse would reorder or claim its options
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+    except UsageError as e:
+        args.parser.error(str(e))  # usage and message as argparse's own, then SystemExit(2)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (see ``pitgen --help``) instead of exiting."""
+    try:
+        status = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return status
+    except SystemExit as e:  # argparse (--help, --version, usage errors) or pitgen.bench
+        if e.code is None or isinstance(e.code, int):
+            return e.code or EXIT_OK
+        print(e.code, file=sys.stderr)
+        return EXIT_ERROR
     except PitgenError as e:
         print(f"pitgen: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # Python's advice: the rest of the output goes nowhere, so the exit flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

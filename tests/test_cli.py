@@ -1,6 +1,14 @@
-"""Command-line tests, one section per subcommand."""
+"""Command-line tests, one section per subcommand, then what every subcommand shares: exit
+statuses (0 done, 1 error while running, 2 usage error), --version, --help examples and a
+closed pipe."""
 import json
+import subprocess
+import sys
+import types
 
+import pytest
+
+import pitgen
 from pitgen.cli import main
 
 CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"
@@ -43,8 +51,8 @@ def test_rules_explain_by_default(capsys):
     assert "y: spatial axis, NOT invariant" in out and "symbolic check:" in out
 
 
-def test_rules_bad_expression_exits_2(capsys):
-    assert main(["rules", "C[m,n] += relu(A[m,k] * B[k,n])", "--json"]) == 2
+def test_rules_bad_expression_exits_1(capsys):
+    assert main(["rules", "C[m,n] += relu(A[m,k] * B[k,n])", "--json"]) == 1
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("pitgen: error: relu(...) under '+=' is not a valid sum")
@@ -64,7 +72,7 @@ def micro_32x1_mask(tmp_path, density=0.05, shape=(1024, 1024)):
 
 def test_plan_json_finds_the_32x1_micro_tile(capsys, tmp_path):
     mask = micro_32x1_mask(tmp_path)
-    assert main(["plan", "--expr", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A", "--mask", mask,
+    assert main(["plan", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A", "--mask", mask,
                  "--json"]) == 0
     out, err = capsys.readouterr()
     assert err == ""
@@ -81,22 +89,83 @@ def test_plan_table_and_tile(capsys, tmp_path):
 
     path = tmp_path / "ones.npy"
     np.save(path, np.ones((256, 128), np.float32))
-    assert main(["plan", "--expr", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A",
+    assert main(["plan", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A",
                  "--mask", str(path), "--tile", "128x64x64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("plan for C[m,n] += A[m,k] * B[k,n]\n")
     assert "tile m=128 n=64 k=64" in out and "choice: dense 128x64" in out
 
 
-def test_plan_errors_exit_2(capsys, tmp_path):
+def test_plan_errors_exit_1(capsys, tmp_path):
     mask = micro_32x1_mask(tmp_path, shape=(64, 64))
     expr = "C[m,n] += A[m,k] * B[k,n]"
-    assert main(["plan", "--expr", expr, "--sparse", "D", "--mask", mask]) == 2
+    assert main(["plan", expr, "--sparse", "D", "--mask", mask]) == 1
     assert "operands: A, B" in capsys.readouterr().err
-    assert main(["plan", "--expr", expr, "--sparse", "A", "--mask", mask, "--tile", "64x64"]) == 2
+    assert main(["plan", expr, "--sparse", "A", "--mask", mask, "--tile", "64x64"]) == 1
     assert "tile has 2 extents" in capsys.readouterr().err
-    assert main(["plan", "--expr", CONV, "--sparse", "I", "--mask", mask]) == 2
+    assert main(["plan", CONV, "--sparse", "I", "--mask", mask]) == 1
     err = capsys.readouterr().err
     assert "mask has shape (64, 64) (rank 2) but I[" in err and "has rank 4" in err
-    assert main(["plan", "--expr", expr, "--sparse", "A", "--mask", str(tmp_path / "no.npy")]) == 2
+    assert main(["plan", expr, "--sparse", "A", "--mask", str(tmp_path / "no.npy")]) == 1
     assert "cannot read mask" in capsys.readouterr().err
+
+
+def test_plan_takes_the_expression_positionally(capsys, tmp_path):
+    mask = micro_32x1_mask(tmp_path, shape=(64, 64))
+    assert main(["plan", "--expr", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A", "--mask", mask]) == 2
+    assert "pitgen: error: unrecognized arguments: --expr" in capsys.readouterr().err
+
+
+# -- pitgen bench ----------------------------------------------------------------------------------
+
+def test_bench_forwards_its_arguments_unchanged(capsys, monkeypatch):
+    seen = []
+    fake = types.SimpleNamespace(main=lambda argv: seen.append(argv) or 3)
+    monkeypatch.setitem(sys.modules, "pitgen.bench", fake)
+    argv = ["--out", "x", "matmul", "--quick", "--help"]
+    assert main(["bench", *argv]) == 3
+    assert seen == [argv]
+
+
+def test_bench_missing_exits_1(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pitgen.bench", None)  # import raises ModuleNotFoundError
+    assert main(["bench", "--quick"]) == 1
+    assert capsys.readouterr().err.startswith("pitgen: error: this pitgen has no benchmark suite")
+
+
+# -- every subcommand ------------------------------------------------------------------------------
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"pitgen {pitgen.__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["rules", "plan", "emit", "tune"])
+def test_help_shows_an_example(capsys, command):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: pitgen {command} ") and f"\n  pitgen {command} " in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    ([], "the following arguments are required: COMMAND"),
+    (["rules"], "the following arguments are required: EXPR"),
+    (["rules", "C[m] += A[m]", "--bad"], "unrecognized arguments: --bad"),
+    (["emit", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["emit", "--list", "--compile"], "--compile needs files"),
+])
+def test_usage_errors_exit_2(capsys, argv, match):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: pitgen") and match in err
+
+
+def test_closed_pipe_exits_quietly():
+    """``pitgen rules EXPR | head -1``: the reader is gone before pitgen writes (closed here
+    before the child is done importing); no traceback, status 141 as for a tool SIGPIPE ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "pitgen.cli", "rules", CONV, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert (proc.wait(timeout=60), err) == (141, b"")

@@ -1,7 +1,8 @@
 """CPU checks of ``pitgen emit`` (no GPU): generated/ is exactly what ``pitgen emit --catalogue``
 writes today; every emitted source compiles with nvcc alone for sm_80 and sm_90, the headers
 are C, and the example links; the run-time variant choice never runs a variant that lowering
-would refuse for those operands; impossible requests exit 2 before anything is written."""
+would refuse for those operands; impossible requests exit 1 (refused by the library) or 2 (bad
+options) before anything is written."""
 from __future__ import annotations
 
 import random
@@ -108,14 +109,11 @@ REFUSALS = {
     "micro-tile off the mma shape": ([EXPR, "--sparse", "A", "--micro-tile", "48x1"], "mma"),
     "n-tile the warps cannot split": ([EXPR, "--sparse", "A", "--micro-tile", "32x1", "--tile", "32x24x32"],
                                       "warps"),
-    "unknown arch": ([EXPR, "--sparse", "A", "--micro-tile", "32x1", "--arch", "sm_12"],
-                     "unknown arch 'sm_12'"),
     "tile over the arch's shared memory": ([EXPR, "--sparse", "A", "--micro-tile", "128x1", "--tile",
                                             "128x256x128", "--arch", "sm_86"], "shared memory"),
     "non-GEMM expression": (["y[m] += A[m,k] * x[k]", "--sparse", "A", "--micro-tile", "32x1"],
                             "no GPU kernel"),
     "no micro-tile": ([EXPR, "--sparse", "A", "--micro-tile", "auto"], "needs the micro-tile"),
-    "unknown dtype": ([EXPR, "--sparse", "A", "--micro-tile", "32x1", "--dtype", "float64"], "float64"),
     "unknown operand": ([EXPR, "--sparse", "D", "--micro-tile", "32x1"], "operands: A, B"),
     "name of the C API": (["C[m,n] += A[m,k] * stream[k,n]", "--sparse", "A", "--micro-tile", "32x1"],
                           "clash"),
@@ -123,12 +121,27 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("args, why", REFUSALS.values(), ids=REFUSALS.keys())
-def test_impossible_requests_exit_2_and_write_nothing(tmp_path, capsys, args, why):
+def test_impossible_requests_exit_1_and_write_nothing(tmp_path, capsys, args, why):
     out = tmp_path / "out"
-    assert main(["emit", *args, "--out", str(out)]) == 2
+    assert main(["emit", *args, "--out", str(out)]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("pitgen: error: ")
     assert why in captured.err
+    assert not out.exists()
+
+
+BAD_OPTIONS = {
+    "unknown arch": (["--arch", "sm_12"], "argument --arch: invalid choice: 'sm_12'"),
+    "unknown dtype": (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+}
+
+
+@pytest.mark.parametrize("args, why", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_options_exit_2_and_write_nothing(tmp_path, capsys, args, why):
+    out = tmp_path / "out"
+    assert main(["emit", EXPR, "--sparse", "A", "--micro-tile", "32x1", *args, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("usage: pitgen emit ") and why in captured.err
     assert not out.exists()
 
 

@@ -343,18 +343,28 @@ def test_format_kernel_binds_operands_by_position_and_name():
 # -- command line ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,match", [
-    (["/no/such.npz"], "cannot read graph '/no/such.npz'"),
     (["synthetic:nope"], "unknown synthetic graph 'nope'"),
-    (["synthetic:cora", "--formats", "csr,coo"], "unknown format"),
-    (["synthetic:cora", "--op", "gemm"], "--op must be one of spmm, sddmm"),
-    (["synthetic:cora", "--feat", "0"], "--feat must be >= 1"),
-    (["synthetic:cora", "--dtype", "int8"], "--dtype must be one of float16, float32"),
-    (["synthetic:cora", "--budget", "-1"], "--budget must be > 0"),
+    (["synthetic:cora", "--formats", "csr,coo"], "argument --formats: unknown format(s) 'coo'"),
+    (["synthetic:cora", "--formats", ","], "argument --formats: no format given"),
+    (["synthetic:cora", "--op", "gemm"], "argument --op: invalid choice: 'gemm'"),
+    (["synthetic:cora", "--feat", "0"], "argument --feat: must be >= 1"),
+    (["synthetic:cora", "--dtype", "bfloat16"], "argument --dtype: invalid choice: 'bfloat16'"),
+    (["synthetic:cora", "--budget", "-1"], "argument --budget: must be > 0"),
     (["synthetic:cora", "--scale", "3"], "--scale must be in"),
-    ([str(ROOT / "README.md")], "cannot read graph"),
+    (["g.npz", "--scale", "0.5"], "--scale applies to synthetic:NAME graphs only"),
 ])
-def test_cli_tune_bad_input_exits_2(capsys, argv, match):
+def test_cli_tune_bad_options_exit_2(capsys, argv, match):
     assert main(["tune", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: pitgen tune ") and match in err
+
+
+@pytest.mark.parametrize("graph,match", [
+    ("/no/such.npz", "cannot read graph '/no/such.npz'"),
+    (str(ROOT / "README.md"), "cannot read graph"),
+])
+def test_cli_tune_unreadable_graph_exits_1(capsys, graph, match):
+    assert main(["tune", graph]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("pitgen: error: ") and match in err
 
