@@ -120,8 +120,8 @@ def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    """The graph is loaded (and the options checked) before the GPU is touched. tune() reports
-    nothing while it searches, so progress is a line before the search and the summary after."""
+    """The graph is loaded (and the options checked) before the GPU is touched; each measured
+    trial is a progress line on stderr."""
     from .errors import DeviceError
     from .graph.tune import tune
 
@@ -138,8 +138,13 @@ def _tune(args: argparse.Namespace) -> None:
     a = DeviceCSR.from_host(csr, args.dtype)
     _say(f"tune: searching {args.op} (feat {args.feat}, {args.dtype}) over "
          f"{','.join(args.formats)} for up to {args.budget:g} s ...")
+    def trial(t: Any, elapsed: float) -> None:
+        took = f"{t.ms:.3f} ms" if t.ms is not None else t.status
+        _say(f"tune: {elapsed:5.1f}/{args.budget:g} s  {t.fmt} {t.params or ''} {t.schedule} "
+             f"-> {took}")
+
     result = tune(a, args.op, args.feat, args.dtype, budget_s=args.budget, formats=args.formats,
-                  cache=not args.no_cache)
+                  cache=not args.no_cache, progress=trial)
     if args.json:
         doc = result.to_json()
         doc["graph"] = {"spec": args.graph, "rows": csr.shape[0], "cols": csr.shape[1],

@@ -144,10 +144,15 @@ def test_space_validates():
 def test_defaults_of_every_format_come_first():
     clock = FakeClock()
     m = fake_measure(clock, hyb_ms)
-    trials = T.Search(space(), m, budget_s=0.35, clock=clock).run()
+    heard = []
+    trials = T.Search(space(), m, budget_s=0.35, clock=clock,
+                      progress=lambda t, s: heard.append((t, s))).run()
     assert [(t.fmt, t.phase) for t in trials] == [
         ("csr", "default"), ("ell", "default"), ("bsr", "default"), ("hyb", "default")]
     assert all(t.schedule == SCHEDULES[t.fmt][0] for t in trials)
+    # progress hears of every measured trial, in order, with the time spent so far
+    assert [t for t, _ in heard] == [t for t in trials if t.status != "skipped"]
+    assert [s for _, s in heard] == sorted(s for _, s in heard) and heard[-1][1] > 0
 
 
 def test_budget_zero_still_runs_the_first_trial():

@@ -251,8 +251,11 @@ class Search:
     runs; no trial starts once ``budget_s`` has passed."""
 
     def __init__(self, space: Space, measure: Callable[[TuneConfig], Trial], budget_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 progress: Callable[[Trial, float], None] | None = None):
         self.space, self.measure, self.budget_s, self.clock = space, measure, budget_s, clock
+        #: called after each measured trial with it and the seconds spent so far
+        self.progress = progress
         self.trials: list[Trial] = []
         self._seen: set[tuple[str, str, str]] = set()
 
@@ -298,6 +301,8 @@ class Search:
                 self.trials.append(Trial.of(cand, "skipped", reason=why))
                 continue
             self.trials.append(self.measure(cand))
+            if self.progress is not None:
+                self.progress(self.trials[-1], self.clock() - t0)
         return self.trials
 
     def best(self) -> Trial | None:
@@ -496,15 +501,18 @@ def make_space(stats: GraphStats, op: str, feat: int, dtype: str,
 
 
 def tune(a: Any, op: str, feat: int, dtype: str, budget_s: float = 60,
-         formats: Sequence[str] = FORMATS, cache: bool = True, repeats: int = 5) -> TuneResult:
+         formats: Sequence[str] = FORMATS, cache: bool = True, repeats: int = 5,
+         progress: Callable[[Trial, float], None] | None = None) -> TuneResult:
     """Search formats x parameters x schedules for ``op`` ('spmm' or 'sddmm') on the DeviceCSR
     ``a`` with ``feat`` features of ``dtype``; returns the fastest. Synchronises with the host
     (timing). Candidates whose conversion or launch raises a pitgen error are logged as failed.
-    With ``cache`` the result is stored on disk (:func:`lookup` and :func:`best` read it)."""
+    With ``cache`` the result is stored on disk (:func:`lookup` and :func:`best` read it).
+    ``progress(trial, elapsed_s)`` hears of every measured trial as the search goes."""
     stats = _stats_of(a)
     space = make_space(stats, op, feat, dtype, formats)
     t0 = time.perf_counter()
-    trials = Search(space, _GpuMeasure(a, op, feat, dtype, repeats), budget_s).run()
+    trials = Search(space, _GpuMeasure(a, op, feat, dtype, repeats), budget_s,
+                    progress=progress).run()
     gc.collect()  # the candidates' layouts (reference cycles), before anything else allocates
     device = _device_name()
     result = result_of(space, trials, time.perf_counter() - t0, device)
