@@ -1,8 +1,32 @@
-"""Test data and checks for users of pitgen and for its own tests: mask patterns of every
-granularity, and (with Hypothesis installed) strategies that draw them."""
+"""Test data and checks for users of pitgen and for its own tests.
+
+- Mask patterns of every granularity (:func:`tile_mask`, :func:`granular_mask`,
+  :func:`longformer_mask`) and random CSR matrices (:func:`random_csr`), as plain functions of a
+  NumPy generator.
+- Hypothesis strategies that draw them, and expressions and shapes: :func:`masks`,
+  :func:`csr_matrices`, :func:`expressions`, :func:`extents`, :func:`shapes`. Importing this
+  module needs neither Hypothesis nor torch; calling a strategy without Hypothesis raises an
+  ImportError that names the package.
+- The float64 NumPy references every kernel is held to: :mod:`pitgen.reference` (also reachable
+  as ``pitgen.testing.reference``).
+- :func:`assert_close`, the dtype-aware comparison the GPU tests make, and :func:`poison`, which
+  fills an output before a launch so that elements a kernel never writes fail it.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
+
 import numpy as np
+
+from . import reference  # noqa: F401  (the float64 references, re-exported)
+from .expr import EPILOGUES
+from .graph.formats import CSR, index_dtype
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+Array = TypeVar("Array")
 
 
 # -- mask patterns ------------------------------------------------------------------------------
@@ -15,6 +39,30 @@ def tile_mask(rng: np.random.Generator, sq: int, sk: int, tile: tuple[int, int],
     tr, tc = max(1, tile[0]), max(1, tile[1])
     grid = rng.random((-(-sq // tr), -(-sk // tc))) < density
     return np.kron(grid, np.ones((tr, tc), bool))[:sq, :sk]
+
+
+#: Mask granularities: single elements, micro-tiles (one extent 1), blocks, whole rows or
+#: columns, and the two extremes.
+MASK_KINDS = ("element", "micro", "block", "row", "col", "empty", "full")
+#: Micro-tiles along either dimension (32x1: extent 1 along the columns, 1x64: along the rows).
+MICRO_TILES = ((16, 1), (32, 1), (64, 1), (1, 16), (1, 32), (1, 64))
+BLOCK_TILES = ((16, 16), (32, 64), (64, 32), (64, 64), (128, 128))
+
+
+def granular_mask(rng: np.random.Generator, shape: tuple[int, int], kind: str,
+                  tile: tuple[int, int] = (1, 1), density: float = 0.3) -> np.ndarray:
+    """A bool mask of ``shape`` whose set elements come in whole units of ``kind`` (one of
+    MASK_KINDS; ``tile`` is the unit of "micro" and "block"), each unit set with probability
+    ``density``; units are aligned to their grid and cut at the edges."""
+    rows, cols = shape
+    if kind not in MASK_KINDS:
+        raise ValueError(f"unknown mask kind {kind!r} (known: {', '.join(MASK_KINDS)})")
+    if kind == "empty":
+        return np.zeros(shape, bool)
+    if kind == "full":
+        return np.ones(shape, bool)
+    unit = {"element": (1, 1), "row": (1, cols), "col": (rows, 1)}.get(kind, tile)
+    return tile_mask(rng, rows, cols, unit, density)
 
 
 def longformer_mask(sq: int, sk: int, window: int, global_tokens: np.ndarray) -> np.ndarray:
@@ -32,3 +80,354 @@ def longformer_mask(sq: int, sk: int, window: int, global_tokens: np.ndarray) ->
 def random_global_tokens(rng: np.random.Generator, seq: int, count: int) -> np.ndarray:
     """``count`` distinct token positions (Longformer's dynamic global tokens)."""
     return np.sort(rng.choice(seq, size=min(count, seq), replace=False))
+
+
+# -- sparse matrices ----------------------------------------------------------------------------
+
+#: CSR shapes that break kernels: empty rows, one dense row, a fifth of the rows full (cut by
+#: hyb), power-law row lengths with popular columns (graphs), one column, no non-zero at all,
+#: and no row or no column.
+CSR_KINDS = ("random", "empty_rows", "dense_row", "long_rows", "power_law", "one_col", "nnz0",
+             "empty")
+
+
+def random_csr(rng: np.random.Generator, shape: tuple[int, int], kind: str = "random",
+               density: float = 0.1, values: bool = True) -> CSR:
+    """A CSR of ``shape`` and ``kind`` (one of CSR_KINDS; "one_col" and "empty" keep ``shape``
+    as given), built from its rows' column lists rather than from a dense array; non-zero
+    float64 values, or a pattern only (``values=False``)."""
+    rows, cols = shape
+    if kind not in CSR_KINDS:
+        raise ValueError(f"unknown CSR kind {kind!r} (known: {', '.join(CSR_KINDS)})")
+    if kind == "power_law" and rows and cols:
+        weight = rng.pareto(1.5, rows) + 1.0     # row lengths: a few hubs far above the mean
+        lengths = np.minimum(cols, np.round(weight / weight.mean() * density * cols)).astype(int)
+        popularity = 1.0 / np.arange(1, cols + 1) ** 0.8
+        popularity = rng.permutation(popularity / popularity.sum())
+        col_lists = [np.sort(rng.choice(cols, n, replace=False, p=popularity)) for n in lengths]
+    else:
+        mask = rng.random((rows, cols)) < density
+        if kind == "empty_rows" and rows:
+            mask[rng.random(rows) < 0.5] = False
+        if kind == "dense_row" and rows:
+            mask[rng.integers(rows)] = True
+        if kind == "long_rows" and rows:
+            mask[rng.random(rows) < 0.2] = True
+        if kind == "nnz0":
+            mask[:] = False
+        col_lists = [np.flatnonzero(r) for r in mask]
+    lengths = np.array([len(c) for c in col_lists], np.int64)
+    nnz = int(lengths.sum())
+    dt = index_dtype(cols, nnz)
+    indptr = np.zeros(rows + 1, dt)
+    np.cumsum(lengths, out=indptr[1:])
+    indices = np.concatenate([np.zeros(0, dt), *col_lists]).astype(dt)
+    data = None
+    if values:
+        data = rng.standard_normal(nnz)
+        data[data == 0] = 1.0
+    return CSR((rows, cols), indptr, indices, data)
+
+
+# -- Hypothesis strategies ----------------------------------------------------------------------
+
+
+def _strategies() -> Any:
+    """hypothesis.strategies, imported when a strategy is first asked for."""
+    try:
+        from hypothesis import strategies
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("pitgen.testing's strategies need Hypothesis: pip install hypothesis "
+                          "(or pitgen[test])") from e
+    return strategies
+
+
+def _known(kinds: Sequence[str], known: Sequence[str], what: str) -> None:
+    unknown = [k for k in kinds if k not in known]
+    if unknown or not kinds:
+        raise ValueError(f"unknown {what} kinds {unknown} (known: {', '.join(known)})")
+
+
+def extents(max_side: int = 200) -> SearchStrategy[int]:
+    """Extents in 1..max_side, tile multiples (16 to 256) as often as any other size: kernels
+    break at edges that are not tile multiples, and at ones that are."""
+    st = _strategies()
+    multiples = [v for v in (16, 32, 64, 128, 256) if v <= max_side]
+    sizes = st.integers(1, max_side)
+    return st.one_of(sizes, st.sampled_from(multiples)) if multiples else sizes
+
+
+def shapes(rank: int = 2, max_side: int = 200) -> SearchStrategy[tuple[int, ...]]:
+    """Tuples of ``rank`` :func:`extents`."""
+    st = _strategies()
+    return st.tuples(*[extents(max_side)] * rank)
+
+
+@dataclass(frozen=True, repr=False)
+class Mask:
+    """A drawn mask and how it was made: ``array`` (bool) is set in whole ``tile`` units aligned
+    to their grid ((1, 1) for "element", (1, cols) for "row", the whole shape for "empty" and
+    "full"), each unit with probability ``density``."""
+    array: np.ndarray
+    kind: str
+    tile: tuple[int, int]
+    density: float
+
+    def __repr__(self) -> str:  # the array itself would flood a failure report
+        r, c = self.array.shape
+        return (f"Mask({self.kind} {self.tile[0]}x{self.tile[1]}, shape {r}x{c}, "
+                f"density {self.density}, {int(self.array.sum())} set)")
+
+
+def masks(shape: tuple[int, int] | SearchStrategy[tuple[int, int]] | None = None, *,
+          kinds: Sequence[str] = MASK_KINDS, micro_tiles: Sequence[tuple[int, int]] = MICRO_TILES,
+          block_tiles: Sequence[tuple[int, int]] = BLOCK_TILES,
+          densities: Sequence[float] = (0.05, 0.3, 0.7), max_side: int = 200) -> SearchStrategy[Mask]:
+    """:class:`Mask` es of a fixed ``shape``, of shapes drawn from a strategy, or of
+    :func:`shapes` up to ``max_side`` (mostly not tile multiples), in every granularity of
+    ``kinds``."""
+    st = _strategies()
+    _known(kinds, MASK_KINDS, "mask")
+    if shape is None:
+        shape = shapes(2, max_side)
+    elif isinstance(shape, tuple):
+        shape = st.just(shape)
+
+    @st.composite
+    def draw_mask(draw: Any) -> Mask:
+        rows, cols = draw(shape)
+        kind = draw(st.sampled_from(list(kinds)))
+        tile = {"element": (1, 1), "row": (1, cols), "col": (rows, 1), "empty": (rows, cols),
+                "full": (rows, cols)}.get(kind)
+        if tile is None:
+            tile = draw(st.sampled_from(list(micro_tiles if kind == "micro" else block_tiles)))
+        density = draw(st.sampled_from(list(densities)))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        return Mask(granular_mask(rng, (rows, cols), kind, tile, density), kind, tile, density)
+
+    return draw_mask()
+
+
+def csr_matrices(*, max_rows: int = 70, max_cols: int = 90, kinds: Sequence[str] = CSR_KINDS,
+                 densities: Sequence[float] = (0.02, 0.1, 0.4),
+                 values: bool = True) -> SearchStrategy[CSR]:
+    """:func:`random_csr` matrices (``pitgen.graph.formats.CSR``) of every kind in ``kinds``, up
+    to ``max_rows`` x ``max_cols``."""
+    st = _strategies()
+    _known(kinds, CSR_KINDS, "CSR")
+
+    @st.composite
+    def draw_csr(draw: Any) -> CSR:
+        kind = draw(st.sampled_from(list(kinds)))
+        rows = draw(st.integers(1, max_rows))
+        cols = 1 if kind == "one_col" else draw(st.integers(1, max_cols))
+        if kind == "empty":
+            rows, cols = draw(st.sampled_from([(0, cols), (rows, 0), (0, 0)]))
+        density = draw(st.sampled_from(list(densities)))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        return random_csr(rng, (rows, cols), kind, density, values)
+
+    return draw_csr()
+
+
+#: Expression families: matmul with any operand order and transposition, batched matmul, conv
+#: (1-D or 2-D, indexed by y+r), an element-wise epilogue, and max/min/sum reductions.
+EXPRESSION_KINDS = ("matmul", "batched", "conv", "elementwise", "reduce")
+_AXES = ("i", "j", "k", "m", "n", "p", "q", "t", "row", "col", "kk")
+_TENSORS = ("A", "B", "X", "W", "Q", "K", "lhs", "rhs", "in_1", "Out")
+
+
+@dataclass(frozen=True)
+class Expression:
+    """A drawn expression and what holds for it by construction: its ``reduction`` axes, and the
+    ``fixed`` axes that are not permutation invariant (those inside a conv's y+r); every other
+    axis is."""
+    text: str
+    kind: str
+    reduction: frozenset[str]
+    fixed: frozenset[str]
+
+
+def expressions(kinds: Sequence[str] = EXPRESSION_KINDS) -> SearchStrategy[Expression]:
+    """:class:`Expression` s of the families in ``kinds`` with drawn axis and tensor names."""
+    st = _strategies()
+    _known(kinds, EXPRESSION_KINDS, "expression")
+
+    @st.composite
+    def draw_expression(draw: Any) -> Expression:
+        kind = draw(st.sampled_from(list(kinds)))
+        ax = draw(st.lists(st.sampled_from(_AXES), min_size=7, max_size=7, unique=True))
+        out, t1, t2 = draw(st.lists(st.sampled_from(_TENSORS), min_size=3, max_size=3, unique=True))
+        sep = draw(st.sampled_from([",", ", "]))
+
+        def acc(name: str, idx: Sequence[str]) -> str:
+            return f"{name}[{sep.join(idx)}]"
+
+        def maybe_swap(pair: list[str]) -> list[str]:
+            return pair[::-1] if draw(st.booleans()) else pair
+
+        if kind in ("matmul", "batched"):
+            m, n, k, b = ax[:4]
+            a_idx, b_idx, c_idx = maybe_swap([m, k]), maybe_swap([k, n]), maybe_swap([m, n])
+            if kind == "batched":
+                for idx in (a_idx, b_idx, c_idx):
+                    idx.insert(draw(st.integers(0, 2)), b)
+            rhs = maybe_swap([acc(t1, a_idx), acc(t2, b_idx)])
+            return Expression(f"{acc(out, c_idx)} += {rhs[0]} * {rhs[1]}", kind,
+                              frozenset({k}), frozenset())
+        if kind == "conv":
+            n, f, c, y, r, x, s = ax
+            pairs = [(y, r), (x, s)][:draw(st.integers(1, 2))]
+            sums = [f"{p}+{q}" if draw(st.booleans()) else f"{q}+{p}" for p, q in pairs]
+            text = (f"{acc(out, [n, f, *(p for p, _ in pairs)])} += {acc(t1, [n, c, *sums])} * "
+                    f"{acc(t2, [f, c, *(q for _, q in pairs)])}")
+            return Expression(text, kind, frozenset({c, *(q for _, q in pairs)}),
+                              frozenset(a for pair in pairs for a in pair))
+        if kind == "elementwise":
+            m, n = ax[:2]
+            rhs = acc(t1, maybe_swap([m, n]))
+            if draw(st.booleans()):
+                rhs += f" * {acc(t2, draw(st.sampled_from([[n], [m, n]])))}"
+            fn = draw(st.sampled_from([None, *sorted(EPILOGUES)]))
+            return Expression(f"{acc(out, [m, n])} = {f'{fn}({rhs})' if fn else rhs}", kind,
+                              frozenset(), frozenset())
+        m, k = ax[:2]
+        reducer = draw(st.sampled_from(["+=", "max=", "min="]))
+        rhs = acc(t1, maybe_swap([m, k])) + (f" * {acc(t2, [k])}" if draw(st.booleans()) else "")
+        return Expression(f"{acc(out, [m])} {reducer} {rhs}", kind, frozenset({k}), frozenset())
+
+    return draw_expression()
+
+
+# -- comparing results --------------------------------------------------------------------------
+
+#: Relative-norm error bound per compute type against float64, the ones the GPU tests hold
+#: kernels to: float32 on CUDA cores (graph formats), tf32 tensor cores (float32 GEMM and
+#: SDDMM: operands rounded to 10 mantissa bits), float16/bfloat16 tensor cores accumulating in
+#: float32, and float64 (the NumPy executor: summation order alone differs).
+TOLERANCES: dict[str, float] = {"float64": 1e-12, "float32": 1e-5, "tf32": 5e-4,
+                                "float16": 1e-2, "bfloat16": 1e-2}
+#: Each element may miss by ELEMENT_SLACK x the bound, relative to its own size plus the
+#: reference's root mean square: above the worst rounding of one element (a single product
+#: rounded twice, a result that cancels), yet one wrong element shows even where the norm of
+#: the error would hide it among many right ones.
+ELEMENT_SLACK = 10.0
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    name = str(dtype)
+    return name[len("torch."):] if name.startswith("torch.") else np.dtype(dtype).name
+
+
+def _tolerance(name: str) -> float:
+    """The bound for ``name``; 0 (exact) for integer and bool dtypes."""
+    if name in TOLERANCES:
+        return TOLERANCES[name]
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        dt = None
+    if dt is not None and (np.issubdtype(dt, np.integer) or dt == np.bool_):
+        return 0.0
+    raise ValueError(f"no bound for dtype {name!r}: give one of {', '.join(TOLERANCES)}, an "
+                     f"integer dtype, or tol=")
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """NumPy copy of a torch tensor (via .cpu().double(): bfloat16 has no NumPy type) or array."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        return (x.double() if x.is_floating_point() else x).numpy()
+    return np.asarray(x)
+
+
+def _first(bad: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(bad)[0])
+
+
+def assert_close(actual: Any, expected: Any, dtype: Any, *, tol: float | None = None,
+                 magnitude: Any = None, k: int = 1, what: str = "output") -> None:
+    """Assert that ``actual`` (a torch tensor or NumPy array, from a kernel computing in
+    ``dtype``: a name of TOLERANCES, a torch or NumPy dtype) matches the float64 ``expected``:
+
+    - the same shape, and no NaN: an unwritten (:func:`poison` ed) element or a bad read never
+      passes; no infinity either;
+    - relative-norm error ``||actual - expected|| / scale <= tol`` (``tol`` defaults to
+      TOLERANCES[dtype]), where scale is ``||expected||``, or at least ``||magnitude|| / sqrt(k)``
+      when ``magnitude`` (the same product over absolute values) and the reduction length ``k``
+      are given: a result that cancels to much less than its terms is held to the error that its
+      terms' rounding makes, not to its own size;
+    - every element within ``ELEMENT_SLACK * tol * (|expected| + |magnitude| / sqrt(k) + rms)``,
+      rms being scale / sqrt(size): one wrong element shows;
+    - exact zeros where the scale is zero; exact equality for integer and bool dtypes.
+    """
+    name = _dtype_name(dtype)
+    bound = _tolerance(name) if tol is None else float(tol)
+    got, ref = _numpy(actual), _numpy(expected)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != reference shape {ref.shape}"
+    if bound == 0.0:
+        bad = got != ref
+        assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} elements differ, first at "
+                               f"{_first(bad)}: {got[bad][0]!r} != {ref[bad][0]!r}")
+        return
+    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    if not np.isfinite(ref).all():
+        raise ValueError(f"{what}: the reference is not finite at {_first(~np.isfinite(ref))}")
+    nan = np.isnan(got)
+    assert not nan.any(), (f"{what}: {int(nan.sum())} of {nan.size} elements are NaN, first at "
+                           f"{_first(nan)}: unwritten (poisoned) or a bad read")
+    inf = np.isinf(got)
+    assert not inf.any(), f"{what}: {int(inf.sum())} infinite elements, first at {_first(inf)}"
+    floor = np.zeros_like(ref)
+    scale = float(np.linalg.norm(ref))
+    if magnitude is not None:
+        floor = np.abs(_numpy(magnitude).astype(np.float64)) / np.sqrt(max(k, 1))
+        assert floor.shape == ref.shape, f"{what}: magnitude shape {floor.shape} != {ref.shape}"
+        scale = max(scale, float(np.linalg.norm(floor)))
+    if scale == 0.0:
+        bad = got != 0
+        assert not bad.any(), (f"{what}: the reference is zero but {int(bad.sum())} elements are "
+                               f"not, first at {_first(bad)}: {got[bad][0]!r}")
+        return
+    diff = np.abs(got - ref)
+    err = float(np.linalg.norm(diff)) / scale
+    assert err <= bound, f"{what}: relative error {err:.3g} > {bound:g} ({name})"
+    limit = ELEMENT_SLACK * bound * (np.abs(ref) + floor + scale / np.sqrt(ref.size))
+    bad = diff > limit
+    if bad.any():
+        worst = np.unravel_index(int(np.argmax(diff - limit)), diff.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.size} elements off by more than the {name} bound, "
+            f"worst at {tuple(int(i) for i in worst)}: {got[worst]!r} vs {ref[worst]!r} "
+            f"(bound {limit[worst]:.3g})")
+
+
+def poison(t: Array) -> Array:
+    """Fill ``t`` (a torch tensor or NumPy array: an output about to be written by a kernel) with
+    NaN, or for integers with the dtype's most negative value (largest for unsigned), and return
+    it: an element the kernel leaves unwritten then fails :func:`assert_close` instead of
+    passing on whatever the memory held."""
+    if hasattr(t, "fill_"):  # torch
+        import torch
+
+        if t.dtype == torch.bool:
+            raise TypeError("a bool output cannot be poisoned: every value is legal")
+        if t.is_floating_point():
+            value: Any = float("nan")
+        else:
+            info = torch.iinfo(t.dtype)
+            value = info.min if info.min < 0 else info.max
+        t.fill_(value)
+        return t
+    if not isinstance(t, np.ndarray):
+        raise TypeError(f"poison takes a torch tensor or a NumPy array, got {type(t).__name__}")
+    if t.dtype == np.bool_:
+        raise TypeError("a bool output cannot be poisoned: every value is legal")
+    if np.issubdtype(t.dtype, np.integer):
+        info = np.iinfo(t.dtype)
+        t.fill(info.min if info.min < 0 else info.max)
+    else:
+        t.fill(np.nan)
+    return t

@@ -1,11 +1,81 @@
-"""Hypothesis settings for the test suite: no deadline (sympy's first calls are slow), few
-examples so the whole suite stays fast on small CI machines; GPU tests skip with the reason."""
+"""Test-suite setup.
+
+- Hypothesis: no deadline (sympy's first calls are slow), few examples so that the suite stays
+  fast on small CI machines.
+- The compile cache: ``$PITGEN_CACHE`` when set, else pytest's cache folder (cold in a fresh CI
+  clone, warm on local reruns), never the user's ``~/.cache/pitgen``.
+- nvcc tests (marker ``nvcc``) skip with the reason where nvcc is missing, and run last: each of
+  their modules may define ``nvcc_jobs(pool)``, which submits its compiles to one background
+  pool of os.cpu_count() threads right after collection, so that nvcc runs while the CPU-only
+  tests do; the tests then take the results (``nvcc`` fixture). Identical jobs run once.
+- GPU tests (marker ``gpu``) skip with the reason where torch, a device or pycuda is missing.
+"""
 from __future__ import annotations
 
+import os
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", deadline=None, max_examples=30)
 settings.load_profile("ci")
+
+
+class NvccPool:
+    """Background jobs (compiles), each distinct (function, arguments) run once; a job asked for
+    again gets the first one's future."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: dict[tuple, Future] = {}
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def tmp(self) -> Path:
+        """A folder for job outputs that are files (object files), removed at the end."""
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="pitgen-nvcc-")
+        return Path(self._tmp.name)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        key = (fn, *args)
+        if key not in self._jobs:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="nvcc")
+            self._jobs[key] = self._pool.submit(fn, *args)
+        return self._jobs[key]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+_POOL = NvccPool()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get("PITGEN_CACHE"):
+        cache = getattr(config, "cache", None)
+        folder = cache.mkdir("pitgen") if cache is not None else _POOL.tmp / "cache"
+        os.environ["PITGEN_CACHE"] = str(folder)
+
+
+def _nvcc_missing() -> str | None:
+    """Why nvcc tests cannot run here, or None when they can."""
+    from pitgen.compiler import find_nvcc
+    from pitgen.errors import CompileError
+
+    try:
+        find_nvcc()
+    except CompileError as e:
+        return str(e)
+    return None
 
 
 def _gpu_missing() -> str | None:
@@ -23,11 +93,56 @@ def _gpu_missing() -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(config, items):
-    gpu = [item for item in items if "gpu" in item.keywords]
-    reason = _gpu_missing() if gpu else None
-    if reason:
-        import pytest
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for marker, missing, what in (("gpu", _gpu_missing, "GPU"), ("nvcc", _nvcc_missing, "nvcc")):
+        marked = [item for item in items if marker in item.keywords]
+        reason = missing() if marked else None
+        for item in marked if reason else ():
+            item.add_marker(pytest.mark.skip(reason=f"{what} test skipped: {reason}"))
+    items.sort(key=lambda item: "nvcc" in item.keywords)  # stable: nvcc tests last
 
-        for item in gpu:
-            item.add_marker(pytest.mark.skip(reason=f"GPU test skipped: {reason}"))
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected nvcc tests' compiles (their modules' ``nvcc_jobs``)."""
+    modules = {item.module: None for item in session.items
+               if "nvcc" in item.keywords and not item.get_closest_marker("skip")}
+    for module in modules:
+        jobs = getattr(module, "nvcc_jobs", None)
+        if jobs is not None:
+            jobs(_POOL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _POOL.close()
+
+
+@pytest.fixture(scope="session")
+def nvcc() -> NvccPool:
+    """The background compile pool: ``nvcc.submit(fn, *args)`` gives the job's future."""
+    return _POOL
+
+
+_RULES: dict[str, Any] = {}
+
+
+def _cached_analyse(op: Any) -> Any:
+    from pitgen.rules import analyse
+
+    text = op if isinstance(op, str) else op.text
+    if text not in _RULES:
+        _RULES[text] = analyse(op)
+    return _RULES[text]
+
+
+@pytest.fixture(scope="module")
+def cached_rules(request: pytest.FixtureRequest) -> Any:
+    """analyse() memoised by expression text in the planner and in the requesting test module,
+    for modules whose Hypothesis examples plan the same few expressions hundreds of times (the
+    sympy check costs about 0.1 s a call); test_rules keeps calling the real one."""
+    import pitgen.planner
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pitgen.planner, "analyse", _cached_analyse)
+        if hasattr(request.module, "analyse"):
+            mp.setattr(request.module, "analyse", _cached_analyse)
+        yield

@@ -3,8 +3,7 @@ index and float64 reference, the mask generators, rendering, and nvcc compilatio
 variant (D 64/128 x fp16/bf16) for sm_80 and sm_90."""
 from __future__ import annotations
 
-import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -18,10 +17,7 @@ from pitgen.ops import attention as A
 from pitgen import compiler
 from pitgen.render import render_template
 
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None and not compiler.os.path.exists("/usr/local/cuda/bin/nvcc"),
-    reason="nvcc is not installed")
-
+ARCHS = ("sm_80", "sm_90")
 
 def test_derivation_uses_the_rules():
     # the axes the kernels permute come from the rule engine
@@ -148,11 +144,14 @@ def test_render_names_the_kernels():
         assert params.count(",") + 1 == len(sig), name
 
 
-@needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_every_variant_compiles(arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
-    sources = [_source(*v) for v in VARIANTS]
-    with ThreadPoolExecutor(2) as pool:
-        cubins = list(pool.map(lambda s: compiler.compile_source(s, arch), sources))
+def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
+    """Every variant's compile for each arch (submitted at collection by conftest)."""
+    return [pool.submit(compiler.compile_source, _source(*v), arch) for arch in archs
+            for v in VARIANTS]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_variant_compiles(arch, nvcc):
+    cubins = [job.result() for job in nvcc_jobs(nvcc, [arch])]
     assert all(c[:4] == b"\x7fELF" for c in cubins)

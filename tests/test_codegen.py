@@ -2,10 +2,10 @@
 with nvcc for sm_80 and sm_90 (no GPU or driver needed); the compile cache behaves."""
 from __future__ import annotations
 
+import functools
 import multiprocessing
-import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import pytest
 
@@ -18,10 +18,7 @@ from pitgen.ops.matmul import MATMUL
 def render(spec) -> str:
     return MATMUL.source(spec.context())
 
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None and not compiler.os.path.exists("/usr/local/cuda/bin/nvcc"),
-    reason="nvcc is not installed")
-
+ARCHS = ("sm_80", "sm_90")
 FORMS = {"AB": ("C[m,n] += A[m,k] * B[k,n]", "A"), "AtB": ("C[m,n] += A[k,m] * B[k,n]", "A"),
          "ABt": ("C[m,n] += A[m,k] * B[n,k]", "A"), "sparseB": ("C[m,n] += A[m,k] * B[k,n]", "B")}
 KINDS = ("dense", "block", "micro_k", "micro_m", "micro_m_atomic")
@@ -97,21 +94,29 @@ def test_lowering_refuses_what_it_cannot_run():
         gemm_form(op, "Z")
 
 
-@needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_every_variant_compiles(arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
-    sources = {render(variant(*v, accumulate=(i % 3 == 0))) for i, v in enumerate(VARIANTS)}
-    with ThreadPoolExecutor(2) as pool:
-        cubins = list(pool.map(lambda s: compiler.compile_source(s, arch), sorted(sources)))
+@functools.cache
+def _sources() -> tuple[str, ...]:
+    """The distinct sources of every variant (a third of them accumulating into C)."""
+    return tuple(sorted({render(variant(*v, accumulate=(i % 3 == 0)))
+                         for i, v in enumerate(VARIANTS)}))
+
+
+def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
+    """Every variant's compile for each arch (submitted at collection by conftest)."""
+    return [pool.submit(compiler.compile_source, s, arch) for arch in archs for s in _sources()]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_variant_compiles(arch, nvcc):
+    cubins = [job.result() for job in nvcc_jobs(nvcc, [arch])]
     assert all(c[:4] == b"\x7fELF" for c in cubins)
 
 
-@needs_nvcc
-def test_cache_hit_needs_no_nvcc(tmp_path, monkeypatch):
-    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
-    src = render(variant("float16", "AB", "dense", False))
-    first = compiler.compile_source(src, "sm_90")
+@pytest.mark.nvcc
+def test_cache_hit_needs_no_nvcc(nvcc, monkeypatch):
+    src = _sources()[0]
+    first = nvcc.submit(compiler.compile_source, src, "sm_90").result()  # compiled or cached
 
     def no_nvcc(*a, **k):
         raise AssertionError(f"nvcc ran on a cache hit: {a}")
@@ -128,7 +133,7 @@ def _compile_in_child(args):
     return c.compile_source(src, "sm_90")
 
 
-@needs_nvcc
+@pytest.mark.nvcc
 def test_concurrent_compiles_of_one_kernel_agree(tmp_path):
     src = render(variant("bfloat16", "AB", "block", False))
     with multiprocessing.get_context("spawn").Pool(2) as pool:
@@ -138,7 +143,7 @@ def test_concurrent_compiles_of_one_kernel_agree(tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".cubin." in p.name]  # no temp files left
 
 
-@needs_nvcc
+@pytest.mark.nvcc
 def test_compile_error_is_a_pitgen_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
     with pytest.raises(pitgen.CompileError, match="nvcc failed"):

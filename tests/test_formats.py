@@ -6,27 +6,24 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pitgen import ShapeError
+from pitgen import testing as T
 from pitgen.graph import synthetic as make_graphs
 from pitgen.graph.formats import BSR, CSR, ELL, Hyb, load_graph
 from pitgen.reference import (sddmm_csr, sddmm_bsr, sddmm_ell, sddmm_hyb, spmm_csr, spmm_bsr,
                               spmm_ell, spmm_hyb)
 
 
-
-@st.composite
-def matrices(draw):
-    """Random sparse matrices with the awkward cases forced in: empty rows, one dense row, a
-    single column, an empty matrix, explicit zeros kept as values."""
-    kind = draw(st.sampled_from(["random", "dense_row", "one_col", "empty"]))
-    rows = draw(st.integers(0 if kind == "empty" else 1, 24))
-    cols = 1 if kind == "one_col" else draw(st.integers(0 if kind == "empty" else 1, 40))
-    seed = draw(st.integers(0, 2**32 - 1))
-    rng = np.random.default_rng(seed)
-    mask = rng.random((rows, cols)) < draw(st.sampled_from([0.0, 0.05, 0.2, 0.6]))
-    if kind == "dense_row" and rows:
-        mask[rng.integers(rows)] = True
-    vals = rng.standard_normal((rows, cols)) * mask
-    return CSR.from_dense(vals), vals
+def matrices():
+    """(CSR, the same matrix dense), the dense one built entry by entry from the CSR arrays: every
+    kind pitgen.testing draws (empty rows, dense and long rows, power-law rows, one column, no
+    non-zero, empty shapes)."""
+    def with_dense(csr: CSR) -> tuple[CSR, np.ndarray]:
+        dense = np.zeros(csr.shape)
+        for r in range(csr.shape[0]):
+            for p in range(csr.indptr[r], csr.indptr[r + 1]):
+                dense[r, csr.indices[p]] = csr.data[p]
+        return csr, dense
+    return T.csr_matrices(max_rows=24, max_cols=40, densities=(0.0, 0.05, 0.2, 0.6)).map(with_dense)
 
 
 def rel_err(got, want):

@@ -4,12 +4,12 @@ float64 references; outputs are poisoned first; bad input raises pitgen errors."
 from __future__ import annotations
 
 import numpy as np
-from checks import assert_close
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pitgen import reference as R
+from pitgen import testing as T
 from pitgen import DeviceError, PlanError, ShapeError
 from pitgen.graph import formats as fm
 from pitgen.graph.device import DeviceCSR, to_format
@@ -18,7 +18,6 @@ from pitgen.graph.kernels import default_schedule, schedule_space, sddmm, spmm
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
 
-TOL = {"float32": 1e-5, "float16": 1e-2}
 DTYPES = ("float32", "float16")
 LAYOUTS = [("csr", {}), ("ell", {}), ("bsr", {"block": 8}), ("bsr", {"block": 16}),
            ("hyb", {"c": 1, "k": 2}), ("hyb", {"c": 3, "k": 3}), ("hyb", {"c": 1, "k": 0})]
@@ -26,35 +25,9 @@ FEATS = (32, 33, 64, 130)
 GPU_SETTINGS = settings(max_examples=10, deadline=None)
 
 
-def random_csr(rng: np.random.Generator, kind: str, rows: int, cols: int, density: float):
-    """A float64 CSR of the given kind: random, with empty rows, one dense row, one column,
-    long rows (cut by hyb), nnz = 0, or an empty shape."""
-    if kind == "empty":
-        rows, cols = (0, cols) if rng.random() < 0.5 else (rows, 0)
-    if kind == "one_col":
-        cols = 1
-    mask = rng.random((rows, cols)) < density
-    if kind == "empty_rows" and rows:
-        mask[rng.random(rows) < 0.5] = False
-    if kind == "dense_row" and rows:
-        mask[rng.integers(rows)] = True
-    if kind == "long_rows" and rows:
-        mask[rng.random(rows) < 0.2] = True
-    if kind == "nnz0":
-        mask[:] = False
-    vals = rng.standard_normal((rows, cols)) * mask
-    vals[mask & (vals == 0)] = 1.0
-    return fm.CSR.from_dense(vals)
-
-
-@st.composite
-def matrices(draw):
-    kind = draw(st.sampled_from(["random", "empty_rows", "dense_row", "one_col", "long_rows",
-                                 "nnz0", "empty"]))
-    rows, cols = draw(st.integers(1, 70)), draw(st.integers(1, 90))
-    density = draw(st.sampled_from([0.02, 0.1, 0.4]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    return random_csr(rng, kind, rows, cols, density)
+#: every kind of CSR: empty rows, a dense row, long rows (cut by hyb), power-law rows, one
+#: column, nnz = 0 and empty shapes
+MATRICES = T.csr_matrices(max_rows=70, max_cols=90)
 
 
 def rounded(csr: fm.CSR, dtype: str) -> fm.CSR:
@@ -67,10 +40,6 @@ def dense_operand(rng, shape, dtype):
     x = rng.standard_normal(shape).astype(np.float32)
     t = torch.from_numpy(x).to("cuda", getattr(torch, dtype))
     return t, t.double().cpu().numpy()
-
-
-def check(got, ref: np.ndarray, dtype: str) -> None:
-    assert_close(got, ref, TOL[dtype])
 
 
 def reference_layout(csr: fm.CSR, fmt: str, params: dict):
@@ -104,7 +73,7 @@ def assert_same_layout(got, want, fmt: str) -> None:
 
 
 @GPU_SETTINGS
-@given(matrices(), st.sampled_from(DTYPES))
+@given(MATRICES, st.sampled_from(DTYPES))
 def test_conversions_match_numpy_reference(csr, dtype):
     ref = rounded(csr, dtype)
     d = DeviceCSR.from_host(csr, dtype)
@@ -136,7 +105,7 @@ def test_from_dense_on_gpu(rows, cols, density, src, seed):
 
 
 @GPU_SETTINGS
-@given(matrices(), st.sampled_from(DTYPES), st.sampled_from(FEATS), st.integers(0, 2**32 - 1))
+@given(MATRICES, st.sampled_from(DTYPES), st.sampled_from(FEATS), st.integers(0, 2**32 - 1))
 def test_spmm_every_format(csr, dtype, feat, seed):
     rng = np.random.default_rng(seed)
     ref_csr = rounded(csr, dtype)
@@ -144,20 +113,21 @@ def test_spmm_every_format(csr, dtype, feat, seed):
     want = R.spmm_csr(ref_csr, x64)
     d = DeviceCSR.from_host(csr, dtype)
     for fmt, params in LAYOUTS:
-        out = torch.full((csr.shape[0], feat), float("nan"), dtype=x.dtype, device="cuda")
+        out = T.poison(torch.empty((csr.shape[0], feat), dtype=x.dtype, device="cuda"))
         got = spmm(to_format(d, fmt, **params), x, out=out)
         assert got is out
-        check(got, want, dtype)
-    check(spmm(d, x), want, dtype)  # a DeviceCSR runs as "csr"
+        T.assert_close(got, want, dtype)
+    T.assert_close(spmm(d, x), want, dtype)  # a DeviceCSR runs as "csr"
     # gather unrolls and packs (features per lane per pass) other than the defaults
     for unroll, packs, cut in ((1, 1, "atomic"), (8, 2, "pieces")):
         sched = {"unroll": unroll, "packs": packs}
-        check(spmm(to_format(d, "hyb", c=1, k=2), x, schedule={**sched, "cut": cut}), want, dtype)
-        check(spmm(d, x, schedule={**sched, "group": 4}), want, dtype)
+        hyb = to_format(d, "hyb", c=1, k=2)
+        T.assert_close(spmm(hyb, x, schedule={**sched, "cut": cut}), want, dtype)
+        T.assert_close(spmm(d, x, schedule={**sched, "group": 4}), want, dtype)
 
 
 @GPU_SETTINGS
-@given(matrices(), st.sampled_from(DTYPES), st.sampled_from(FEATS), st.integers(0, 2**32 - 1))
+@given(MATRICES, st.sampled_from(DTYPES), st.sampled_from(FEATS), st.integers(0, 2**32 - 1))
 def test_sddmm_every_format_in_csr_order(csr, dtype, feat, seed):
     rng = np.random.default_rng(seed)
     u, u64 = dense_operand(rng, (csr.shape[0], feat), dtype)
@@ -167,7 +137,7 @@ def test_sddmm_every_format_in_csr_order(csr, dtype, feat, seed):
     for fmt, params in LAYOUTS:
         got = sddmm(to_format(d, fmt, **params), u, v)
         assert got.shape == (csr.nnz,) and got.dtype == u.dtype
-        check(got, want, dtype)
+        T.assert_close(got, want, dtype)
 
 
 def power_law(seed: int, rows: int, cols: int) -> fm.CSR:
@@ -197,8 +167,8 @@ def test_power_law_graph_all_formats(dtype, feat):
         m = to_format(d, fmt, **params)
         if fmt == "hyb" and params["c"] == 1:
             assert m.info["any_cut"] and m.info["atomic"][-1] and not m.info["atomic"][0]
-        check(spmm(m, x), want_y, dtype)
-        check(sddmm(m, u, x), want_e, dtype)
+        T.assert_close(spmm(m, x), want_y, dtype)
+        T.assert_close(sddmm(m, u, x), want_e, dtype)
 
 
 def test_cut_rows_sum_their_pieces_on_every_call_and_stream():
@@ -212,14 +182,14 @@ def test_cut_rows_sum_their_pieces_on_every_call_and_stream():
         m = to_format(DeviceCSR.from_host(csr, dtype), "hyb", c=1, k=2)
         assert m.info["cut_rows"] > 0 and m.info["partial_rows"] > m.info["cut_rows"]
         for _ in range(3):
-            check(spmm(m, x), want, dtype)
-            check(spmm(m, x, schedule={"cut": "atomic"}), want, dtype)
+            T.assert_close(spmm(m, x), want, dtype)
+            T.assert_close(spmm(m, x, schedule={"cut": "atomic"}), want, dtype)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             y = spmm(m, x)
         side.synchronize()
-        check(y, want, dtype)
+        T.assert_close(y, want, dtype)
         assert len(m.counters) == 2
         assert all(int(c.abs().sum()) == 0 for c in m.counters.values())   # reset by the rows
 
@@ -239,7 +209,7 @@ def test_schedules_from_the_space(fmt, params, dtype):
         assert default_schedule(op, fmt, feat, dtype) in space
         for sched in (space[0], space[len(space) // 2], space[-1]):
             got = spmm(m, x, schedule=sched) if op == "spmm" else sddmm(m, u, x, schedule=sched)
-            check(got, want, dtype)
+            T.assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -249,13 +219,13 @@ def test_misaligned_operands_fall_back_to_scalar_loads(dtype):
     tdt = getattr(torch, dtype)
     x = torch.randn(80 * feat + 1, device="cuda", dtype=tdt)[1:].view(80, feat)
     u = torch.randn(100 * feat + 1, device="cuda", dtype=tdt)[1:].view(100, feat)
-    out = torch.full((100 * feat + 1,), float("nan"), device="cuda", dtype=tdt)[1:].view(100, feat)
+    out = T.poison(torch.empty(100 * feat + 1, device="cuda", dtype=tdt))[1:].view(100, feat)
     x64, u64 = x.double().cpu().numpy(), u.double().cpu().numpy()
     d = DeviceCSR.from_host(csr, dtype)
     for fmt, params in [("csr", {}), ("ell", {}), ("hyb", {"c": 2, "k": 3})]:
         m = to_format(d, fmt, **params)
-        check(spmm(m, x, out=out), R.spmm_csr(rounded(csr, dtype), x64), dtype)
-        check(sddmm(m, u, x), R.sddmm_csr(csr, u64, x64), dtype)
+        T.assert_close(spmm(m, x, out=out), R.spmm_csr(rounded(csr, dtype), x64), dtype)
+        T.assert_close(sddmm(m, u, x), R.sddmm_csr(csr, u64, x64), dtype)
 
 
 def test_with_values_reuses_the_layout():
@@ -268,7 +238,7 @@ def test_with_values_reuses_the_layout():
     for fmt, params in [("csr", {}), ("ell", {}), ("bsr", {"block": 8}), ("hyb", {"c": 2, "k": 2})]:
         m = to_format(d, fmt, **params).with_values(
             torch.from_numpy(new.astype(np.float32)).cuda())
-        check(spmm(m, x), R.spmm_csr(new_csr, x64), "float32")
+        T.assert_close(spmm(m, x), R.spmm_csr(new_csr, x64), "float32")
 
 
 def test_row_stats_and_to_torch():

@@ -12,18 +12,20 @@ import pitgen
 from pitgen.errors import DeviceError, PitgenError, ShapeError
 from pitgen.ops.moe import ACTIVATIONS, moe_ffn, moe_route
 from pitgen.reference import moe_reference, route_reference
+from pitgen.testing import assert_close
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
-TOL = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 5e-3}
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _rel(got, ref) -> float:
-    got = got.double().cpu().numpy()
-    assert np.isfinite(got).all(), "NaN/inf in the output"
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+def check(y, want, dtype: str) -> None:
+    """float32 runs two chained tf32 GEMMs with the activation between: 10x tf32's bound."""
+    if dtype == "float32":
+        assert_close(y, want, "tf32", tol=5e-3)
+    else:
+        assert_close(y, want, dtype)
 
 
 def _ids(rng, T, topk, E, routing):
@@ -70,7 +72,7 @@ def test_moe_ffn_matches_float64(T, topk, E, H, F, dtype, act, bias, routing, id
     y = moe_ffn(*dev, activation=act)
     assert y.shape == (T, H) and y.dtype == DT[dtype]
     want = moe_reference(*ref, activation=act)
-    assert _rel(y, want) < TOL[dtype]
+    check(y, want, dtype)
 
 
 @pytest.mark.parametrize("topk", [1, 2])
@@ -78,7 +80,7 @@ def test_float32_tf32(topk):
     rng = np.random.default_rng(3)
     dev, ref = _layer(rng, 203, topk, 5, 72, 136, "float32", True, "skewed")
     y = moe_ffn(*dev, activation="silu")
-    assert _rel(y, moe_reference(*ref, activation="silu")) < TOL["float32"]
+    check(y, moe_reference(*ref, activation="silu"), "float32")
 
 
 @pytest.mark.parametrize("topk", [1, 2])
@@ -89,7 +91,7 @@ def test_large_skewed_bm128(topk):
     plan = pitgen.ops.moe.plan_moe(2500, topk, 4, 256, 512)
     assert plan.bm == 128
     y = moe_ffn(*dev, activation="gelu")
-    assert _rel(y, moe_reference(*ref, activation="gelu")) < TOL["float16"]
+    check(y, moe_reference(*ref, activation="gelu"), "float16")
 
 
 def test_routing_index_matches_reference():
@@ -125,7 +127,7 @@ def test_bad_ids_skipped_without_check(topk):
     ids[2, 0] = 2**40
     dev = (dev[0], torch.tensor(ids, device="cuda"), *dev[2:])
     y = moe_ffn(*dev, activation="relu", check=False)
-    assert _rel(y, moe_reference(ref[0], ids, *ref[2:], activation="relu")) < TOL["float16"]
+    check(y, moe_reference(ref[0], ids, *ref[2:], activation="relu"), "float16")
     with pytest.raises(ShapeError, match="outside"):
         moe_ffn(*dev, activation="relu")
 
@@ -150,7 +152,7 @@ def test_gate_dtype_and_result_independent_of_outputs_before():
     dev, ref = _layer(rng, 130, 2, 5, 48, 96, "float16", True, "skewed")
     torch.empty(1 << 24, device="cuda").fill_(float("nan"))  # poison the caching allocator
     y = moe_ffn(dev[0], dev[1], dev[2].half(), *dev[3:], activation="identity")
-    assert _rel(y, moe_reference(*ref, activation="identity")) < TOL["float16"]
+    check(y, moe_reference(*ref, activation="identity"), "float16")
 
 
 def test_bad_input_is_refused():
@@ -209,7 +211,7 @@ def test_module_matches_dense_reference(topk, act, dtype):
         y = m(x)
         ref = _dense_module_reference(m, x)
     assert y.shape == x.shape and y.dtype == x.dtype
-    assert _rel(y, ref.cpu().numpy()) < TOL[dtype]
+    check(y, ref.cpu().numpy(), dtype)
     sd = m.state_dict()
     assert set(sd) == {"router.weight", "w1", "w2", "b1", "b2"}
     assert sd["w1"].shape == (8, 96, 160) and sd["w2"].shape == (8, 160, 96)
@@ -226,4 +228,5 @@ def test_module_runs_in_another_stream_without_sync():
         with torch.cuda.stream(s):
             y = m(x)
         torch.cuda.current_stream().wait_stream(s)
-    assert torch.equal(y, ref) or _rel(y, ref.double().cpu().numpy()) < 1e-3
+    if not torch.equal(y, ref):   # the same kernels: at most atomics' order differs
+        assert_close(y, ref.double().cpu().numpy(), "float16", tol=1e-3)

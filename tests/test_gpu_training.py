@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import pitgen
 import pitgen.nn
 from pitgen.ops.linear import sparse_input_linear, sparse_weight_linear
+from pitgen.testing import assert_close
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -20,17 +21,13 @@ torch = pytest.importorskip("torch", reason="GPU tests need torch")
 TOL = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-3}
 
 
-def rel(got, want, mag=None, k: int = 1) -> float:
-    """Relative norm error. With ``mag`` (the same product over absolute values) and the
-    reduction length k, the denominator is at least ||mag|| / sqrt(k): the size a result of k
-    random-signed terms has, so a result that cancels to much less than its terms (one masked
-    dot product, say) is held to the error its terms' rounding makes, not to its own size."""
-    got = got.detach().double()
-    assert not torch.isnan(got).any(), "NaN in the result"
-    scale = torch.linalg.norm(want)
-    if mag is not None:
-        scale = torch.maximum(scale, torch.linalg.norm(mag) / max(k, 1) ** 0.5)
-    return float(torch.linalg.norm(got - want) / scale.clamp_min(1e-30))
+def check(got, want, dtype: str, mag=None, k: int = 1, factor: float = 1.0) -> None:
+    """pitgen.testing.assert_close with this module's bounds (``factor`` times TOL). With
+    ``mag`` (the same product over absolute values) and the reduction length k, a result that
+    cancels to much less than its k random-signed terms (one masked dot product, say) is held
+    to the error its terms' rounding makes, not to its own size."""
+    assert_close(got, want, "tf32" if dtype == "float32" else dtype, tol=factor * TOL[dtype],
+                 magnitude=mag, k=k)
 
 
 def weight_mask(kind: str, out_f: int, in_f: int, density: float):
@@ -80,12 +77,12 @@ def test_sparse_weight_linear_forward_and_gradients(dtype, batch, in_f, out_f, k
     (y64, dx64, dw64, db64), (y_mag, dx_mag, dw_mag) = reference(x, w, b, mask, dy)
     assert y.dtype == dt and y.shape == (batch, out_f)
     # all-zero references need exact zeros (rel = |got| / 1e-30)
-    assert rel(y, y64, y_mag, in_f) < TOL[dtype]
-    assert rel(x.grad, dx64, dx_mag, out_f) < TOL[dtype]
+    check(y, y64, dtype, y_mag, in_f)
+    check(x.grad, dx64, dtype, dx_mag, out_f)
     assert torch.all(w.grad[~mask] == 0), "weight gradient off the mask is not exactly 0"
-    assert rel(w.grad, dw64, dw_mag, batch) < TOL[dtype]
+    check(w.grad, dw64, dtype, dw_mag, batch)
     if bias:
-        assert rel(b.grad, db64) < TOL[dtype]
+        check(b.grad, db64, dtype)
 
 
 @settings(max_examples=10, deadline=None)
@@ -111,14 +108,14 @@ def test_sparse_input_linear_forward_and_gradients(dtype, batch, in_f, out_f, ze
     ones = torch.ones_like(w, dtype=torch.bool)
     (y64, dx64, dw64, db64), (y_mag, dx_mag, dw_mag) = reference(x, w, b, ones, dy)
     if torch.linalg.norm(y64) > 0:
-        assert rel(y, y64, y_mag, in_f) < TOL[dtype]
-    assert rel(x.grad, dx64, dx_mag, out_f) < TOL[dtype]
+        check(y, y64, dtype, y_mag, in_f)
+    check(x.grad, dx64, dtype, dx_mag, out_f)
     if torch.linalg.norm(dw64) > 0:
-        assert rel(w.grad, dw64, dw_mag, batch) < TOL[dtype]
+        check(w.grad, dw64, dtype, dw_mag, batch)
     else:
         assert torch.all(w.grad == 0)
     if bias:
-        assert rel(b.grad, db64) < TOL[dtype]
+        check(b.grad, db64, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -148,7 +145,7 @@ def test_training_steps_with_a_new_mask_every_step(dtype):
         ref_loss.backward()
         ref_opt.step()
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 10 * TOL[dtype]
-    assert rel(layer.weight, ref.weight.detach()) < 10 * TOL[dtype]
+    check(layer.weight, ref.weight.detach(), dtype, factor=10)
 
 
 def test_sparse_input_module_and_prune():
@@ -159,7 +156,7 @@ def test_sparse_input_module_and_prune():
     y = layer(x)
     assert y.shape == (3, 10, 48)
     want = x.double() @ layer.weight.double().t() + layer.bias.double()
-    assert rel(y, want) < 1e-2
+    check(y, want, "float16")
     dense = pitgen.ops.linear.SparseLinear(64, 48, device="cuda")
     mask = dense.prune_(0.75)
     assert mask.dtype == torch.bool and abs(mask.float().mean().item() - 0.25) < 0.02
@@ -183,7 +180,7 @@ def test_state_dict_round_trips_with_nn_linear():
     sparse.load_state_dict(fresh.state_dict())
     assert torch.equal(sparse.weight, fresh.weight) and torch.equal(sparse.bias, fresh.bias)
     x = torch.randn(7, 40, device="cuda")
-    assert rel(sparse(x), fresh(x).double()) < 1e-3  # all-True mask: the dense layer (tf32)
+    check(sparse(x), fresh(x).double(), "float32")  # all-True mask: the dense layer (tf32)
 
 
 def test_weight_sparse_step_has_no_host_sync():

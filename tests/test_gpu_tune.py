@@ -13,13 +13,13 @@ import pitgen
 from pitgen import reference as R
 from pitgen.graph import formats as F
 from pitgen.graph import tune as T
+from pitgen.testing import assert_close, poison
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
 
 SPMM = "Y[i,f] += A[i,j] * X[j,f]"
 SDDMM = "E[i,j] += U[i,f] * V[j,f]"
-TOL = {"float32": 1e-5, "float16": 1e-2}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -66,13 +66,6 @@ def dense(rng, rows: int, feat: int, dtype: str):
     return t, t.double().cpu().numpy()
 
 
-def rel(got, ref: np.ndarray) -> float:
-    got = got.double().cpu().numpy()
-    assert not np.isnan(got).any(), "unwritten (NaN) or NaN outputs"
-    n = np.linalg.norm(ref)
-    return float(np.linalg.norm(got - ref) / n) if n else float(np.linalg.norm(got))
-
-
 def run_choice(res: T.TuneResult, a, op: str, args):
     from pitgen.graph import kernels as graph_ops
     from pitgen.graph.device import to_format
@@ -102,7 +95,7 @@ def test_tune_matches_reference_and_caches(op, dtype, tune_cache, monkeypatch):
     assert res.search_s > 0 and res.csr_ms is not None and res.speedup > 0
     ok = [t for t in res.log if t.status == "ok"]
     assert ok and all(t.ms > 0 for t in ok) and min(t.ms for t in ok) == res.ms
-    assert rel(run_choice(res, a, op, args), ref) < TOL[dtype]
+    assert_close(run_choice(res, a, op, args), ref, dtype)
     new = set(tune_cache.iterdir()) - before
     assert len(new) == 1 and next(iter(new)).suffix == ".json"
 
@@ -113,7 +106,7 @@ def test_tune_matches_reference_and_caches(op, dtype, tune_cache, monkeypatch):
     assert hit.from_cache and (hit.fmt, hit.params, hit.schedule) == (res.fmt, res.params,
                                                                        res.schedule)
     assert T.lookup(a, op, feat, dtype).fmt == res.fmt
-    assert rel(run_choice(hit, a, op, args), ref) < TOL[dtype]
+    assert_close(run_choice(hit, a, op, args), ref, dtype)
 
 
 def test_tune_small_budget_still_answers():
@@ -136,7 +129,7 @@ def test_compile_format_matches_reference(seed, rows, cols, feat, kind, fmt, dty
     if op == "spmm":
         k = pitgen.compile(SPMM, sparse="A", format=fmt, dtype=dtype, budget_s=0.5)
         x, x64 = dense(rng, cols, feat, dtype)
-        out = torch.full((rows, feat), float("nan"), dtype=x.dtype, device="cuda")
+        out = poison(torch.empty((rows, feat), dtype=x.dtype, device="cuda"))
         got = k(a, x, out=out)
         assert got.data_ptr() == out.data_ptr()
         ref = R.spmm_csr(host, x64)
@@ -146,7 +139,7 @@ def test_compile_format_matches_reference(seed, rows, cols, feat, kind, fmt, dty
         got = k(u, v, sample=a)
         assert tuple(got.shape) == (csr.nnz,)
         ref = R.sddmm_csr(host, u64, v64)
-    assert rel(got, ref) < TOL[dtype]
+    assert_close(got, ref, dtype)
 
 
 @pytest.mark.parametrize("source", ["device", "torch_sparse", "host_csr", "scipy", "dense"])
@@ -169,10 +162,10 @@ def test_matrix_sources_and_conversion_once(source, monkeypatch):
     x, x64 = dense(rng, 130, 24, dtype)
     ref = R.spmm_csr(host, x64)
     for _ in range(3):
-        assert rel(k(m, x), ref) < TOL[dtype]
+        assert_close(k(m, x), ref, dtype)
     assert len(calls) == 1 and calls[0][0] == "hyb"
     x2, x2_64 = dense(rng, 130, 8, dtype)           # another feature width: same conversion
-    assert rel(k(A=m, X=x2), R.spmm_csr(host, x2_64)) < TOL[dtype]
+    assert_close(k(A=m, X=x2), R.spmm_csr(host, x2_64), dtype)
 
 
 def test_sddmm_of_torch_sparse_and_empty_graph():
@@ -185,7 +178,7 @@ def test_sddmm_of_torch_sparse_and_empty_graph():
         got = k(U=u, V=v, sample=a.to_torch())
         assert got.shape == (csr.nnz,)
         if csr.nnz:
-            assert rel(got, R.sddmm_csr(host, u64, v64)) < TOL[dtype]
+            assert_close(got, R.sddmm_csr(host, u64, v64), dtype)
 
 
 def test_bad_inputs_raise_pitgen_errors():

@@ -8,19 +8,19 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pitgen import parse
+from pitgen import testing as T
 from pitgen.errors import PlanError, RuleError
 from pitgen.planner import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
                             load_profile, make_plan, parse_tile)
+
+pytestmark = pytest.mark.usefixtures("cached_rules")  # the same few expressions, planned often
 
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
 CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"
 
 
 def micro_mask(shape=(1024, 1024), tile=(32, 1), density=0.05, seed=0):
-    grid = np.random.default_rng(seed).random(tuple(n // t for n, t in zip(shape, tile))) < density
-    for d, t in enumerate(tile):
-        grid = np.repeat(grid, t, axis=d)
-    return grid
+    return T.tile_mask(np.random.default_rng(seed), *shape, tile, density)
 
 
 def find(plan, kind, shape, axis=None):
@@ -194,10 +194,10 @@ def brute_stats(mask, cand, chunk):
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 70), k=st.integers(1, 70), p=st.sampled_from([0.0, 0.02, 0.2, 1.0]),
-       seed=st.integers(0, 2**32 - 1), tk=st.integers(1, 40))
-def test_statistics_match_brute_force(m, k, p, seed, tk):
-    mask = np.random.default_rng(seed).random((m, k)) < p
+@given(drawn=T.masks(max_side=70, densities=(0.02, 0.2, 0.7)), tk=st.integers(1, 40))
+def test_statistics_match_brute_force(drawn, tk):
+    mask = drawn.array
+    m, k = mask.shape
     plan = make_plan(MATMUL, "A", mask=mask, tile={"k": tk})
     nnz = int(mask.sum())
     prof = plan.profile

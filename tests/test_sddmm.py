@@ -3,8 +3,7 @@ the gradient formulas of both autograd Functions against finite differences), pl
 derivation, rendering, and nvcc compilation of the SDDMM variants for sm_80 and sm_90."""
 from __future__ import annotations
 
-import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -12,16 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pitgen import reference as R
+from pitgen import testing as T
 import pitgen
 from pitgen import compiler
 from pitgen.ops import linear as autograd
 from pitgen.ops import sddmm
 from pitgen.render import render_template
 
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None and not compiler.os.path.exists("/usr/local/cuda/bin/nvcc"),
-    reason="nvcc is not installed")
-
+ARCHS = ("sm_80", "sm_90")
 
 def brute_index(mask: np.ndarray, th: int, tw: int) -> set[tuple[int, int]]:
     M, N = mask.shape
@@ -30,12 +27,12 @@ def brute_index(mask: np.ndarray, th: int, tw: int) -> set[tuple[int, int]]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(M=st.integers(1, 70), N=st.integers(1, 70), D=st.integers(1, 9),
-       tile=st.sampled_from([(32, 1), (1, 32), (16, 16), (64, 8), (1, 16)]),
-       density=st.sampled_from([0.0, 0.05, 0.5, 1.0]), seed=st.integers(0, 2**31))
-def test_reference_index_and_tiles_agree_with_brute_force(M, N, D, tile, density, seed):
+@given(m=T.masks(max_side=70), D=st.integers(1, 9),
+       tile=st.sampled_from([(32, 1), (1, 32), (16, 16), (64, 8), (1, 16)]), seed=st.integers(0, 2**31))
+def test_reference_index_and_tiles_agree_with_brute_force(m, D, tile, seed):
     rng = np.random.default_rng(seed)
-    mask = rng.random((M, N)) < density
+    mask = m.array
+    M, N = mask.shape
     q, k = rng.standard_normal((M, D)), rng.standard_normal((N, D))
     th, tw = tile
     assert R.sddmm_index_reference(mask, tile) == brute_index(mask, th, tw)
@@ -169,10 +166,13 @@ def test_render_names_both_kernels_and_differs_per_variant():
     assert "bf16.bf16" in srcs[1]
 
 
-@needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_every_sddmm_variant_compiles(arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path))
-    with ThreadPoolExecutor(2) as pool:
-        cubins = list(pool.map(lambda s: compiler.compile_source(s, arch), _sources()))
+def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
+    """Every variant's compile for each arch (submitted at collection by conftest)."""
+    return [pool.submit(compiler.compile_source, s, arch) for arch in archs for s in _sources()]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_sddmm_variant_compiles(arch, nvcc):
+    cubins = [job.result() for job in nvcc_jobs(nvcc, [arch])]
     assert all(c[:4] == b"\x7fELF" for c in cubins)
