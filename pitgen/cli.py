@@ -10,12 +10,24 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import PitgenError
+from .emit import ARCH_SMEM, CATALOGUE, DEFAULT_ARCH, DEFAULT_DTYPE, Progress, Request, compile_objects, emit_all, jobs, listing, write
+from .errors import DeviceError, PitgenError
+from .expr import parse
+from .graph import synthetic
+from .graph.device import VALUE_DTYPES, DeviceCSR
+from .graph.formats import FORMATS, load_graph
+from .graph.kernels import OPS
+from .graph.tune import tune
+from .lower import DTYPES
+from .planner import make_plan
+from .rules import analyse
 from .version import __version__
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -35,16 +47,12 @@ def _say(msg: str) -> None:
 
 
 def _rules(args: argparse.Namespace) -> None:
-    from .expr import parse
-    from .rules import analyse
 
     rules = analyse(parse(args.expr))
     print(json.dumps(rules.to_json(), indent=2) if args.json else rules.explain())
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from .expr import parse
-    from .planner import make_plan
 
     try:
         mask = np.load(args.mask)
@@ -56,11 +64,6 @@ def _plan(args: argparse.Namespace) -> None:
 
 def _emit(args: argparse.Namespace) -> None:
     """Every kernel is planned and rendered (or refused) before the first file is written."""
-    import tempfile
-    from pathlib import Path
-
-    from .emit import (CATALOGUE, DEFAULT_ARCH, DEFAULT_DTYPE, Progress, Request, compile_objects,
-                       emit_all, jobs, listing, write)
 
     kernel_opts = any(getattr(args, o) is not None
                       for o in ("sparse", "dtype", "micro_tile", "tile", "arch", "out"))
@@ -98,10 +101,8 @@ def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
     """GRAPH of ``pitgen tune``: a .npz sparse matrix (scipy's save_npz or make_graphs' plain
     arrays) or ``synthetic:NAME``, a graph of :mod:`pitgen.graph.synthetic`. A bad name or
     ``scale`` is a :class:`UsageError`; an unreadable file a plain :class:`PitgenError`."""
-    from .graph.formats import load_graph
 
     if spec.startswith("synthetic:"):
-        from .graph import synthetic
 
         name = spec.split(":", 1)[1]
         if name not in synthetic.GRAPHS:
@@ -122,8 +123,6 @@ def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
 def _tune(args: argparse.Namespace) -> None:
     """The graph is loaded (and the options checked) before the GPU is touched; each measured
     trial is a progress line on stderr."""
-    from .errors import DeviceError
-    from .graph.tune import tune
 
     t0 = time.perf_counter()
     csr = load_graph_arg(args.graph, args.scale, args.seed)
@@ -132,7 +131,6 @@ def _tune(args: argparse.Namespace) -> None:
     try:
         import torch  # noqa: F401
 
-        from .graph.device import DeviceCSR
     except ImportError as e:
         raise DeviceError(f"pitgen tune runs on the GPU and needs torch: {e}") from None
     a = DeviceCSR.from_host(csr, args.dtype)
@@ -194,7 +192,6 @@ def _at_least(minimum: float, kind: Callable[[str], Any], strict: bool = False
 
 def _formats(text: str) -> list[str]:
     """An argparse type: comma-separated formats of ``pitgen tune``, each one checked."""
-    from .graph.tune import FORMATS
 
     items = [f.strip() for f in text.split(",") if f.strip()]
     bad = [f for f in items if f not in FORMATS]
@@ -215,10 +212,6 @@ def _subcommand(sub: Any, name: str, summary: str, example: str,
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand but ``bench``'s arguments, which go to pitgen.bench."""
-    from .emit import ARCH_SMEM, DEFAULT_ARCH, DEFAULT_DTYPE
-    from .graph.jit import GRAPH_DTYPES
-    from .graph.tune import FORMATS, OPS
-    from .lower import DTYPES
 
     p = argparse.ArgumentParser(
         prog="pitgen", description="CUDA kernels for dynamically sparse operators (PIT): one "
@@ -266,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .npz sparse matrix, or synthetic:NAME (cora, pubmed, reddit, ...)")
     t.add_argument("--op", default="spmm", choices=OPS, help="operator (default spmm)")
     t.add_argument("--feat", type=_at_least(1, int), default=128, help="feature width (default 128)")
-    t.add_argument("--dtype", default="float16", choices=GRAPH_DTYPES,
+    t.add_argument("--dtype", default="float16", choices=VALUE_DTYPES,
                    help="element type (default float16)")
     t.add_argument("--budget", type=_at_least(0, float, strict=True), default=60.0,
                    help="search seconds (default 60)")

@@ -26,12 +26,11 @@ from ..expr import Operator, parse
 from ..rules import analyse
 from ..operands import bind_operands, check_tensor
 from . import kernels as graph_ops
-from .device import DeviceCSR, to_format
+from .device import VALUE_DTYPES, DeviceCSR, to_format
 from .formats import CSR, FORMATS
 from .kernels import default_schedule
 from .tune import GraphStats, best, default_params
 
-GRAPH_DTYPES = ("float16", "float32")
 #: Matrices (by identity) whose conversions a kernel object keeps alive.
 MAX_MATRICES = 4
 
@@ -149,8 +148,8 @@ class FormatKernel:
         self.operator = parse(expr) if isinstance(expr, str) else expr
         if format not in ("auto", *FORMATS):
             raise PlanError(f"unknown format {format!r} (choose auto, {', '.join(FORMATS)})")
-        if dtype not in GRAPH_DTYPES:
-            raise PlanError(f"format kernels run {' or '.join(GRAPH_DTYPES)}, not {dtype!r}")
+        if dtype not in VALUE_DTYPES:
+            raise PlanError(f"format kernels run {' or '.join(VALUE_DTYPES)}, not {dtype!r}")
         if format == "auto" and (params or schedule):
             raise PlanError("params= and schedule= need an explicit format, not 'auto'")
         self.form = graph_form(self.operator, sparse)
