@@ -327,7 +327,7 @@ def test_compile_dispatches_on_format():
                       pitgen.SparseKernel)
     with pytest.raises(pitgen.PlanError, match="unknown format 'coo'"):
         pitgen.compile(SPMM, sparse="A", format="coo")
-    with pytest.raises(pitgen.PlanError, match="float16 or float32, not 'bfloat16'"):
+    with pytest.raises(pitgen.PlanError, match="float32 or float16, not 'bfloat16'"):
         pitgen.compile(SPMM, sparse="A", format="csr", dtype="bfloat16")
     with pytest.raises(pitgen.PlanError, match="micro_tile="):
         pitgen.compile(SPMM, sparse="A", format="csr", micro_tile="32x1")
