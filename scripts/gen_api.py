@@ -104,9 +104,13 @@ def constant(module: ModuleType, name: str, path: str | None) -> tuple[str, str]
     return (text if len(text) <= 80 else text[:77] + "..."), doc
 
 
+#: Public names kept out of a module's __all__ (``from pitgen import *`` keeps the builtin).
+UNSTARRED = {"pitgen": ("compile",)}
+
+
 def public_names(module: ModuleType, path: str | None) -> list[str]:
     if hasattr(module, "__all__"):
-        return list(module.__all__)
+        return [*UNSTARRED.get(module.__name__, ()), *module.__all__]
     names: list[str] = []
     for n in tree(path).body if path else []:
         if isinstance(n, Definition):
