@@ -11,6 +11,9 @@
 #             one part of the benchmark suite (python3 -m pitgen.bench PART, i.e. pitgen bench;
 #             STEP_ARGS adds options), results under $LOGS/bench
 #   bench     every part of the suite in one process (BENCH_ARGS adds options, e.g. --quick)
+#   wheel     the wheel in dist/ (python -m build here; carry dist) installed into a fresh venv
+#             that sees the image's torch, then pitgen rules / emit / tune run from outside
+#             the checkout
 # Logs and results go to $LOGS (default /tmp/pitgen-session) and are bundled into
 # $OUT/session.tar when $OUT is set (a lent-GPU call returns few files).
 set -u
@@ -22,6 +25,16 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOGS/de
 rc=0
 for step in "$@"; do
   case $step in
+    wheel)
+      ( set -e; python3 -m venv --system-site-packages /tmp/wheel-venv
+        /tmp/wheel-venv/bin/python -m pip install -q --no-deps --no-index dist/pitgen-*.whl
+        cd /tmp && w=/tmp/wheel-venv/bin
+        $w/pitgen --version
+        $w/pitgen rules 'C[m,n] += A[m,k] * B[k,n]' | head -3
+        $w/pitgen emit 'C[m,n] += A[m,k] * B[k,n]' --sparse A --micro-tile 32x1 --out /tmp/emitted
+        PITGEN_CACHE=/tmp/wheel-cache $w/pitgen tune synthetic:cora --budget 1 --no-cache
+      ) >"$LOGS/wheel.log" 2>&1; r=$?
+      echo "wheel: exit $r"; tail -25 "$LOGS/wheel.log"; rc=$((rc | r)) ;;
     tests)
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS:-tests/} -p no:cacheprovider -n 8 \
         >"$LOGS/gpu-tests.log" 2>&1; r=$?
