@@ -29,6 +29,8 @@ for step in "$@"; do
       ( set -e; python3 -m venv --system-site-packages /tmp/wheel-venv
         /tmp/wheel-venv/bin/python -m pip install -q --no-deps --no-index dist/pitgen-*.whl
         cd /tmp && w=/tmp/wheel-venv/bin
+        export PYTHONPATH=${PYTHONPATH%%:*}   # the carried pycuda, not the checkout
+        $w/python -c "import pitgen; print(pitgen.__file__)"
         $w/pitgen --version
         $w/pitgen rules 'C[m,n] += A[m,k] * B[k,n]' | head -3
         $w/pitgen emit 'C[m,n] += A[m,k] * B[k,n]' --sparse A --micro-tile 32x1 --out /tmp/emitted
