@@ -183,8 +183,8 @@ def masks(shape: tuple[int, int] | SearchStrategy[tuple[int, int]] | None = None
           kinds: Sequence[str] = MASK_KINDS, micro_tiles: Sequence[tuple[int, int]] = MICRO_TILES,
           block_tiles: Sequence[tuple[int, int]] = BLOCK_TILES,
           densities: Sequence[float] = (0.05, 0.3, 0.7), max_side: int = 200) -> SearchStrategy[Mask]:
-    """:class:`Mask` es of a fixed ``shape``, of shapes drawn from a strategy, or of
-    :func:`shapes` up to ``max_side`` (mostly not tile multiples), in every granularity of
+    """Masks (:class:`Mask`) of a fixed ``shape``, of shapes drawn from a strategy, or of
+    :func:`shapes` up to ``max_side`` (tile multiples and not), in every granularity of
     ``kinds``."""
     st = _strategies()
     _known(kinds, MASK_KINDS, "mask")
@@ -249,7 +249,8 @@ class Expression:
 
 
 def expressions(kinds: Sequence[str] = EXPRESSION_KINDS) -> SearchStrategy[Expression]:
-    """:class:`Expression` s of the families in ``kinds`` with drawn axis and tensor names."""
+    """Expressions (:class:`Expression`) of the families in ``kinds``, with drawn axis and tensor
+    names, operand orders and transpositions."""
     st = _strategies()
     _known(kinds, EXPRESSION_KINDS, "expression")
 

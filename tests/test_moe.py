@@ -160,7 +160,7 @@ VARIANTS = [("float16", "gelu", "int32", 4096, "sm_90"), ("float16", "relu", "in
             ("float32", "gelu", "int32", 64, "sm_90"), ("float32", "silu", "int64", 100000, "sm_80")]
 
 
-def _plans() -> list:
+def _plans() -> list[moe.MoEPlan]:
     return [moe.plan_moe(T, 1, 8, 64, 128, dtype, act, ids) for dtype, act, ids, T, _ in VARIANTS]
 
 
