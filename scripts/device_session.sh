@@ -11,8 +11,8 @@
 #             one part of the benchmark suite (python3 -m pitgen.bench PART, i.e. pitgen bench;
 #             STEP_ARGS adds options), results under $LOGS/bench
 #   bench     every part of the suite in one process (BENCH_ARGS adds options, e.g. --quick)
-#   wheel     the wheel in dist/ (python -m build here; carry dist) installed into a fresh venv
-#             that sees the image's torch, then pitgen rules / emit / tune run from outside
+#   wheel     the wheel in dist/ (python -m build here; carry dist) installed into its own
+#             folder beside the image's torch, then pitgen rules / emit / tune run from outside
 #             the checkout
 # Logs and results go to $LOGS (default /tmp/pitgen-session) and are bundled into
 # $OUT/session.tar when $OUT is set (a lent-GPU call returns few files).
@@ -26,11 +26,11 @@ rc=0
 for step in "$@"; do
   case $step in
     wheel)
-      ( set -e; python3 -m venv --system-site-packages /tmp/wheel-venv
-        /tmp/wheel-venv/bin/python -m pip install -q --no-deps --no-index dist/pitgen-*.whl
-        cd /tmp && w=/tmp/wheel-venv/bin
-        export PYTHONPATH=${PYTHONPATH%%:*}   # the carried pycuda, not the checkout
-        $w/python -c "import pitgen; print(pitgen.__file__)"
+      ( set -e   # the image's python is a venv: install beside it, not into a new one
+        python3 -m pip install -q --no-deps --no-index --target /tmp/wheel-site dist/pitgen-*.whl
+        cd /tmp && w=/tmp/wheel-site/bin
+        export PYTHONPATH=/tmp/wheel-site:${PYTHONPATH%%:*}   # the wheel and the carried pycuda
+        python3 -c "import pitgen; print(pitgen.__file__)"
         $w/pitgen --version
         $w/pitgen rules 'C[m,n] += A[m,k] * B[k,n]' | head -3
         $w/pitgen emit 'C[m,n] += A[m,k] * B[k,n]' --sparse A --micro-tile 32x1 --out /tmp/emitted

@@ -144,7 +144,7 @@ def test_compile_format_matches_reference(seed, rows, cols, feat, kind, fmt, dty
 
 @pytest.mark.parametrize("source", ["device", "torch_sparse", "host_csr", "scipy", "dense"])
 def test_matrix_sources_and_conversion_once(source, monkeypatch):
-    import pitgen.graph.device as dfm
+    import pitgen.graph.jit as gj  # the format kernel converts through its to_format
 
     dtype = "float32"
     csr = graph(7, 150, 130)
@@ -155,8 +155,8 @@ def test_matrix_sources_and_conversion_once(source, monkeypatch):
         sp = pytest.importorskip("scipy.sparse")
         m = sp.csr_matrix((host.data, host.indices, host.indptr), shape=host.shape)
     calls = []
-    real = dfm.to_format
-    monkeypatch.setattr(dfm, "to_format", lambda *a_, **k_: calls.append(a_[1:]) or real(*a_, **k_))
+    real = gj.to_format
+    monkeypatch.setattr(gj, "to_format", lambda *a_, **k_: calls.append(a_[1:]) or real(*a_, **k_))
     k = pitgen.compile(SPMM, sparse="A", format="hyb", dtype=dtype)
     rng = np.random.default_rng(0)
     x, x64 = dense(rng, 130, 24, dtype)
