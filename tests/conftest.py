@@ -6,15 +6,18 @@
   clone, warm on local reruns), never the user's ``~/.cache/pitgen``.
 - nvcc tests (marker ``nvcc``) skip with the reason where nvcc is missing, and run last: each of
   their modules may define ``nvcc_jobs(pool)``, which submits its compiles to one background
-  pool of os.cpu_count() threads right after collection, so that nvcc runs while the CPU-only
-  tests do; the tests then take the results (``nvcc`` fixture). Identical jobs run once.
+  pool of os.cpu_count() worker processes right after collection, so that nvcc runs while the
+  CPU-only tests do; the tests then take the results (``nvcc`` fixture). Identical jobs run
+  once. Processes, not threads: a thread starting nvcc while pytest sets PYTEST_CURRENT_TEST in
+  os.environ can exec with a freed environment (EFAULT).
 - GPU tests (marker ``gpu``) skip with the reason where torch, a device or pycuda is missing.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,11 +29,12 @@ settings.load_profile("ci")
 
 
 class NvccPool:
-    """Background jobs (compiles), each distinct (function, arguments) run once; a job asked for
-    again gets the first one's future."""
+    """Background jobs (compiles: module-level functions of picklable, hashable arguments), each
+    distinct one run once; a job asked for again gets the first one's future. The workers start
+    with the first jobs, at collection, before any test changes the environment."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[tuple, Future] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
 
@@ -45,13 +49,10 @@ class NvccPool:
         key = (fn, *args)
         if key not in self._jobs:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="nvcc")
+                self._pool = ProcessPoolExecutor(os.cpu_count() or 2,
+                                                 mp_context=multiprocessing.get_context("spawn"))
             self._jobs[key] = self._pool.submit(fn, *args)
         return self._jobs[key]
-
-    def wait(self) -> None:
-        """Until every job submitted so far has ended (before a test patches what jobs use)."""
-        wait(list(self._jobs.values()))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -127,29 +128,3 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def nvcc() -> NvccPool:
     """The background compile pool: ``nvcc.submit(fn, *args)`` gives the job's future."""
     return _POOL
-
-
-_RULES: dict[str, Any] = {}
-
-
-def _cached_analyse(op: Any) -> Any:
-    from pitgen.rules import analyse
-
-    text = op if isinstance(op, str) else op.text
-    if text not in _RULES:
-        _RULES[text] = analyse(op)
-    return _RULES[text]
-
-
-@pytest.fixture(scope="module")
-def cached_rules(request: pytest.FixtureRequest) -> Any:
-    """analyse() memoised by expression text in the planner and in the requesting test module,
-    for modules whose Hypothesis examples plan the same few expressions hundreds of times (the
-    sympy check costs about 0.1 s a call); test_rules keeps calling the real one."""
-    import pitgen.planner
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pitgen.planner, "analyse", _cached_analyse)
-        if hasattr(request.module, "analyse"):
-            mp.setattr(request.module, "analyse", _cached_analyse)
-        yield

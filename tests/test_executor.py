@@ -12,7 +12,6 @@ from pitgen.errors import ShapeError
 from pitgen.executor import evaluate, execute
 from pitgen.planner import Candidate, make_plan
 
-pytestmark = pytest.mark.usefixtures("cached_rules")  # the same few expressions, planned often
 
 CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"
 #: (expression, sparse operand, max extent per axis: small where the axis count is high)

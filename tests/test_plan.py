@@ -13,7 +13,6 @@ from pitgen.errors import PlanError, RuleError
 from pitgen.planner import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
                             load_profile, make_plan, parse_tile)
 
-pytestmark = pytest.mark.usefixtures("cached_rules")  # the same few expressions, planned often
 
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
 CONV = "O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]"
