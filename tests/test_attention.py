@@ -16,7 +16,6 @@ from pitgen import reference as R
 import pitgen
 from pitgen.ops import attention as A
 from pitgen import compiler
-from pitgen.render import render_template
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -130,7 +129,7 @@ VARIANTS = [(d, dt) for d in A.HEAD_DIMS for dt in A.ATTENTION.dtypes]
 
 def _source(d: int, dtype: str) -> str:
     plan = A.plan_attention(1, 1, 100, 130, d, dtype, (100, 130))
-    return render_template("attention.cu.j2", **plan.context())
+    return A.ATTENTION.source(plan.context())
 
 
 def test_render_names_the_kernels():
@@ -149,7 +148,7 @@ def _archs(d: int, dtype: str, source: str) -> tuple[str, ...]:
     """A checkerboard over D x dtype; both archs for arch-dependent code."""
     if "__CUDA_ARCH__" in source:
         return ARCHS
-    return (ARCHS[(A.HEAD_DIMS.index(d) + A.DTYPES.index(dtype)) % 2],)
+    return (ARCHS[(A.HEAD_DIMS.index(d) + A.ATTENTION.dtypes.index(dtype)) % 2],)
 
 
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
