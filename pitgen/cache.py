@@ -54,10 +54,16 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 #: name -> the registered cache (a dict, or an lru_cache-wrapped function)
 _REGISTRY: dict[str, Any] = {}
+#: name -> what must happen before that cache is emptied
+_BEFORE_CLEAR: dict[str, Callable[[], None]] = {}
 
 
-def memo(name: str) -> dict:
-    """A process-wide dict registered under ``name`` (the same dict on every call)."""
+def memo(name: str, before_clear: Callable[[], None] | None = None) -> dict:
+    """A process-wide dict registered under ``name`` (the same dict on every call).
+    ``before_clear`` runs before :func:`clear` empties it (e.g. waiting for the GPU work that
+    still uses the loaded modules it holds)."""
+    if before_clear is not None:
+        _BEFORE_CLEAR[name] = before_clear
     return _REGISTRY.setdefault(name, {})
 
 
@@ -78,6 +84,8 @@ def inventory() -> dict[str, int]:
 
 def clear() -> None:
     """Empty every in-process cache (the on-disk cache stays: it is keyed by content)."""
+    for hook in _BEFORE_CLEAR.values():
+        hook()
     for c in _REGISTRY.values():
         if hasattr(c, "cache_clear"):
             c.cache_clear()

@@ -130,7 +130,15 @@ class Module:
         f.prepared_async_call(grid, block, stream, *args, shared_size=smem)
 
 
-_MODULES = cache.memo("runtime.modules")
+def _finish_work() -> None:
+    """Wait for the device before loaded modules are dropped: unloading one under a queued or
+    running launch is undefined (pitgen.cache.clear)."""
+    if _DRV:
+        with bound_context() as drv:
+            drv.Context.synchronize()
+
+
+_MODULES = cache.memo("runtime.modules", before_clear=_finish_work)
 
 
 def load(source: str, signatures: Mapping[str, str]) -> Module:
@@ -154,8 +162,9 @@ class _Streams:
     Callers hold ``bound_context()`` from enter to leave."""
 
     def __init__(self):
-        #: torch stream handle -> (PyCUDA stream, torch ExternalStream of it)
-        self._twins: dict[int, tuple[Any, Any]] = cache.memo("runtime.stream_twins")
+        #: torch stream handle -> (PyCUDA stream, torch ExternalStream of it). Not a cache:
+        #: tensors are recorded on the twins, so they live as long as the process.
+        self._twins: dict[int, tuple[Any, Any]] = {}
 
     def enter(self, use_torch: bool, cur: Any = None):
         """(PyCUDA stream, token for leave) for torch's current stream (``cur`` when the caller

@@ -124,7 +124,7 @@ class DeviceCSR:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device="cuda", dtype=dt)
         return cls(csr.shape, up(csr.indptr.astype(np.int32), torch.int32),
                    up(csr.indices.astype(np.int32), torch.int32),
-                   up(csr.values().astype(np.float32), getattr(torch, dtype)))
+                   up(csr.values().astype(dtype), getattr(torch, dtype)))  # rounded once
 
     @classmethod
     def from_scipy(cls, m: Any, dtype: str = "float32") -> DeviceCSR:
