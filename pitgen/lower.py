@@ -8,7 +8,6 @@ operands are just other strides.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, replace
 
 import sympy
@@ -121,10 +120,6 @@ class ModuleSpec:
     plan_shape: tuple[int, ...]
     gemm: GemmSpec
     index: IndexSpec | None
-
-    @property
-    def key(self) -> str:
-        return hashlib.sha256(repr(asdict(self)).encode()).hexdigest()[:16]
 
     def context(self) -> dict:
         """Template context of ``module.cu.j2``: every decision, nested as the dataclasses."""

@@ -80,10 +80,10 @@ class OpSpec:
             hit = _DERIVED[self.name] = {p.name: p.axes(analyse(p.expr)) for p in self.permutes}
         return hit
 
-    def check_dtype(self, dtype: str, what: str = "dtype") -> str:
+    def check_dtype(self, dtype: str) -> str:
         """``dtype`` if this operator runs it, else ShapeError listing the ones it does."""
         if dtype not in self.dtypes:
-            raise ShapeError(f"{what} {dtype} is not supported by {self.name}; expected "
+            raise ShapeError(f"dtype {dtype} is not supported by {self.name}; expected "
                              f"{' or '.join(self.dtypes)}")
         return dtype
 

@@ -231,15 +231,15 @@ class TorchLaunch:
             self._bound.close()
 
 
-def stream_counters(cache: dict[int, Any], stream: Any, size: int, device: Any) -> Any:
+def stream_counters(by_stream: dict[int, Any], stream: Any, size: int, device: Any) -> Any:
     """At least ``size`` int32 counters for launches on torch ``stream`` whose kernels leave them
-    zero again: zeroed once per stream in ``cache`` (and again when a launch needs more), so
+    zero again: zeroed once per stream in ``by_stream`` (and again when a launch needs more), so
     launches on one stream, which run in order, share them and none has to clear them first."""
     import torch
-    buf = cache.get(stream.cuda_stream)
+    buf = by_stream.get(stream.cuda_stream)
     if buf is None or buf.numel() < size:
-        buf = cache[stream.cuda_stream] = torch.zeros(max(size, 1), dtype=torch.int32,
-                                                      device=device)
+        buf = by_stream[stream.cuda_stream] = torch.zeros(max(size, 1), dtype=torch.int32,
+                                                          device=device)
     return buf
 
 
