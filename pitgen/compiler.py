@@ -49,11 +49,20 @@ def nvcc_version(nvcc: str | None = None) -> str:
     return version
 
 
+def arch_options(arch: str) -> tuple[str, ...]:
+    """nvcc's target options for ``arch``: ``sm_90a`` (wgmma, setmaxnreg) is spelled as a
+    -gencode pair, since the ``-arch=sm_90a`` shorthand of nvcc 13.0 also runs a plain sm_90
+    pass that rejects those instructions."""
+    if arch.endswith("a"):
+        return (f"-gencode=arch=compute_{arch[3:]},code={arch}",)
+    return (f"-arch={arch}",)
+
+
 def compile_source(source: str, arch: str, extra: tuple[str, ...] = ()) -> bytes:
     """Cubin for ``arch`` (``"sm_90"``), from the cache when the same source, options and nvcc
     were seen before."""
     nvcc = find_nvcc()
-    options = (f"-arch={arch}", *BASE_OPTIONS, *extra)
+    options = (*arch_options(arch), *BASE_OPTIONS, *extra)
     path = cache.directory() / f"{cache.key(source, chr(0).join(options), nvcc_version(nvcc))}.cubin"
     try:
         return path.read_bytes()

@@ -86,12 +86,20 @@ class GemmSpec:
     b_vec: int
     a_smem_kcontig: bool
     b_smem_ncontig: bool
+    mainloop: str = "mma_sync"  # 'mma_sync' (sm_80 on) | 'wgmma' (sm_90a: wm x wn consumer warpgroups)
+    a_load: str = "cp_async"  # 'cp_async' | 'tma' (wgmma: dense operands by TMA, gathered by cp.async)
+    b_load: str = "cp_async"
+    producers: int = 1  # wgmma: producer warpgroups (gathering takes more threads than TMA)
 
     @property
     def threads(self) -> int:
+        if self.mainloop == "wgmma":
+            return 128 * (self.wm * self.wn + self.producers)  # producers and consumers
         return self.wm * self.wn * 32
 
     def smem_bytes(self, dtype: str) -> int:
+        if self.mainloop == "wgmma":  # swizzled stages, 1024-byte alignment slack, the barriers
+            return self.stages * (self.bm + self.bn) * self.bk * DTYPES[dtype] + 1024 + 16 * self.stages
         pad = 16 // DTYPES[dtype]
         a = self.bm * (self.bk + pad) if self.a_smem_kcontig else self.bk * (self.bm + pad)
         b = self.bk * (self.bn + pad) if self.b_smem_ncontig else self.bn * (self.bk + pad)
@@ -108,6 +116,7 @@ class IndexSpec:
     block_rows: int  # block extent along m' (block)
     block_cols: int  # block extent along k (block)
     id_contiguous: bool  # block: adjacent k adjacent in memory
+    vec: int = 1  # block: elements per 16-byte test (k contiguous, rows aligned), else 1
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,52 @@ SCHEDULES = {128: (128, 64, 2, 4, 3), 64: (256, 32, 2, 4, 4), 32: (256, 32, 1, 4
              16: (128, 32, 1, 4, 3)}
 
 
+#: Devices whose tile kernels run on wgmma (compiled for sm_90a); others keep mma.sync.
+WGMMA_ARCHS = ("sm_90",)
+#: Dynamic shared memory one wgmma CTA may use (one CTA per SM).
+WGMMA_SMEM = 227 * 1024
+
+
+def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
+             align: int) -> int | None:
+    """The operand's contiguous dim (0 or 1) when a TMA tensor map can describe it (unit
+    stride there, the other a multiple of 16 bytes past the row, 16-byte aligned base)."""
+    for d in (1, 0):
+        other = strides[1 - d]
+        if (strides[d] == 1 and (other * size) % 16 == 0 and other >= extents[d]
+                and align % 16 == 0):
+            return d
+    return None
+
+
+def _hopper(a_mode: str, block_list: bool, tk: int, bm: int, dtype: str, layout: Layout,
+            accumulate: bool, c_pair: bool) -> GemmSpec | None:
+    """The wgmma kernel for this plan (sm_90a), or None where only the mma.sync one fits: fp16
+    and bf16, 64- or 128-row tiles, dense operands TMA can map, gathered B' rows 16 bytes wide."""
+    size = DTYPES[dtype]
+    if dtype == "float32" or a_mode == "rows" or bm not in (64, 128) or (block_list and tk % 64):
+        return None
+    if a_mode == "packed":
+        if not (layout.sb[1] == 1 and (layout.sb[0] * size) % 16 == 0 and layout.N % 8 == 0
+                and layout.align_b % 16 == 0):
+            return None
+        a_kc, b_nc, a_load, b_load = False, True, "cp_async", "cp_async"
+    else:
+        da = _tma_dim(layout.sa, (layout.M, layout.K), size, layout.align_a)
+        db = _tma_dim(layout.sb, (layout.K, layout.N), size, layout.align_b)
+        if da is None or db is None:
+            return None
+        a_kc, b_nc, a_load, b_load = da == 1, db == 1, "tma", "tma"
+    wm = bm // 64
+    # Gathering kernels run two producer warpgroups (512 threads): the 128-register cap at
+    # launch fits 64 x 128 accumulators per consumer, not 64 x 256.
+    bn = 256 if layout.N > 128 and a_mode != "packed" else 128
+    stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
+    return GemmSpec("pit_gemm", a_mode, block_list, tk // 64 if block_list else 1, "direct",
+                    c_pair, accumulate, bm, bn, 64, wm, 2 // wm, stages, 16 // size, 16 // size,
+                    a_kc, b_nc, "wgmma", a_load, b_load, 2 if a_mode == "packed" else 1)
+
+
 def _warps(bm: int, bn: int) -> tuple[int, int]:
     """Warps along m and n when BN is overridden: warp tiles of at most 64 rows, <= 8 warps."""
     wm = max(1, bm // 64)
@@ -175,8 +230,10 @@ def _warps(bm: int, bn: int) -> tuple[int, int]:
 
 def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[int, ...],
           dtype: str, layout: Layout, accumulate: bool = False,
-          schedule: Schedule = Schedule()) -> ModuleSpec:
-    """The module that runs one plan choice (kind/axis/shape over ``sparse``) on ``layout``."""
+          schedule: Schedule = Schedule(), arch: str = "sm_80") -> ModuleSpec:
+    """The module that runs one plan choice (kind/axis/shape over ``sparse``) on ``layout``
+    for a device of ``arch`` (``sm_90``: the wgmma kernel where it fits the plan, unless a
+    schedule override asks for the mma.sync one's knobs)."""
     if dtype not in DTYPES:
         raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
     f = gemm_form(op, sparse)
@@ -195,7 +252,11 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     elif kind == "block":
         bm, bk = tm, min(tk, 32 if dtype == "float32" else 64)
         block_list = True
-        index = IndexSpec("pit_build_index", "block", "warp", 0, False, tm, tk, layout.sa[1] == 1)
+        vec = 16 // DTYPES[dtype]
+        wide = (layout.sa[1] == 1 and _vec(dtype, layout.K, layout.sa[0], layout.align_a) == vec
+                and tk % vec == 0)
+        index = IndexSpec("pit_build_index", "block", "warp", 0, False, tm, tk, layout.sa[1] == 1,
+                          vec if wide else 1)
     elif kind == "micro" and axis == f.k_axis:
         bm = tm
         a_mode = "packed"
@@ -249,6 +310,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         else:
             bn = gemm.bn // 2
             gemm = replace(gemm, bn=bn, wn=min(gemm.wn, max(1, bn // 16)))
+    if arch in WGMMA_ARCHS and schedule == Schedule():
+        gemm = _hopper(a_mode, block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
 
 
@@ -267,9 +330,10 @@ class Geometry:
     flat: tuple[int, int]
 
 
-def geometry(spec: ModuleSpec, layout: Layout, k_extent: int) -> Geometry:
+def geometry(spec: ModuleSpec, layout: Layout, k_extent: int, sms: int = 132) -> Geometry:
     """Grids and index sizes of ``spec`` on ``layout`` (``k_extent``: the micro-tile's extent
-    along k, which rows mode splits K by); PlanError past CUDA's grid limits."""
+    along k, which rows mode splits K by; ``sms``: the device's multiprocessors, one persistent
+    wgmma CTA each); PlanError past CUDA's grid limits."""
     M, N, K, g, ix = layout.M, layout.N, layout.K, spec.gemm, spec.index
     tk = k_extent if g.a_mode == "rows" else 0
     grid_m = (M + g.bm - 1) // g.bm
@@ -289,6 +353,8 @@ def geometry(spec: ModuleSpec, layout: Layout, k_extent: int) -> Geometry:
         per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
         index_grid = ((cap + per_block - 1) // per_block, groups)
     grid: tuple[int, ...] = ((N + g.bn - 1) // g.bn, grid_m)
+    if g.mainloop == "wgmma":
+        grid = (max(1, min(grid[0] * grid[1], sms)), 1)
     if g.a_mode == "rows":
         grid += ((K + tk - 1) // tk,)
     if grid_m > GRID_Y_MAX:

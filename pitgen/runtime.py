@@ -97,23 +97,88 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
+def device_sms() -> int:
+    """Multiprocessors of the device PyCUDA's context runs on (persistent grids: one CTA each)."""
+    with bound_context() as drv:
+        dev = drv.Context.get_device()
+        return dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+
+
+def compile_target(arch: str) -> str:
+    """The nvcc target of a device: Hopper builds as sm_90a, so that its modules may use
+    wgmma and setmaxnreg (the code runs on exactly that chip, as every cubin here does)."""
+    return "sm_90a" if arch == "sm_90" else arch
+
+
+#: CUtensorMapDataType of each element type TMA moves here.
+_TMA_DTYPES = {"float16": 6, "bfloat16": 9}
+_TMA_SWIZZLE_128B, _TMA_L2_256B = 3, 3
+
+
+@cache.lru("runtime.tensor_maps", 256)
+def tensor_map(ptr: int, dtype: str, dims: tuple[int, int], row_stride: int,
+               box: tuple[int, int]) -> bytes:
+    """A 2-D TMA descriptor (CUtensorMap, 128 bytes, passed by value to a kernel) of the
+    matrix at ``ptr``: ``dims`` (inner, outer) elements, ``row_stride`` elements between outer
+    rows, ``box`` (inner, outer) elements per copy, 128-byte swizzle, zeros outside. Encoded
+    on the host by the driver (no device work); remembered per argument tuple."""
+    import ctypes
+    out = ctypes.create_string_buffer(128)
+    u64, u32 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    rc = _libcuda().cuTensorMapEncodeTiled(
+        out, _TMA_DTYPES[dtype], 2, ctypes.c_void_p(ptr), u64(*dims),
+        (ctypes.c_uint64 * 1)(row_stride * 2), u32(*box), u32(1, 1), 0, _TMA_SWIZZLE_128B,
+        _TMA_L2_256B, 0)
+    if rc != 0:
+        raise DeviceError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for a {dtype} "
+                          f"matrix {dims} with row stride {row_stride} and box {box}")
+    return out.raw
+
+
+_LIBCUDA: list[Any] = []
+
+
+def _libcuda() -> Any:
+    """The driver library PyCUDA runs on, for the one entry point it does not wrap."""
+    if not _LIBCUDA:
+        import ctypes
+        _drv()
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        _LIBCUDA.append(lib)
+    return _LIBCUDA[0]
+
+
 class Module:
     """One loaded cubin: its kernels, each prepared with its PyCUDA argument signature ("PPii":
-    two pointers, two ints) on first use, and its dynamic shared-memory limit raised as needed."""
+    two pointers, two ints) on first use, and its dynamic shared-memory limit raised as needed.
+
+    Signature letter ``M`` is a 128-byte by-value TMA descriptor (``__grid_constant__
+    CUtensorMap``). Such a parameter is 64-byte aligned, and PyCUDA's packed parameter buffer
+    cannot express that alignment, so those kernels launch through the driver's per-parameter
+    interface (:class:`_DriverKernel`) on the same context and stream."""
 
     def __init__(self, cubin: bytes, signatures: Mapping[str, str]):
         self.signatures = dict(signatures)
         self._functions: dict[str, Any] = {}
         self._smem_limit: dict[str, int] = {}
+        self._cubin = cubin
+        self._raw: _DriverModule | None = None
         with bound_context() as drv:
             self.module = drv.module_from_buffer(cubin)
 
     def function(self, name: str) -> Any:
-        """The prepared kernel ``name`` (a PyCUDA Function)."""
+        """The prepared kernel ``name`` (a PyCUDA Function, or a _DriverKernel)."""
         f = self._functions.get(name)
         if f is None:
-            f = self.module.get_function(name)
-            f.prepare(self.signatures[name])
+            sig = self.signatures[name]
+            if "M" in sig:
+                if self._raw is None:
+                    self._raw = _DriverModule(self._cubin)
+                f = _DriverKernel(self._raw, name, sig)
+            else:
+                f = self.module.get_function(name)
+                f.prepare(sig)
             self._functions[name] = f
         return f
 
@@ -128,6 +193,60 @@ class Module:
             f.set_attribute(_drv().function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
             self._smem_limit[name] = smem
         f.prepared_async_call(grid, block, stream, *args, shared_size=smem)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise DeviceError(f"{what} failed (CUresult {rc})")
+
+
+class _DriverModule:
+    """The cubin loaded a second time through the driver API itself (for kernels PyCUDA cannot
+    pass arguments to); unloaded with the Module that owns it."""
+
+    def __init__(self, cubin: bytes):
+        import ctypes
+        self._lib = _libcuda()
+        self._keep = ctypes.create_string_buffer(cubin, len(cubin))
+        handle = ctypes.c_void_p()
+        with bound_context():
+            _check(self._lib.cuModuleLoadData(ctypes.byref(handle), self._keep), "cuModuleLoadData")
+        self.handle = handle
+
+    def __del__(self) -> None:
+        if self.handle:
+            self._lib.cuModuleUnload(self.handle)
+
+
+class _DriverKernel:
+    """One kernel of a _DriverModule, launched with cuLaunchKernel's per-parameter array: the
+    driver places each argument at the offset the cubin declares (``M``: 128 bytes, ``P``:
+    pointer, ``i``: int32)."""
+
+    _CODES = {"P": "c_uint64", "i": "c_int32"}
+
+    def __init__(self, module: _DriverModule, name: str, signature: str):
+        import ctypes
+        self._module, self._sig, self._lib = module, signature, module._lib
+        self.handle = ctypes.c_void_p()
+        _check(self._lib.cuModuleGetFunction(ctypes.byref(self.handle), module.handle,
+                                             name.encode()), f"cuModuleGetFunction({name})")
+
+    def set_attribute(self, attribute: Any, value: int) -> None:
+        _check(self._lib.cuFuncSetAttribute(self.handle, int(attribute), value),
+               "cuFuncSetAttribute")
+
+    def prepared_async_call(self, grid: tuple[int, ...], block: tuple[int, ...], stream: Any,
+                            *args: Any, shared_size: int = 0) -> None:
+        import ctypes
+        values = [ctypes.create_string_buffer(a, 128) if code == "M"
+                  else getattr(ctypes, self._CODES[code])(a) for code, a in zip(self._sig, args)]
+        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        g, b = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+        _check(self._lib.cuLaunchKernel(
+            self.handle, *g, *b, shared_size,
+            ctypes.c_void_p(stream.handle if stream is not None else 0), params, None),
+            "cuLaunchKernel")
 
 
 def _finish_work() -> None:
@@ -148,7 +267,7 @@ def load(source: str, signatures: Mapping[str, str]) -> Module:
     key = (hashlib.sha256(source.encode()).hexdigest(), arch)
     mod = _MODULES.get(key)
     if mod is None:
-        mod = _MODULES[key] = Module(compile_source(source, arch), signatures)
+        mod = _MODULES[key] = Module(compile_source(source, compile_target(arch)), signatures)
     return mod
 
 

@@ -14,13 +14,14 @@ from ..operands import (Operand, Workspace, align, as_operand, bind_operands, co
                         distinct_strides, signature)
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
-from ..runtime import TorchLaunch, memset_d32
+from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_map
 
 #: The GEMM module (index build, tile kernel, SWrite passes). Its permutations depend on the
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
 #: axes), so none is declared here.
 MATMUL = OpSpec("matmul", "module.cu.j2", {
-    "pit_gemm": "PPPPPPiiiiiiiiii", "pit_build_index": "PiiiiPPPPii",
+    "pit_gemm": "PPPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPiiiiiiiiii",
+    "pit_build_index": "PiiiiPPPPii",
     "pit_gemm_zero": "Piiii", "pit_gemm_finish": "PPiiiii"}, dtypes=tuple(DTYPES))
 
 
@@ -73,17 +74,35 @@ class Launcher:
         self.layout = Layout(M, N, K, (A.strides[form.a_dims[0]], A.strides[form.a_dims[1]]),
                              (B.strides[form.b_dims[0]], B.strides[form.b_dims[1]]), sc,
                              align(A.ptr), align(B.ptr), align_c)
-        self.spec = lower(op, form.sparse, kind, axis, shape, dtype, self.layout,
-                          accumulate=accumulate, schedule=schedule)
         #: a dense plan on torch tensors runs the vendor GEMM (cuBLAS through torch)
         self.vendor = kind == "dense" and A.is_torch and vendor_dense
-        self.geo = geometry(self.spec, self.layout, shape[form.a_dims[1]])
+        arch = device_arch() if M * N and not self.vendor else "sm_80"
+        self.spec = lower(op, form.sparse, kind, axis, shape, dtype, self.layout,
+                          accumulate=accumulate, schedule=schedule, arch=arch)
+        sms = device_sms() if self.spec.gemm.mainloop == "wgmma" else 0
+        self.geo = geometry(self.spec, self.layout, shape[form.a_dims[1]], sms)
         self.mod = MATMUL.module(self.spec.context()) if M * N and not self.vendor else None
         self.smem = self.spec.gemm.smem_bytes(dtype)
         self.mask_strides = (0, 0)
         if mask is not None:  # the mask's strides along the index's (long, id) dims
             md = (mask.strides[form.a_dims[0]], mask.strides[form.a_dims[1]])
             self.mask_strides = md[::-1] if self.spec.gemm.a_mode == "rows" else md
+
+
+    def tensor_maps(self, a_ptr: int, b_ptr: int) -> tuple[bytes, bytes]:
+        """The wgmma kernel's TMA descriptors of A' and B' at these addresses, box for box as
+        its shared-memory tiles (zeros for an operand it gathers with cp.async instead)."""
+        g, lay, none = self.spec.gemm, self.layout, bytes(128)
+        ta = tb = none
+        if g.a_load == "tma":
+            ta = (tensor_map(a_ptr, self.dtype, (lay.K, lay.M), lay.sa[0], (g.bk, g.bm))
+                  if g.a_smem_kcontig else
+                  tensor_map(a_ptr, self.dtype, (lay.M, lay.K), lay.sa[1], (64, g.bk)))
+        if g.b_load == "tma":
+            tb = (tensor_map(b_ptr, self.dtype, (lay.N, lay.K), lay.sb[0], (64, g.bk))
+                  if g.b_smem_ncontig else
+                  tensor_map(b_ptr, self.dtype, (lay.K, lay.N), lay.sb[1], (g.bk, g.bn)))
+        return ta, tb
 
 
 class GemmCall:
@@ -141,12 +160,14 @@ class GemmCall:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
         ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
         lay = L.layout
-        mod.launch(
-            "pit_gemm", L.geo.grid, (g.threads, 1, 1), stream,
-            ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr, self.c_ptr,
-            ptr(f32), ptr(self.counts), ptr(self.ids),
-            M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk,
-            smem=L.smem)
+        args = (ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr, self.c_ptr,
+                ptr(f32), ptr(self.counts), ptr(self.ids),
+                M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk)
+        if g.mainloop == "wgmma":
+            mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
+                       *L.tensor_maps(self.A.ptr, self.B.ptr), *args, smem=L.smem)
+        else:
+            mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, *args, smem=L.smem)
         if f32 is not None:
             mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr,
                        Workspace.ptr(f32), M, N, *sc, int(L.accumulate))

@@ -1,0 +1,106 @@
+"""Hopper mainloop bring-up: correctness of the wgmma tile kernel against float64 and the
+mma.sync kernel, then GPU times against cuBLAS (CUDA events, median). Prints one table."""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+
+import pitgen
+from pitgen import lower
+from pitgen.bench.workloads import block_mask
+
+EXPR = "C[m,n] += A[m,k] * B[k,n]"
+
+
+def median_ms(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); fn(); e.record(); e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2]
+
+
+def check(dt, micro, M, N, K, density, gen, layout="AB"):
+    tdt = getattr(torch, dt)
+    a = torch.randn(M, K, device="cuda", dtype=tdt, generator=gen)
+    if micro != "dense":
+        unit = tuple(int(v) for v in micro.split("x"))
+        a = a * block_mask((M, K), unit, density, gen).to(tdt)
+    b = torch.randn(K, N, device="cuda", dtype=tdt, generator=gen)
+    if layout == "AtB":
+        a = a.t().contiguous().t()
+    if layout == "ABt":
+        b = b.t().contiguous().t()
+    kern = pitgen.compile(EXPR, sparse="A", dtype=dt, micro_tile=micro, vendor_dense=False)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=tdt)
+    call = kern.prepare(a, b, out=out)
+    kern(a, b, out=out)
+    torch.cuda.synchronize()
+    ref = a.double() @ b.double()
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    bad = int((~torch.isfinite(out)).sum())
+    return call.L.spec.gemm.mainloop, err, bad, kern, a, b, out
+
+
+def main() -> int:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fails = 0
+    print(torch.cuda.get_device_name(), file=sys.stderr)
+    # correctness: odd shapes, layouts, granularities, densities 0 / 0.1 / 1
+    for dt in (() if "--speed" in sys.argv else ("float16", "bfloat16")):
+        for micro in ("dense", "128x128", "64x128", "128x1", "64x1"):
+            for (M, N, K) in ((256, 256, 256), (200, 136, 328), (513, 1000, 777), (64, 8, 64)):
+                for layout in ("AB", "AtB", "ABt"):
+                    for density in ((1.0,) if micro == "dense" else (0.0, 0.1, 1.0)):
+                        try:
+                            ml, err, bad, *_ = check(dt, micro, M, N, K, density, gen, layout)
+                        except pitgen.PitgenError as e:
+                            print(f"skip {dt} {micro} {M}x{N}x{K} {layout}: {e}")
+                            continue
+                        ok = bad == 0 and err < 1e-2
+                        fails += not ok
+                        if not ok or (M, N, K) == (513, 1000, 777):
+                            print(f"{'ok ' if ok else 'BAD'} {dt} {micro:>7} {M}x{N}x{K} {layout} "
+                                  f"d={density} {ml} err={err:.2e} nonfinite={bad}")
+    print(f"correctness failures: {fails}")
+    # speed
+    for n in (4096, 8192):
+        for dt in ("float16", "bfloat16"):
+            tdt = getattr(torch, dt)
+            a0 = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
+            b = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
+            dense = median_ms(lambda: torch.mm(a0, b))
+            print(f"{n}^3 {dt} cuBLAS {dense:.4f} ms ({2 * n ** 3 / dense / 1e9:.0f} TFLOP/s)")
+            for micro, dens in (("dense", 1.0), ("128x128", 0.5), ("128x128", 0.1),
+                                ("128x1", 0.1), ("64x1", 0.1)):
+                for ml in ("wgmma", "mma_sync"):
+                    saved, hop = lower.WGMMA_ARCHS, lower._hopper
+                    if ml == "mma_sync":
+                        lower.WGMMA_ARCHS = ()
+                    if ml == "wgmma_bn128":
+                        def narrow(*args, _h=hop):
+                            g = _h(*args)
+                            return g and replace(g, bn=128, stages=min(8, 225 * 1024 // ((g.bm + 128) * 128)))
+                        lower._hopper = narrow
+                    try:
+                        _, err, bad, kern, a, bb, out = check(dt, micro, n, n, n, dens, gen)
+                        call = kern.prepare(a, bb, out=out)
+                        call.build_index(None)
+                        comp = median_ms(lambda: call.compute(None))
+                        index = median_ms(lambda: call.build_index(None))
+                        whole = median_ms(lambda: kern(a, bb, out=out))
+                    finally:
+                        lower.WGMMA_ARCHS, lower._hopper = saved, hop
+                    print(f"  {micro:>7} d={dens:<4} {ml:>8}: compute {comp:.4f} whole {whole:.4f} ms "
+                          f"= {whole / dense:.2f}x cuBLAS time (compute {dense / comp:.2f}x speed) "
+                          f"index {index:.4f} err {err:.1e} nonfinite {bad}")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
