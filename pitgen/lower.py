@@ -87,14 +87,11 @@ class GemmSpec:
     a_smem_kcontig: bool
     b_smem_ncontig: bool
     mainloop: str = "mma_sync"  # 'mma_sync' (sm_80 on) | 'wgmma' (sm_90a: wm x wn consumer warpgroups)
-    a_load: str = "cp_async"  # 'cp_async' | 'tma' (wgmma: dense operands by TMA, gathered by cp.async)
-    b_load: str = "cp_async"
-    producers: int = 1  # wgmma: producer warpgroups (gathering takes more threads than TMA)
 
     @property
     def threads(self) -> int:
         if self.mainloop == "wgmma":
-            return 128 * (self.wm * self.wn + self.producers)  # producers and consumers
+            return 128 * (self.wm * self.wn + 1)  # a producer warpgroup and the consumers
         return self.wm * self.wn * 32
 
     def smem_bytes(self, dtype: str) -> int:
@@ -194,32 +191,24 @@ def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
     return None
 
 
-def _hopper(a_mode: str, block_list: bool, tk: int, bm: int, dtype: str, layout: Layout,
-            accumulate: bool, c_pair: bool) -> GemmSpec | None:
-    """The wgmma kernel for this plan (sm_90a), or None where only the mma.sync one fits: fp16
-    and bf16, 64- or 128-row tiles, dense operands TMA can map, gathered B' rows 16 bytes wide."""
+def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
+            c_pair: bool) -> GemmSpec | None:
+    """The wgmma kernel for a box plan (dense, or k-blocks listed per m-tile) on sm_90a, or None
+    where only the mma.sync one fits: fp16 and bf16, 64- or 128-row tiles, k-blocks of whole
+    64-wide k-tiles, and operands TMA can map."""
     size = DTYPES[dtype]
-    if dtype == "float32" or a_mode == "rows" or bm not in (64, 128) or (block_list and tk % 64):
+    if dtype == "float32" or bm not in (64, 128) or (block_list and tk % 64):
         return None
-    if a_mode == "packed":
-        if not (layout.sb[1] == 1 and (layout.sb[0] * size) % 16 == 0 and layout.N % 8 == 0
-                and layout.align_b % 16 == 0):
-            return None
-        a_kc, b_nc, a_load, b_load = False, True, "cp_async", "cp_async"
-    else:
-        da = _tma_dim(layout.sa, (layout.M, layout.K), size, layout.align_a)
-        db = _tma_dim(layout.sb, (layout.K, layout.N), size, layout.align_b)
-        if da is None or db is None:
-            return None
-        a_kc, b_nc, a_load, b_load = da == 1, db == 1, "tma", "tma"
+    da = _tma_dim(layout.sa, (layout.M, layout.K), size, layout.align_a)
+    db = _tma_dim(layout.sb, (layout.K, layout.N), size, layout.align_b)
+    if da is None or db is None:
+        return None
     wm = bm // 64
-    # Gathering kernels run two producer warpgroups (512 threads): the 128-register cap at
-    # launch fits 64 x 128 accumulators per consumer, not 64 x 256.
-    bn = 256 if layout.N > 128 and a_mode != "packed" else 128
+    bn = 256 if layout.N > 128 else 128
     stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
-    return GemmSpec("pit_gemm", a_mode, block_list, tk // 64 if block_list else 1, "direct",
+    return GemmSpec("pit_gemm", "box", block_list, tk // 64 if block_list else 1, "direct",
                     c_pair, accumulate, bm, bn, 64, wm, 2 // wm, stages, 16 // size, 16 // size,
-                    a_kc, b_nc, "wgmma", a_load, b_load, 2 if a_mode == "packed" else 1)
+                    da == 1, db == 1, "wgmma")
 
 
 def _warps(bm: int, bn: int) -> tuple[int, int]:
@@ -310,8 +299,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         else:
             bn = gemm.bn // 2
             gemm = replace(gemm, bn=bn, wn=min(gemm.wn, max(1, bn // 16)))
-    if arch in WGMMA_ARCHS and schedule == Schedule():
-        gemm = _hopper(a_mode, block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
+    if arch in WGMMA_ARCHS and schedule == Schedule() and a_mode == "box":
+        gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
 
 

@@ -12,14 +12,14 @@ import pytest
 
 import pitgen
 from pitgen import compiler
-from pitgen.lower import Layout, gemm_form, lower
+from pitgen.lower import Layout, Schedule, gemm_form, geometry, lower
 from pitgen.ops.matmul import MATMUL
 
 
 def render(spec) -> str:
     return MATMUL.source(spec.context())
 
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_80", "sm_90a")  # an sm_90 device compiles every module for sm_90a
 FORMS = {"AB": ("C[m,n] += A[m,k] * B[k,n]", "A"), "AtB": ("C[m,n] += A[k,m] * B[k,n]", "A"),
          "ABt": ("C[m,n] += A[m,k] * B[n,k]", "A"), "sparseB": ("C[m,n] += A[m,k] * B[k,n]", "B")}
 KINDS = ("dense", "block", "micro_k", "micro_m", "micro_m_atomic")
@@ -73,6 +73,59 @@ def test_variants_cover_every_mode_and_copy_width():
     assert {s.index.strategy for s in specs if s.index and s.index.kind == "micro"} == {"thread", "warp"}
 
 
+HOPPER_KINDS = ("dense", "block")
+#: The wgmma variants: each dtype meets each kind and layout (a checkerboard, half of them).
+HOPPER_VARIANTS = [(d, f, k) for i, d in enumerate(("float16", "bfloat16"))
+                   for j, k in enumerate(HOPPER_KINDS) for n, f in enumerate(FORMS)
+                   if (i + j + n) % 2 == 0]
+
+
+def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = False):
+    expr, sparse = FORMS[form_name]
+    op = pitgen.parse(expr)
+    f = gemm_form(op, sparse)
+    shape: tuple[int, ...] = ()
+    if kind == "block":
+        s = [0, 0]
+        s[f.a_dims[0]], s[f.a_dims[1]] = 128, 128
+        shape = tuple(s)
+    return lower(op, sparse, kind, None, shape, dtype, _layout(op, f, 200, 520, 264),
+                 accumulate=accumulate, arch="sm_90")
+
+
+def test_hopper_devices_get_wgmma_where_the_plan_allows():
+    specs = [hopper_variant(*v) for v in HOPPER_VARIANTS]
+    assert all(s.gemm.mainloop == "wgmma" and s.gemm.threads == 384 for s in specs)
+    assert {s.gemm.a_smem_kcontig for s in specs} == {True, False} == {s.gemm.b_smem_ncontig for s in specs}
+    assert all(s.gemm.smem_bytes(s.dtype) <= 227 * 1024 for s in specs)
+    op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
+    lay = Layout(256, 256, 256, (256, 1), (256, 1), (256, 1))
+    keep = {  # plans that stay on mma.sync on the same device, and why
+        "float32": lower(op, "A", "dense", None, (), "float32", lay, arch="sm_90"),
+        "packed micro-tiles": lower(op, "A", "micro", "k", (64, 1), "float16", lay, arch="sm_90"),
+        "rows": lower(op, "A", "micro", "m", (1, 64), "float16", lay, arch="sm_90"),
+        "32-row blocks": lower(op, "A", "block", None, (32, 64), "float16", lay, arch="sm_90"),
+        "k-blocks of 32": lower(op, "A", "block", None, (64, 32), "float16", lay, arch="sm_90"),
+        "rows not 16-byte multiples": lower(op, "A", "dense", None, (), "float16",
+                                           Layout(256, 256, 250, (250, 1), (256, 1), (256, 1)),
+                                           arch="sm_90"),
+        "unaligned base": lower(op, "A", "dense", None, (), "float16",
+                                Layout(256, 256, 256, (256, 1), (256, 1), (256, 1), align_a=2),
+                                arch="sm_90"),
+        "sm_80": lower(op, "A", "dense", None, (), "float16", lay, arch="sm_80"),
+        "schedule override": lower(op, "A", "dense", None, (), "float16", lay, arch="sm_90",
+                                   schedule=Schedule(bn=64)),
+    }
+    assert {why: s.gemm.mainloop for why, s in keep.items()} == dict.fromkeys(keep, "mma_sync")
+
+
+def test_wgmma_grid_is_persistent():
+    spec = hopper_variant("float16", "AB", "dense")
+    lay = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
+    assert geometry(spec, lay, 0, sms=132).grid == (132, 1)
+    assert geometry(spec, Layout(100, 100, 64, (64, 1), (100, 1), (100, 1)), 0, sms=132).grid == (1, 1)
+
+
 def test_render_is_deterministic_and_names_the_plan():
     spec = variant("float16", "AB", "micro_k", False)
     src = render(spec)
@@ -117,11 +170,21 @@ def _compiles() -> dict[tuple, tuple[str, tuple[str, ...]]]:
     return out
 
 
+@functools.cache
+def _hopper_sources() -> tuple[str, ...]:
+    """Each wgmma variant's source (every other one accumulating into C); sm_90a only."""
+    return tuple(render(hopper_variant(*v, accumulate=bool(i % 2)))
+                 for i, v in enumerate(HOPPER_VARIANTS))
+
+
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
     """The compiles of every variant for ``archs`` (submitted at collection by conftest; the
     pool runs identical ones once)."""
-    return [pool.submit(compiler.compile_source, src, arch)
+    jobs = [pool.submit(compiler.compile_source, src, arch)
             for src, for_archs in _compiles().values() for arch in for_archs if arch in archs]
+    if "sm_90a" in archs:
+        jobs += [pool.submit(compiler.compile_source, src, "sm_90a") for src in _hopper_sources()]
+    return jobs
 
 
 def test_both_archs_meet_every_pair_of_dtype_kind_and_layout():

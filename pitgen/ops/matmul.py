@@ -91,17 +91,14 @@ class Launcher:
 
     def tensor_maps(self, a_ptr: int, b_ptr: int) -> tuple[bytes, bytes]:
         """The wgmma kernel's TMA descriptors of A' and B' at these addresses, box for box as
-        its shared-memory tiles (zeros for an operand it gathers with cp.async instead)."""
-        g, lay, none = self.spec.gemm, self.layout, bytes(128)
-        ta = tb = none
-        if g.a_load == "tma":
-            ta = (tensor_map(a_ptr, self.dtype, (lay.K, lay.M), lay.sa[0], (g.bk, g.bm))
-                  if g.a_smem_kcontig else
-                  tensor_map(a_ptr, self.dtype, (lay.M, lay.K), lay.sa[1], (64, g.bk)))
-        if g.b_load == "tma":
-            tb = (tensor_map(b_ptr, self.dtype, (lay.N, lay.K), lay.sb[0], (64, g.bk))
-                  if g.b_smem_ncontig else
-                  tensor_map(b_ptr, self.dtype, (lay.K, lay.N), lay.sb[1], (g.bk, g.bn)))
+        its shared-memory tiles."""
+        g, lay = self.spec.gemm, self.layout
+        ta = (tensor_map(a_ptr, self.dtype, (lay.K, lay.M), lay.sa[0], (g.bk, g.bm))
+              if g.a_smem_kcontig else
+              tensor_map(a_ptr, self.dtype, (lay.M, lay.K), lay.sa[1], (64, g.bk)))
+        tb = (tensor_map(b_ptr, self.dtype, (lay.N, lay.K), lay.sb[0], (64, g.bk))
+              if g.b_smem_ncontig else
+              tensor_map(b_ptr, self.dtype, (lay.K, lay.N), lay.sb[1], (g.bk, g.bn)))
         return ta, tb
 
 

@@ -1,0 +1,77 @@
+"""GPU tests of the Hopper (sm_90a) wgmma tile kernel and of the mma.sync kernel on the same
+device, against float64 references (marker ``gpu``; skipped off Hopper). Extents are drawn so
+that TMA can map the operands (rows 16-byte multiples), which the property test in test_gpu.py
+reaches only now and then; each draw also asserts which mainloop ran."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pitgen
+from pitgen import lower
+from pitgen import testing as T
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+
+FORMS = {"A": "C[m,n] += A[m,k] * B[k,n]", "At": "C[m,n] += A[k,m] * B[k,n]",
+         "Bt": "C[m,n] += A[m,k] * B[n,k]"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper():
+    try:
+        from pitgen.runtime import device_arch
+        arch = device_arch()
+    except pitgen.PitgenError as e:
+        pytest.skip(str(e))
+    if arch not in lower.WGMMA_ARCHS:
+        pytest.skip(f"the wgmma kernel needs a Hopper GPU (this one is {arch})")
+
+
+def _operands(rng, form, M, N, K, dtype, mask):
+    op = pitgen.parse(FORMS[form])
+    shapes = {"A": (M, K) if op.access("A").axes[0] == "m" else (K, M),
+              "B": (K, N) if op.access("B").axes[0] == "k" else (N, K)}
+    arrays = {}
+    for name, shp in shapes.items():
+        x = rng.standard_normal(shp).astype(np.float32)
+        if name == "A":
+            x = x * (mask(shp) if op.access("A").axes[0] == "m" else mask(shp[::-1]).T)
+        arrays[name] = torch.from_numpy(np.ascontiguousarray(x)).to("cuda", getattr(torch, dtype))
+    ref = pitgen.evaluate(op, {n: t.double().cpu().numpy() for n, t in arrays.items()})
+    return op, arrays, ref
+
+
+mult8 = st.integers(1, 66).map(lambda v: 8 * v)
+
+
+@pytest.mark.parametrize("mainloop", ["wgmma", "mma_sync"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(form=st.sampled_from(sorted(FORMS)), kind=st.sampled_from(["dense", "block"]),
+       M=mult8, N=mult8, K=mult8, t_m=st.sampled_from([64, 128]), t_k=st.sampled_from([64, 128]),
+       density=st.sampled_from([0.0, 0.2, 0.6, 1.0]), accumulate=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_hopper_kernel_matches_float64_reference(monkeypatch, mainloop, dtype, form, kind, M, N, K,
+                                                 t_m, t_k, density, accumulate, seed):
+    if mainloop == "mma_sync":
+        monkeypatch.setattr(lower, "WGMMA_ARCHS", ())
+    rng = np.random.default_rng(seed)
+    op, arrays, ref = _operands(rng, form, M, N, K, dtype,
+                                lambda shp: T.tile_mask(rng, shp[0], shp[1], (t_m, t_k), density))
+    micro = "dense" if kind == "dense" else (
+        (t_m, t_k) if op.access("A").axes[0] == "m" else (t_k, t_m))
+    kern = pitgen.compile(op, sparse="A", dtype=dtype, micro_tile=micro, vendor_dense=False)
+    tdt = getattr(torch, dtype)
+    if accumulate:
+        out = torch.randn(M, N, device="cuda").to(tdt)
+        ref = ref + out.double().cpu().numpy()
+    else:
+        out = T.poison(torch.empty(M, N, dtype=tdt, device="cuda"))
+    call = kern.prepare(**arrays, out=out, accumulate=accumulate)
+    assert call.L.spec.gemm.mainloop == mainloop
+    assert call.run() is out
+    T.assert_close(out, ref, dtype)
