@@ -9,20 +9,10 @@ import torch
 
 import pitgen
 from pitgen import lower
+from pitgen.bench.timing import Timer
 from pitgen.bench.workloads import block_mask
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
-
-
-def median_ms(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
 
 
 def check(dt, micro, M, N, K, density, gen, layout="AB"):
@@ -49,6 +39,7 @@ def check(dt, micro, M, N, K, density, gen, layout="AB"):
 
 def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
+    timer = Timer(repeats=30)
     fails = 0
     print(torch.cuda.get_device_name(), file=sys.stderr)
     # correctness: odd shapes, layouts, granularities, densities 0 / 0.1 / 1
@@ -74,7 +65,7 @@ def main() -> int:
             tdt = getattr(torch, dt)
             a0 = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
             b = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
-            dense = median_ms(lambda: torch.mm(a0, b))
+            dense = timer(lambda: torch.mm(a0, b))
             print(f"{n}^3 {dt} cuBLAS {dense:.4f} ms ({2 * n ** 3 / dense / 1e9:.0f} TFLOP/s)")
             for micro, dens in (("dense", 1.0), ("128x128", 0.5), ("128x128", 0.1),
                                 ("128x1", 0.1), ("64x1", 0.1)):
@@ -91,14 +82,15 @@ def main() -> int:
                         _, err, bad, kern, a, bb, out = check(dt, micro, n, n, n, dens, gen)
                         call = kern.prepare(a, bb, out=out)
                         call.build_index(None)
-                        comp = median_ms(lambda: call.compute(None))
-                        index = median_ms(lambda: call.build_index(None))
-                        whole = median_ms(lambda: kern(a, bb, out=out))
+                        comp = timer(lambda: call.compute(None))
+                        index = timer(lambda: call.build_index(None))
+                        both = timer.both(lambda: kern(a, bb, out=out), calls=30)
+                        whole = both.gpu_ms
                     finally:
                         lower.WGMMA_ARCHS, lower._hopper = saved, hop
                     print(f"  {micro:>7} d={dens:<4} {ml:>8}: compute {comp:.4f} whole {whole:.4f} ms "
                           f"= {whole / dense:.2f}x cuBLAS time (compute {dense / comp:.2f}x speed) "
-                          f"index {index:.4f} err {err:.1e} nonfinite {bad}")
+                          f"index {index:.4f} host {both.wall_ms:.4f} err {err:.1e} nonfinite {bad}")
     return 1 if fails else 0
 
 
