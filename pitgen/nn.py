@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 _HOME = {"SparseLinear": "pitgen.ops.linear", "SparseAttention": "pitgen.ops.attention",
-         "MoE": "pitgen.ops.moe"}
+         "MoE": "pitgen.ops.moe", "RGCNConv": "pitgen.ops.rgcn"}
 
 __all__ = sorted(_HOME)
 
