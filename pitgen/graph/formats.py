@@ -163,7 +163,8 @@ class Relational:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         for name in ("rel", "row", "col"):
-            object.__setattr__(self, name, np.asarray(getattr(self, name)))
+            a = np.asarray(getattr(self, name))
+            object.__setattr__(self, name, a.astype(np.int64) if a.size == 0 else a)
         if self.data is not None:
             object.__setattr__(self, "data", np.asarray(self.data))
         self.validate()

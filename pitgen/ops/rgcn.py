@@ -231,22 +231,24 @@ def _compose(ops: Any, order: str, shape: tuple[int, int, int], rel: Any, row: A
              values: Any) -> Composed:
     """The operands of ``order`` from typed COO (any edge order; duplicates add)."""
     r, rows, cols = shape
+    rows, cols = max(rows, 1), max(cols, 1)   # no edges without both: keys stay well defined
     rel, row, col = ops.long(rel), ops.long(row), ops.long(col)
     if order == TRANSFORM_FIRST:
         uniq, q = ops.unique_inverse(rel * cols + col)      # compact row of each edge's source
         n = int(uniq.shape[0])
         take, owner = uniq % cols, uniq // cols
         o = ops.stable_order(row * n + q)
-        first = (ops.cumsum0(ops.counts(row, rows)), q[o], values[o], (rows, n))
+        first = (ops.cumsum0(ops.counts(row, shape[1])), q[o], values[o], (shape[1], n))
         second = None
     elif order == AGGREGATE_FIRST:
         uniq, p = ops.unique_inverse(rel * rows + row)      # compact row of each edge's target
         n = int(uniq.shape[0])
         take, owner = uniq % rows, uniq // rows
         o = ops.stable_order(p * cols + col)
-        first = (ops.cumsum0(ops.counts(p, n)), col[o], values[o], (n, cols))
+        first = (ops.cumsum0(ops.counts(p, n)), col[o], values[o], (n, shape[2]))
         back = ops.stable_order(take)                      # pairs by row, relations in order
-        second = (ops.cumsum0(ops.counts(take, rows)), back, ops.ones_like(n, values), (rows, n))
+        second = (ops.cumsum0(ops.counts(take, shape[1])), back, ops.ones_like(n, values),
+                  (shape[1], n))
     else:
         raise PlanError(f"unknown RGCN order {order!r}; choose {' or '.join(ORDERS)}")
     return Composed(order, shape, n, take, ops.cumsum0(ops.counts(owner, r))[1:], first, second)
@@ -322,7 +324,7 @@ class DeviceRelational:
         self.col = check_tensor("col", col, ("int32",), 1, n)
         self.values = check_tensor("values", values, VALUE_DTYPES, 1, n)
         self._relation_nnz = None if relation_nnz is None else [int(v) for v in relation_nnz]
-        self._composed: dict[str, tuple[Composed, DeviceCSR, DeviceCSR | None]] = {}
+        self._composed: dict[str, Composed] = {}
 
     @property
     def nnz(self) -> int:
@@ -379,13 +381,13 @@ class DeviceRelational:
 
     def plan(self, f_in: int, f_out: int, order: str = "auto") -> RGCNPlan:
         """:func:`plan_rgcn` for this graph (exact compact sizes for orders already composed)."""
-        known = {o: c[0].compact for o, c in self._composed.items()}
+        known = {o: c.compact for o, c in self._composed.items()}
         return plan_rgcn(self.shape, self.relation_nnz(), f_in, f_out, self.dtype, order,
                          sources=known.get(TRANSFORM_FIRST), pairs=known.get(AGGREGATE_FIRST))
 
-    def composed(self, order: str) -> tuple[Composed, DeviceCSR, DeviceCSR | None]:
-        """``order``'s operands on the GPU: (Composed with int64 ``take`` and int32 ``ends``,
-        its first matrix, its second matrix or None). One host sync on first use."""
+    def composed(self, order: str) -> Composed:
+        """``order``'s operands on the GPU: int64 ``take``, int32 ``ends``, each matrix a
+        DeviceCSR. One host sync on first use."""
         hit = self._composed.get(order)
         if hit is None:
             import torch
@@ -398,8 +400,9 @@ class DeviceRelational:
                 return DeviceCSR(shape, indptr.to(torch.int32), indices.to(torch.int32),
                                  vals.contiguous())
             c.ends = c.ends.to(torch.int32)
-            hit = self._composed[order] = (c, csr(c.first),
-                                           None if c.second is None else csr(c.second))
+            c.first = csr(c.first)
+            c.second = None if c.second is None else csr(c.second)
+            hit = self._composed[order] = c
         return hit
 
 
@@ -447,12 +450,12 @@ def rgcn(graph: DeviceRelational, x: Tensor, weight: Tensor, order: str = "auto"
     check_tensor("x", x, (graph.dtype,), 2, (cols, None))
     check_tensor("weight", weight, (graph.dtype,), 3, (r, x.shape[1], None))
     plan = graph.plan(int(x.shape[1]), int(weight.shape[2]), order)
-    c, first, second = graph.composed(plan.order)
+    c = graph.composed(plan.order)
     if plan.order == TRANSFORM_FIRST:
         xw = grouped_matmul(x.index_select(0, c.take), weight, c)
-        return spmm(first, xw, out=out, spec=RGCN)
-    h = spmm(first, x, spec=RGCN)
-    return spmm(second, grouped_matmul(h, weight, c), out=out, spec=RGCN)
+        return spmm(c.first, xw, out=out, spec=RGCN)
+    h = spmm(c.first, x, spec=RGCN)
+    return spmm(c.second, grouped_matmul(h, weight, c), out=out, spec=RGCN)
 
 
 # -- torch module (built lazily: importing pitgen.ops.rgcn needs no torch) ----------------------
