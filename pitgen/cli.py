@@ -20,7 +20,7 @@ import numpy as np
 from .emit import ARCH_SMEM, CATALOGUE, DEFAULT_ARCH, DEFAULT_DTYPE, Progress, Request, compile_objects, emit_all, jobs, listing, write
 from .errors import DeviceError, PitgenError
 from .expr import parse
-from .graph import synthetic
+from . import graphs
 from .graph.device import VALUE_DTYPES, DeviceCSR
 from .graph.formats import FORMATS, load_graph
 from .graph.kernels import OPS
@@ -99,17 +99,17 @@ def _emit(args: argparse.Namespace) -> None:
 
 def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
     """GRAPH of ``pitgen tune``: a .npz sparse matrix (scipy's save_npz or make_graphs' plain
-    arrays) or ``synthetic:NAME``, a graph of :mod:`pitgen.graph.synthetic`. A bad name or
+    arrays) or ``synthetic:NAME``, a graph of :mod:`pitgen.graphs`. A bad name or
     ``scale`` is a :class:`UsageError`; an unreadable file a plain :class:`PitgenError`."""
 
     if spec.startswith("synthetic:"):
 
         name = spec.split(":", 1)[1]
-        if name not in synthetic.GRAPHS:
-            raise UsageError(f"unknown synthetic graph {name!r}; known: {', '.join(synthetic.GRAPHS)}")
+        if name not in graphs.GRAPHS:
+            raise UsageError(f"unknown synthetic graph {name!r}; known: {', '.join(graphs.GRAPHS)}")
         if not 0 < scale <= 1:
             raise UsageError(f"--scale must be in (0, 1], got {scale}")
-        return synthetic.make_graph(name, seed=seed, scale=scale)
+        return graphs.make_graph(name, seed=seed, scale=scale)
     if scale != 1.0:
         raise UsageError("--scale applies to synthetic:NAME graphs only")
     try:

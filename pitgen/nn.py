@@ -1,6 +1,7 @@
 """PyTorch modules, drop-ins for their dense counterparts (same parameters and state_dict layout):
 ``SparseLinear`` (nn.Linear with a dynamic weight mask or sparse inputs), ``SparseAttention``
-(nn.MultiheadAttention over a dynamic mask) and ``MoE`` (a routed expert FFN block).
+(nn.MultiheadAttention over a dynamic mask), ``MoE`` (a routed expert FFN block), and
+``RGCNConv`` (a relational graph convolution, inference only).
 
 Resolved on first use, so ``import pitgen`` needs no torch."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import importlib
 from typing import Any
 
 _HOME = {"SparseLinear": "pitgen.ops.linear", "SparseAttention": "pitgen.ops.attention",
-         "MoE": "pitgen.ops.moe"}
+         "MoE": "pitgen.ops.moe", "RGCNConv": "pitgen.ops.rgcn"}
 
 __all__ = sorted(_HOME)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PlanError, ShapeError
-from .graph.formats import BSR, CSR, ELL, Hyb, check_dense_operand
+from .graph.formats import BSR, CSR, ELL, Hyb, Relational, check_dense_operand
 from .ops.attention import BM, BN, EMPTY, FULL, ORDER_BINS, PARTIAL
 from .ops.moe import ACTIVATIONS, Routing
 from .ops.sddmm import normalise_tile
@@ -184,6 +184,21 @@ def _sddmm_operands(shape: tuple[int, int], u: np.ndarray,
         raise ShapeError(f"U and V need the same feature width, got {u.shape[1]} and "
                          f"{v.shape[1]}")
     return u, v
+
+
+def rgcn_reference(a: Relational, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Y[i, f] = sum_r sum_j A[r, i, j] (X[j] @ W[r])[f], relation by relation, edge by edge."""
+    x = check_dense_operand("X", x, a.shape[2])
+    w = np.asarray(w, np.float64)
+    if w.shape[:2] != (a.shape[0], x.shape[1]) or w.ndim != 3:
+        raise ShapeError(f"W must be [relations = {a.shape[0]}, F_in = {x.shape[1]}, F_out], got "
+                         f"{w.shape}")
+    y = np.zeros((a.shape[1], w.shape[2]))
+    vals = a.values()
+    for r in range(a.shape[0]):
+        e = a.rel == r
+        np.add.at(y, a.row[e], vals[e, None] * (x[a.col[e]] @ w[r]))
+    return y
 
 
 def spmm_ell(e: ELL, x: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import reference  # noqa: F401  (the float64 references, re-exported)
 from .expr import EPILOGUES
-from .graph.formats import CSR, index_dtype
+from .graph.formats import CSR, Relational, index_dtype
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -228,6 +228,27 @@ def csr_matrices(*, max_rows: int = 70, max_cols: int = 90, kinds: Sequence[str]
         return random_csr(rng, (rows, cols), kind, density, values)
 
     return draw_csr()
+
+
+def relational_graphs(*, max_relations: int = 5, max_rows: int = 12, max_cols: int = 12,
+                      kinds: Sequence[str] = CSR_KINDS[:-1],
+                      densities: Sequence[float] = (0.05, 0.2, 0.5)) -> SearchStrategy[Relational]:
+    """Relation-typed graphs (``pitgen.graph.formats.Relational``): up to ``max_relations``
+    relations of one shape, each a :func:`random_csr` of its own kind (empty relations, empty
+    rows and columns, hubs, ...), so isolated nodes and relations without edges are drawn."""
+    st = _strategies()
+    _known(kinds, CSR_KINDS, "CSR")
+
+    @st.composite
+    def draw_graph(draw: Any) -> Relational:
+        rows, cols = draw(st.integers(1, max_rows)), draw(st.integers(1, max_cols))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        rels = [random_csr(rng, (rows, cols), kind, draw(st.sampled_from(list(densities))))
+                for kind in draw(st.lists(st.sampled_from([k for k in kinds if k != "one_col"]),
+                                          min_size=1, max_size=max_relations))]
+        return Relational.from_relations(rels)
+
+    return draw_graph()
 
 
 #: Expression families: matmul with any operand order and transposition, batched matmul, conv

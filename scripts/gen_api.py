@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 PACKAGES = ("pitgen.ops", "pitgen.graph")  # every module inside is public
-MODULES = ("pitgen", "pitgen.nn", "pitgen.bench")
+MODULES = ("pitgen", "pitgen.graphs", "pitgen.nn", "pitgen.bench")
 OPTIONAL = ("pitgen.reference", "pitgen.testing")  # documented when present
 Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
 

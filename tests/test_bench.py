@@ -13,7 +13,7 @@ import pytest
 
 from pitgen.bench import (Ceilings, Progress, fmt, fmt_e, fmt_x, geomean, main, md_table, plot,
                           ratio, write_csv, write_json)
-from pitgen.bench import graphs, peers, suite
+from pitgen.bench import graphs, peers, rgcn, suite
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,6 +142,24 @@ def test_graph_report(tmp_path):
     assert "skipped (time budget --budget): reddit spmm float16 F=128" in md
     doc = json.loads((tmp_path / "graphs.json").read_text())
     assert doc["summary"][0]["all_correct"] is False and len(doc["rows"]) == 2
+
+
+def test_rgcn_report(tmp_path):
+    timing = {"gpu_ms": 0.1, "wall_ms": 0.2, "rel_err": 1e-3}
+    row = {"graph": "aifb", "nodes": 8285, "edges": 57880, "relations": 90, "dtype": "float16",
+           "feat": 32, "choice": "transform-first", "exact_choice": "transform-first",
+           "compact": {"transform-first": 10, "aggregate-first": 12}, "flop": 1,
+           "pitgen": {"auto": timing, "transform-first": timing, "aggregate-first": timing},
+           "peers": {"torch loop": {"gpu_ms": 0.5, "wall_ms": 2.0, "rel_err": 1e-3},
+                     "torch typed": {"note": "not run: fp32 refused"}},
+           "best_peer_ms": 0.5, "ok": True, "speedup": 5.0, "wall_speedup": 10.0}
+    meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "cuda": "13.0", "date": "now",
+            "repeats": 10, "elapsed_s": 1.0}
+    rgcn.write(tmp_path, [row, {**row, "graph": "am", "speedup": 0.8, "ok": False}], meta)
+    md = (tmp_path / "rgcn.md").read_text()
+    assert "| float16 | 2 | 2.00x | 10.00x | >= 2.0x | **met** | NO |" in md
+    assert "not run: fp32 refused" in md and "**WRONG**" in md
+    assert "rgcn" in suite.PARTS and rgcn.flop(10, 4, 2, 3) == 2 * 4 * 2 * 3 + 2 * 10 * 2
 
 
 # -- peer suite: derived columns, targets, files -----------------------------------------------

@@ -1,5 +1,5 @@
 """CSR / ELL / BSR / hyb layouts and their float64 SpMM / SDDMM references (pitgen.graph.formats),
-plus the synthetic graphs of pitgen.graph.synthetic."""
+plus the relational (typed COO) graph and the generated graphs of pitgen.graphs."""
 
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from pitgen import ShapeError
 from pitgen import testing as T
-from pitgen.graph import synthetic as make_graphs
-from pitgen.graph.formats import BSR, CSR, ELL, Hyb, load_graph
+from pitgen import graphs as make_graphs
+from pitgen.graph.formats import BSR, CSR, ELL, Hyb, Relational, load_graph
 from pitgen.reference import (sddmm_csr, sddmm_bsr, sddmm_ell, sddmm_hyb, spmm_csr, spmm_bsr,
                               spmm_ell, spmm_hyb)
 
@@ -210,13 +210,49 @@ SMALL = ["cora", "citeseer", "pubmed", "ppi"]
 @pytest.mark.parametrize("name", SMALL)
 @pytest.mark.parametrize("scale", [0.01, 0.05])
 def test_make_graph_sizes_and_skew(name, scale):
-    nodes, edges = make_graphs.GRAPHS[name]
+    nodes, edges, _ = make_graphs.GRAPHS[name]
     g = make_graphs.make_graph(name, seed=0, scale=scale)
     assert g.shape == (round(nodes * scale),) * 2
     assert abs(g.nnz - edges * scale) <= 0.05 * edges * scale
     lengths = g.row_lengths()
     assert lengths.max() >= 5 * lengths.mean()      # heavy tail: hubs far above the mean
     g.validate()
+
+
+@pytest.mark.parametrize("name,scale", [("aifb", 0.2), ("mutag", 0.05), ("bgs", 0.005),
+                                        ("am", 0.001)])
+def test_make_relational_matches_the_published_counts(name, scale):
+    p = make_graphs.GRAPHS[name]
+    g = make_graphs.make_relational(name, seed=1, scale=scale)
+    n = round(p.nodes * scale)
+    assert g.shape == (p.relations, n, n)
+    assert abs(g.nnz - p.edges * scale) <= 0.05 * p.edges * scale
+    sizes = g.relation_nnz()
+    half = p.relations // 2
+    assert np.array_equal(sizes[:half], sizes[half:])            # each relation and its inverse
+    assert sizes.max() >= 5 * max(sizes.mean(), 1)               # skewed relation sizes
+    fwd, inv = g.relation(0), g.relation(half)                   # inverse = transpose
+    assert np.array_equal(fwd.to_dense(), inv.to_dense().T)
+    assert make_graphs.make_graph(name, seed=1, scale=scale).nnz == g.union().nnz
+
+
+def test_relational_validates_and_converts():
+    rng = np.random.default_rng(0)
+    dense = (rng.random((3, 5, 4)) < 0.3) * rng.standard_normal((3, 5, 4))
+    rels = [CSR.from_dense(d) for d in dense]
+    g = Relational.from_relations(rels)
+    assert np.array_equal(g.to_dense(), dense) and g.relation_nnz().sum() == g.nnz
+    for r in range(3):
+        assert np.array_equal(g.relation(r).to_dense(), dense[r])
+    assert np.array_equal(g.union().to_dense() != 0, (dense != 0).any(0))
+    with pytest.raises(ShapeError, match="unsorted"):
+        Relational((2, 2, 2), [1, 0], [0, 0], [0, 0])
+    with pytest.raises(ShapeError, match="duplicate"):
+        Relational((2, 2, 2), [0, 0], [1, 1], [0, 0])
+    with pytest.raises(ShapeError, match=r"rel\[0\] = 2 is outside \[0, 2\)"):
+        Relational((2, 2, 2), [2], [0], [0])
+    with pytest.raises(ShapeError, match="different shapes"):
+        Relational.from_relations([CSR.from_dense(np.eye(2)), CSR.from_dense(np.eye(3))])
 
 
 def test_make_graph_deterministic():
@@ -233,7 +269,8 @@ def test_cli_writes_loadable_graphs(tmp_path, capsys):
     assert np.array_equal(g.indices, want.indices) and np.array_equal(g.indptr, want.indptr)
     assert load_graph(tmp_path / "ppi.npz").shape == (295, 295)
     assert make_graphs.main(["--list"]) == 0
-    assert "ogbn-proteins" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ogbn-proteins" in out and "am" in out
 
 
 def test_load_graph_plain_npz(tmp_path):

@@ -386,7 +386,7 @@ def test_cli_graph_sources(tmp_path):
 
 
 def test_make_graphs_unique_matches_numpy():
-    from pitgen.graph.synthetic import _unique
+    from pitgen.graphs import _unique
 
     x = np.random.default_rng(1).integers(0, 1000, 5000)
     assert np.array_equal(_unique(x), np.unique(x))

@@ -1,7 +1,7 @@
 """GNN SpMM and SDDMM on SparseTIR's seven graphs (``pitgen bench graphs``): pitgen's tuned
 format kernels against cuSPARSE (through torch), in one run on one GPU.
 
-Graphs: pitgen.graph.synthetic's seeded power-law stand-ins with the node and edge counts of
+Graphs: pitgen.graphs' seeded power-law stand-ins with the node and edge counts of
 cora, citeseer, pubmed, ppi, ogbn-arxiv, ogbn-proteins and reddit (generated in worker
 processes while the GPU runs the smaller graphs, and kept in --graphs for the next run).
 Cases: feature sizes 32-512 (reddit: 32-128, to fit the time), float32 and float16.
@@ -29,7 +29,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pitgen.graph.synthetic import GRAPHS, make_graph
+from pitgen.graphs import GNN_GRAPHS, GRAPHS, make_graph
 
 from .report import fmt, geomean, md_table, rel_err, write_json
 
@@ -67,7 +67,7 @@ def graph_file(name: str, folder: str) -> str:
 
 def cases(quick: bool) -> list[tuple[str, int]]:
     """(graph, feature size) in run order: graphs smallest first."""
-    names = QUICK_GRAPHS if quick else tuple(sorted(GRAPHS, key=lambda g: GRAPHS[g][1]))
+    names = QUICK_GRAPHS if quick else tuple(sorted(GNN_GRAPHS, key=lambda g: GRAPHS[g].edges))
     return [(g, f) for g in names for f in (QUICK_FEATS if quick else FEATS_OF.get(g, FEATS))]
 
 
@@ -316,7 +316,7 @@ def run(r: Run) -> int:
     pool = ProcessPoolExecutor(max_workers=min(len(names), max(1, (os.cpu_count() or 2) // 2)),
                                mp_context=get_context("spawn"))
     futures: dict[str, Future] = {g: pool.submit(graph_file, g, str(folder))  # longest first
-                                  for g in sorted(names, key=lambda g: -GRAPHS[g][1])}
+                                  for g in sorted(names, key=lambda g: -GRAPHS[g].edges)}
     warm = warm_compile_cache()
     print(warm, file=sys.stderr, flush=True)
     rows: list[dict] = []

@@ -36,6 +36,8 @@ PARTS = {
                 "steps (training.md)",
     "graphs": "GNN SpMM / SDDMM on seven synthetic graphs, tuned formats vs cuSPARSE "
               "(graphs.md)",
+    "rgcn": "the RGCN inference layer on four relational graphs vs a torch loop over relations "
+            "and torch._grouped_mm (rgcn.md)",
     "peers": "PIT's workloads (micro, seqlen, ffn, moe) vs cuBLAS, cuSPARSE, Triton BSR and stk "
              "(summary.md)",
 }

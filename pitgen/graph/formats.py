@@ -16,14 +16,16 @@ import numpy as np
 
 from ..errors import ShapeError
 
-__all__ = ["CSR", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype", "FORMATS",
-           "BSR_BLOCKS", "SPMM_EXPR", "SDDMM_EXPR"]
+__all__ = ["CSR", "Relational", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype",
+           "FORMATS", "BSR_BLOCKS", "SPMM_EXPR", "SDDMM_EXPR", "RGCN_EXPR"]
 
 FORMATS = ("csr", "ell", "bsr", "hyb")
 BSR_BLOCKS = (8, 16, 32)
 #: The graph operators: SpMM (aggregate neighbours) and SDDMM (a value per edge).
 SPMM_EXPR = "Y[i,f] += A[i,j] * X[j,f]"
 SDDMM_EXPR = "E[i,j] += U[i,f] * V[j,f]"
+#: RGCN's aggregation over a relation-typed adjacency A[r, i, j] with a weight per relation.
+RGCN_EXPR = "Y[i,f] += A[r,i,j] * X[j,g] * W[r,g,f]"
 
 
 def index_dtype(*extents: int) -> np.dtype:
@@ -145,8 +147,117 @@ class CSR:
         return out
 
 
+@dataclass(frozen=True)
+class Relational:
+    """A relation-typed adjacency A[r, i, j] as typed COO: edge e joins row ``row[e]`` to column
+    ``col[e]`` in relation ``rel[e]``, sorted by (relation, row, column) without duplicates, so
+    each relation's slice is that relation's CSR order. O(nnz) memory whatever the number of
+    relations (a CSR per relation would hold relations x rows row pointers). ``data=None``: ones.
+    """
+    shape: tuple[int, int, int]   #: (relations, rows, cols)
+    rel: np.ndarray
+    row: np.ndarray
+    col: np.ndarray
+    data: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        for name in ("rel", "row", "col"):
+            a = np.asarray(getattr(self, name))
+            object.__setattr__(self, name, a.astype(np.int64) if a.size == 0 else a)
+        if self.data is not None:
+            object.__setattr__(self, "data", np.asarray(self.data))
+        self.validate()
+
+    @property
+    def nnz(self) -> int:
+        return int(self.row.shape[0])
+
+    def validate(self) -> None:
+        """Raise ShapeError naming the first broken invariant (ranges, order, duplicates)."""
+        if len(self.shape) != 3 or min(self.shape) < 0:
+            raise ShapeError(f"Relational shape must be (relations, rows, cols), got {self.shape}")
+        n = self.nnz
+        for name in ("rel", "row", "col"):
+            a = getattr(self, name)
+            if a.ndim != 1 or a.shape[0] != n or not np.issubdtype(a.dtype, np.integer):
+                raise ShapeError(f"Relational {name} must be 1-D integers of length nnz = {n}, "
+                                 f"got {a.dtype} {a.shape}")
+        if self.data is not None and self.data.shape != (n,):
+            raise ShapeError(f"Relational data length {self.data.shape} != nnz = {n}")
+        for name, extent in zip(("rel", "row", "col"), self.shape):
+            a = getattr(self, name)
+            if n and (a.min() < 0 or a.max() >= extent):
+                pos = int(np.flatnonzero((a < 0) | (a >= extent))[0])
+                raise ShapeError(f"Relational {name}[{pos}] = {a[pos]} is outside [0, {extent})")
+        key = self.keys()
+        if n > 1 and (np.diff(key) <= 0).any():
+            pos = int(np.flatnonzero(np.diff(key) <= 0)[0]) + 1
+            what = "duplicate" if key[pos] == key[pos - 1] else "unsorted"
+            raise ShapeError(f"Relational {what} edge at position {pos}: (relation, row, col) = "
+                             f"({self.rel[pos]}, {self.row[pos]}, {self.col[pos]})")
+
+    def keys(self) -> np.ndarray:
+        """int64 (relation, row, col) keys: strictly increasing for a valid graph."""
+        _, rows, cols = self.shape
+        return (self.rel.astype(np.int64) * rows + self.row) * cols + self.col
+
+    @classmethod
+    def from_relations(cls, relations: list[CSR]) -> Relational:
+        """One CSR per relation (all of one shape) as typed COO."""
+        if not relations:
+            raise ShapeError("a relational graph needs at least one relation")
+        shapes = {r.shape for r in relations}
+        if len(shapes) != 1:
+            raise ShapeError(f"relations of different shapes: {sorted(shapes)}")
+        rows, cols = relations[0].shape
+        dt = index_dtype(rows, cols, len(relations), sum(r.nnz for r in relations))
+        rel = np.repeat(np.arange(len(relations), dtype=dt), [r.nnz for r in relations])
+        data = None if all(r.data is None for r in relations) else \
+            np.concatenate([r.values() for r in relations])
+        cat = np.concatenate
+        return cls((len(relations), rows, cols), rel,
+                   cat([r.row_ids().astype(dt) for r in relations]),
+                   cat([r.indices.astype(dt) for r in relations]), data)
+
+    def relation_nnz(self) -> np.ndarray:
+        """Non-zeros per relation (int64 [relations])."""
+        return np.bincount(self.rel, minlength=self.shape[0]).astype(np.int64)
+
+    def values(self) -> np.ndarray:
+        """float64 values of the edges; ones for a pattern-only graph."""
+        return np.ones(self.nnz) if self.data is None else self.data.astype(np.float64)
+
+    def relation(self, r: int) -> CSR:
+        """Relation ``r`` as a CSR (rows x cols)."""
+        lo, hi = np.searchsorted(self.rel, [r, r + 1])
+        rows, cols = self.shape[1:]
+        dt = index_dtype(rows, cols, hi - lo)
+        indptr = np.zeros(rows + 1, dt)
+        np.cumsum(np.bincount(self.row[lo:hi], minlength=rows), out=indptr[1:])
+        return CSR((rows, cols), indptr, self.col[lo:hi].astype(dt),
+                   None if self.data is None else self.data[lo:hi])
+
+    def union(self) -> CSR:
+        """The pattern of all relations together (a pair in several relations counts once)."""
+        _, rows, cols = self.shape
+        key = self.row.astype(np.int64) * cols + self.col
+        key = np.sort(key)
+        key = key[np.concatenate(([True], key[1:] != key[:-1]))] if key.size else key
+        dt = index_dtype(rows, cols, key.size)
+        indptr = np.zeros(rows + 1, dt)
+        np.cumsum(np.bincount(key // max(cols, 1), minlength=rows), out=indptr[1:])
+        return CSR((rows, cols), indptr, (key % max(cols, 1)).astype(dt))
+
+    def to_dense(self) -> np.ndarray:
+        """float64 [relations, rows, cols] (small graphs: tests)."""
+        out = np.zeros(self.shape)
+        out[self.rel, self.row, self.col] = self.values()
+        return out
+
+
 def load_graph(path: str | Path) -> CSR:
-    """Read a graph written by pitgen.graph.synthetic: scipy's save_npz or a plain np.savez
+    """Read a graph written by pitgen.graphs: scipy's save_npz or a plain np.savez
     with indptr/indices/shape (and optionally data); validated like every CSR."""
     with np.load(path, allow_pickle=False) as f:
         keys = set(f.files)

@@ -197,11 +197,15 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
 
 
 def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None,
-         out: Any = None) -> Any:
+         out: Any = None, spec: OpSpec | None = None) -> Any:
     """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]
-    of A's dtype; fp32 accumulation. ``out`` [rows, F] is overwritten. No host sync."""
+    of A's dtype; fp32 accumulation. ``out`` [rows, F] is overwritten. No host sync.
+    ``spec``: the operator whose rules the launch relies on, when not SpMM's (RGCN runs its
+    composed relations through the CSR, ELL or BSR body); its kernels must be SpMM's."""
     import torch
     m = _matrix(a)
+    if spec is not None and (m.fmt == "hyb" or dict(spec.kernels) != dict(SPMM.kernels)):
+        raise PlanError(f"{spec.name} cannot launch SpMM's {m.fmt} kernels")
     n_rows, n_cols = m.shape
     check_tensor("x", x, (m.dtype,), 2, (n_cols, None))
     feat = int(x.shape[1])
@@ -247,7 +251,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
             finish = (b["fix_rows"], n_fix, b["ws_index"], n_ws, ws, out, n_rows, feat) \
                 if n_fix else None
         else:
-            kern = SPMM.module(ctx)
+            kern = (spec or SPMM).module(ctx)
             grid = -(-n_rows // (threads // sched["group"]))
             if m.fmt == "csr":
                 args = (b["indptr"], b["indices"], b["values"], 0, x, out,

@@ -1,0 +1,160 @@
+"""GPU tests of RGCN inference (pitgen.ops.rgcn): the operands composed on the GPU equal the
+NumPy composition; both orders (and "auto", and the per-relation matmul fallback) agree with the
+float64 reference on drawn relational graphs (empty relations, isolated nodes, hubs, odd
+feature sizes) with poisoned outputs and fresh inputs; RGCNConv; bad input raises pitgen
+errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pitgen import PlanError, ShapeError, graphs
+from pitgen import testing as T
+from pitgen.graph.device import DeviceCSR
+from pitgen.graph.formats import Relational
+from pitgen.ops import rgcn as R
+from pitgen.reference import rgcn_reference
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+
+DTYPES = ("float32", "float16")
+#: float32: torch's grouped matmul may run TF32 on tensor cores
+TOL = {"float32": "tf32", "float16": "float16"}
+GPU_SETTINGS = settings(max_examples=10, deadline=None)
+GRAPHS = T.relational_graphs(max_relations=6, max_rows=40, max_cols=40)
+
+
+def rounded(g: Relational, dtype: str, values: np.ndarray | None = None) -> Relational:
+    """``g`` with its values (or ``values``) rounded to dtype: what the device holds."""
+    v = g.values() if values is None else values
+    return Relational(g.shape, g.rel, g.row, g.col, v.astype(dtype).astype(np.float64))
+
+
+def operand(rng, shape, dtype, scale=1.0):
+    t = torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))
+    t = t.to("cuda", getattr(torch, dtype))
+    return t, t.double().cpu().numpy()
+
+
+def check(g: Relational, y, x64, w64, dtype: str, extra=None) -> None:
+    """y against the float64 reference of the rounded graph, held to the rounding of its terms."""
+    want = rgcn_reference(g, x64, w64)
+    mag = rgcn_reference(Relational(g.shape, g.rel, g.row, g.col, np.abs(g.values())),
+                         np.abs(x64), np.abs(w64))
+    if extra is not None:
+        want, mag = want + extra[0], mag + extra[1]
+    longest = max(np.bincount(g.row, minlength=g.shape[1]).max(initial=0), 1)
+    T.assert_close(y, want, TOL[dtype], magnitude=mag, k=longest * x64.shape[1])
+
+
+@GPU_SETTINGS
+@given(GRAPHS, st.sampled_from(R.ORDERS))
+def test_composed_on_the_gpu_equals_numpy(graph, order):
+    d = R.DeviceRelational.from_host(graph, "float32")
+    c = d.composed(order)
+    want = R.compose(rounded(graph, "float32"), order)
+    assert c.compact == want.compact
+    np.testing.assert_array_equal(c.take.cpu().numpy(), want.take)
+    np.testing.assert_array_equal(c.ends.cpu().numpy(), want.ends)
+    for got, ref in ((c.first, want.first), (c.second, want.second)):
+        if ref is None:
+            assert got is None
+            continue
+        assert got.shape == ref.shape
+        np.testing.assert_array_equal(got.indptr.cpu().numpy(), ref.indptr)
+        np.testing.assert_array_equal(got.indices.cpu().numpy(), ref.indices)
+        np.testing.assert_array_equal(got.values.double().cpu().numpy(), ref.values())
+
+
+@GPU_SETTINGS
+@given(GRAPHS, st.sampled_from(DTYPES), st.sampled_from(("auto", *R.ORDERS)),
+       st.sampled_from([(1, 1), (7, 3), (32, 32), (33, 65), (64, 16)]), st.integers(0, 2**31))
+def test_rgcn_matches_the_reference(graph, dtype, order, feats, seed):
+    rng = np.random.default_rng(seed)
+    f_in, f_out = feats
+    g = rounded(graph, dtype)
+    d = R.DeviceRelational.from_host(graph, dtype)
+    x, x64 = operand(rng, (g.shape[2], f_in), dtype)
+    w, w64 = operand(rng, (g.shape[0], f_in, f_out), dtype, f_in ** -0.5)
+    out = T.poison(torch.empty((g.shape[1], f_out), dtype=x.dtype, device="cuda"))
+    y = R.rgcn(d, x, w, order=order, out=out)
+    assert y is out
+    check(g, y, x64, w64, dtype)
+    check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype)   # composed once, reused
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("order", R.ORDERS)
+def test_per_relation_fallback_and_from_relations(dtype, order, monkeypatch):
+    rng = np.random.default_rng(1)
+    g = graphs.make_relational("mutag", seed=2, scale=0.02)
+    values = rng.uniform(0.5, 1.5, g.nnz)
+    g = rounded(g, dtype, values)
+    mats = [DeviceCSR.from_host(g.relation(r), dtype) for r in range(g.shape[0])]
+    d = R.DeviceRelational.from_relations(mats)
+    assert d.relation_nnz() == g.relation_nnz().tolist()
+    x, x64 = operand(rng, (g.shape[2], 24), dtype)
+    w, w64 = operand(rng, (g.shape[0], 24, 40), dtype, 0.2)
+    check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype)
+    monkeypatch.setitem(R._GROUPED, (str(x.dtype), 24, 40), False)   # one matmul per relation
+    check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_generated_graph_both_orders_and_auto(dtype):
+    rng = np.random.default_rng(3)
+    g = rounded(graphs.make_relational("aifb", seed=0, scale=0.3), dtype)
+    d = R.DeviceRelational.from_host(g, dtype)
+    x, x64 = operand(rng, (g.shape[2], 32), dtype)
+    w, w64 = operand(rng, (g.shape[0], 32, 32), dtype, 0.2)
+    for order in ("auto", *R.ORDERS):
+        check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype)
+    assert d.plan(32, 32).compact == {o: d.composed(o).compact for o in R.ORDERS}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rgcn_conv(dtype):
+    import pitgen.nn
+
+    rng = np.random.default_rng(4)
+    g = rounded(graphs.make_relational("aifb", seed=1, scale=0.1), dtype)
+    d = R.DeviceRelational.from_host(g, dtype)
+    layer = pitgen.nn.RGCNConv(16, 8, g.shape[0], device="cuda", dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        layer.bias.uniform_(-1, 1)
+    x, x64 = operand(rng, (g.shape[2], 16), dtype)
+    with torch.no_grad():
+        y = layer(d, x)
+    w64, root, bias = (p.detach().double().cpu().numpy() for p in
+                       (layer.weight, layer.root, layer.bias))
+    check(g, y, x64, w64, dtype, extra=(x64 @ root + bias, np.abs(x64) @ np.abs(root)
+                                        + np.abs(bias)))
+    assert set(layer.state_dict()) == {"weight", "root", "bias"}
+    with pytest.raises(PlanError, match="inference only"):
+        layer(d, x)
+    with pytest.raises(PlanError, match="unknown RGCN order"):
+        pitgen.nn.RGCNConv(4, 4, 2, order="sideways")
+
+
+def test_bad_input_raises_pitgen_errors():
+    g = Relational((2, 3, 4), [0, 1], [0, 2], [1, 3])
+    d = R.DeviceRelational.from_host(g, "float16")
+    x = torch.ones((4, 8), dtype=torch.float16, device="cuda")
+    w = torch.ones((2, 8, 4), dtype=torch.float16, device="cuda")
+    assert tuple(R.rgcn(d, x, w).shape) == (3, 4)
+    with pytest.raises(ShapeError, match="dtype float32"):
+        R.rgcn(d, x.float(), w)
+    with pytest.raises(ShapeError, match="dim 0 must be 4"):
+        R.rgcn(d, x[:3], w)
+    with pytest.raises(ShapeError, match="dim 1 must be 8"):
+        R.rgcn(d, x, w[:, :4])
+    with pytest.raises(ShapeError, match="DeviceRelational"):
+        R.rgcn(g, x, w)
+    with pytest.raises(PlanError, match="unknown RGCN order"):
+        R.rgcn(d, x, w, order="both")
+    with pytest.raises(ShapeError, match="one shape and one dtype"):
+        R.DeviceRelational.from_relations([DeviceCSR.from_host(g.relation(0), "float16"),
+                                           DeviceCSR.from_host(g.relation(1), "float32")])
