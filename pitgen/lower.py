@@ -87,6 +87,7 @@ class GemmSpec:
     a_smem_kcontig: bool
     b_smem_ncontig: bool
     mainloop: str = "mma_sync"  # 'mma_sync' (sm_80 on) | 'wgmma' (sm_90a: wm x wn consumer warpgroups)
+    c_vec: bool = False  # wgmma: C rows in 16-byte stores (n contiguous, aligned, N % 8 == 0)
 
     @property
     def threads(self) -> int:
@@ -206,9 +207,11 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
     wm = bm // 64
     bn = 256 if layout.N > 128 else 128
     stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
+    c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
+             and layout.N % 8 == 0 and layout.align_c % 16 == 0)
     return GemmSpec("pit_gemm", "box", block_list, tk // 64 if block_list else 1, "direct",
                     c_pair, accumulate, bm, bn, 64, wm, 2 // wm, stages, 16 // size, 16 // size,
-                    da == 1, db == 1, "wgmma")
+                    da == 1, db == 1, "wgmma", c_vec)
 
 
 def _warps(bm: int, bn: int) -> tuple[int, int]:

@@ -20,7 +20,8 @@ from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_m
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
 #: axes), so none is declared here.
 MATMUL = OpSpec("matmul", "module.cu.j2", {
-    "pit_gemm": "PPPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPiiiiiiiiii",
+    "pit_gemm": "PPPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPPiiiiiiiiii",
+    "pit_gemm_sm90_order": "PPi",
     "pit_build_index": "PiiiiPPPPii",
     "pit_gemm_zero": "Piiii", "pit_gemm_finish": "PPiiiii"}, dtypes=tuple(DTYPES))
 
@@ -116,7 +117,7 @@ class GemmCall:
         self.ws = Workspace(self.A)
         self.out = out if out is not None else self.ws.alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
-        self.counts = self.ids = self.pack = None
+        self.counts = self.ids = self.pack = self.order = None
 
     def build_index(self, stream) -> None:
         """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block)."""
@@ -135,6 +136,10 @@ class GemmCall:
             Workspace.ptr(self.counts), Workspace.ptr(self.ids),
             Workspace.ptr(self.pack) if self.pack is not None else 0,
             self.mask_ptr, *L.mask_strides)
+        if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for the persistent CTAs
+            self.order = self.ws.alloc((geo.groups,), "int32")
+            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream,
+                         Workspace.ptr(self.counts), Workspace.ptr(self.order), geo.groups)
 
     def compute(self, stream) -> None:
         """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
@@ -162,7 +167,8 @@ class GemmCall:
                 M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk)
         if g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
-                       *L.tensor_maps(self.A.ptr, self.B.ptr), *args, smem=L.smem)
+                       *L.tensor_maps(self.A.ptr, self.B.ptr), *args[:6], ptr(self.order),
+                       *args[6:], smem=L.smem)
         else:
             mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, *args, smem=L.smem)
         if f32 is not None:
