@@ -3,7 +3,8 @@
 - Hypothesis: no deadline (sympy's first calls are slow), few examples so that the suite stays
   fast on small CI machines.
 - The compile cache: ``$PITGEN_CACHE`` when set, else pytest's cache folder (cold in a fresh CI
-  clone, warm on local reruns), never the user's ``~/.cache/pitgen``.
+  clone, warm on local reruns), never the user's ``~/.cache/pitgen``: the compile workers are
+  handed that folder explicitly, whatever a test does to the environment meanwhile.
 - nvcc tests (marker ``nvcc``) skip with the reason where nvcc is missing, and run last: each of
   their modules may define ``nvcc_jobs(pool)``, which submits its compiles to one background
   pool of os.cpu_count() worker processes right after collection, so that nvcc runs while the
@@ -50,7 +51,9 @@ class NvccPool:
         if key not in self._jobs:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(os.cpu_count() or 2,
-                                                 mp_context=multiprocessing.get_context("spawn"))
+                                                 mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_use_cache,
+                                                 initargs=(os.environ["PITGEN_CACHE"],))
             self._jobs[key] = self._pool.submit(fn, *args)
         return self._jobs[key]
 
@@ -59,6 +62,11 @@ class NvccPool:
             self._pool.shutdown(cancel_futures=True)
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def _use_cache(folder: str) -> None:
+    """A compile worker's start: the session's cache folder, never the user's default."""
+    os.environ["PITGEN_CACHE"] = folder
 
 
 _POOL = NvccPool()
