@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -180,6 +181,8 @@ def _at_least(minimum: float, kind: Callable[[str], Any], strict: bool = False
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < minimum or (strict and value == minimum):
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum:g}, "
                                              f"got {text}")
