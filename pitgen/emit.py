@@ -295,6 +295,10 @@ def _normalised(req: Request, op: Operator) -> Request:
 def emit(req: Request) -> Emitted:
     """Plan, lower and render one standalone kernel. Every refusal (PitgenError) happens here,
     before anything is written."""
+    for field, value in vars(req).items():
+        if not isinstance(value, str) and not (field == "tile" and value is None):
+            raise PlanError(f"emit's {field} must be a string (as on the command line), got "
+                            f"{value!r}")
     if req.dtype not in DTYPES:
         raise PlanError(f"dtype {req.dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
     smem_limit = _check_arch(req.arch)

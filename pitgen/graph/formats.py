@@ -174,10 +174,11 @@ def load_graph(path: str | Path) -> CSR:
     if not isinstance(path, (str, os.PathLike)):
         raise FileError(f"graph path must be a string or a path, got {type(path).__name__}")
     try:
-        with np.load(path, allow_pickle=False) as f:
-            if not hasattr(f, "files"):
-                raise FileError(f"cannot read graph {str(path)!r}: a single .npy array, not a "
-                                f".npz graph")
+        f = np.load(path, allow_pickle=False)
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise FileError(f"cannot read graph {str(path)!r}: a single .npy array, not a "
+                            f".npz graph")
+        with f:
             keys = set(f.files)
             if "format" in keys and f["format"].item() not in (b"csr", "csr"):
                 return CSR.from_scipy(_scipy_sparse(path).load_npz(path))
