@@ -1,7 +1,8 @@
 """Test-suite setup.
 
-- Hypothesis: no deadline (sympy's first calls are slow), few examples so that the suite stays
-  fast on small CI machines.
+- Hypothesis: no deadline (sympy's first calls are slow), few derandomized examples so that the
+  suite stays fast and repeatable on small CI machines; ``PITGEN_HYPOTHESIS=thorough`` selects
+  the thorough profile (2000 examples per GPU property test, for a lent GPU).
 - The compile cache: ``$PITGEN_CACHE`` when set, else pytest's cache folder (cold in a fresh CI
   clone, warm on local reruns), never the user's ``~/.cache/pitgen``: the compile workers are
   handed that folder explicitly, whatever a test does to the environment meanwhile.
@@ -25,8 +26,13 @@ from typing import Any, Callable
 import pytest
 from hypothesis import settings
 
-settings.register_profile("ci", deadline=None, max_examples=30)
-settings.load_profile("ci")
+# The fast profile: derandomized (the same examples every run) and printing the blob that
+# reproduces a failure; PITGEN_HYPOTHESIS=thorough: fresh random examples, >= 2000 per GPU
+# property test (pitgen.testing.examples), the seed printed on failure.
+settings.register_profile("ci", deadline=None, max_examples=30, derandomize=True,
+                          print_blob=True)
+settings.register_profile("thorough", deadline=None, max_examples=2000, print_blob=True)
+settings.load_profile(os.environ.get("PITGEN_HYPOTHESIS") or "ci")
 
 
 class NvccPool:
