@@ -2,8 +2,8 @@
 transformation). Data flows one way: expression -> rules -> plan -> rendered source ->
 compiled module -> launch."""
 from . import cache
-from .errors import (CompileError, DeviceError, ExpressionError, PitgenError, PlanError,
-                     RuleError, ShapeError)
+from .errors import (CompileError, DependencyError, DeviceError, ExpressionError, FileError,
+                     PitgenError, PlanError, RuleError, ShapeError)
 from .executor import evaluate, execute
 from .expr import Access, Operator, parse
 from .index import TileIndex, build_index
@@ -17,5 +17,5 @@ __all__ = [
     "parse", "analyse", "plan", "build_index", "execute", "evaluate",
     "Operator", "Access", "Rules", "AxisRule", "Plan", "Candidate", "TileIndex", "SparseKernel",
     "PitgenError", "ExpressionError", "RuleError", "PlanError", "ShapeError", "CompileError",
-    "DeviceError", "cache", "__version__",
+    "DeviceError", "FileError", "DependencyError", "cache", "__version__",
 ]

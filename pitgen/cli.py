@@ -1,13 +1,16 @@
 """The ``pitgen`` command line: thin wrappers over the library, one subcommand per stage.
 
-Exit status: 0 done; 1 a :class:`PitgenError` while running (``pitgen: error: ...``); 2 a usage
-error (argparse's, or an option value or combination checked before anything runs: usage and
-message as argparse prints them); 141 when stdout is closed early (``pitgen rules EXPR | head``:
-no traceback, the status a shell reports for a tool that SIGPIPE ends); 130 on Ctrl-C."""
+Exit status: 0 done; 1 a :class:`PitgenError` while running (``pitgen: error: ...``), or what
+the machine refused (memory, a file, a missing package: one line too); 2 a usage error
+(argparse's, or an option value or combination checked before anything runs: usage and message
+as argparse prints them); 3 an internal error (a bug in pitgen: one line, please report it);
+141 when stdout is closed early (``pitgen rules EXPR | head``: the status a shell reports for a
+tool that SIGPIPE ends); 130 on Ctrl-C. No status comes with a traceback."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -18,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .emit import ARCH_SMEM, CATALOGUE, DEFAULT_ARCH, DEFAULT_DTYPE, Progress, Request, compile_objects, emit_all, jobs, listing, write
-from .errors import DeviceError, PitgenError
+from .errors import DeviceError, FileError, PitgenError
 from .expr import parse
 from . import graphs
 from .graph.device import VALUE_DTYPES, DeviceCSR
@@ -30,7 +33,7 @@ from .planner import make_plan
 from .rules import analyse
 from .version import __version__
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 #: 128 + SIGPIPE: ``set -o pipefail`` scripts see for pitgen what they see for cat or seq.
 EXIT_PIPE = 141
 EXIT_INTERRUPTED = 130
@@ -57,7 +60,7 @@ def _plan(args: argparse.Namespace) -> None:
     try:
         mask = np.load(args.mask)
     except (OSError, ValueError, EOFError) as e:
-        raise PitgenError(f"cannot read mask {args.mask!r}: {e}") from None
+        raise FileError(f"cannot read mask {args.mask!r}: {e}") from None
     plan = make_plan(parse(args.expr), args.sparse, mask=mask, tile=args.tile)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
 
@@ -100,7 +103,7 @@ def _emit(args: argparse.Namespace) -> None:
 def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
     """GRAPH of ``pitgen tune``: a .npz sparse matrix (scipy's save_npz or make_graphs' plain
     arrays) or ``synthetic:NAME``, a graph of :mod:`pitgen.graphs`. A bad name or
-    ``scale`` is a :class:`UsageError`; an unreadable file a plain :class:`PitgenError`."""
+    ``scale`` is a :class:`UsageError`; an unreadable file a :class:`FileError`."""
 
     if spec.startswith("synthetic:"):
 
@@ -112,12 +115,7 @@ def load_graph_arg(spec: str, scale: float = 1.0, seed: int = 0) -> Any:
         return graphs.make_graph(name, seed=seed, scale=scale)
     if scale != 1.0:
         raise UsageError("--scale applies to synthetic:NAME graphs only")
-    try:
-        return load_graph(spec)
-    except (OSError, ValueError, EOFError, KeyError) as e:
-        if isinstance(e, PitgenError):
-            raise
-        raise PitgenError(f"cannot read graph {spec!r}: {e}") from None
+    return load_graph(spec)
 
 
 def _tune(args: argparse.Namespace) -> None:
@@ -183,6 +181,8 @@ def _at_least(minimum: float, kind: Callable[[str], Any], strict: bool = False
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < minimum or (strict and value == minimum):
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum:g}, "
                                              f"got {text}")
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"examples:\n  pitgen rules '{MATMUL}'\n  pitgen emit --list\n"
                "  pitgen bench --help       # the benchmark suite's own options\n\n"
                f"exit status: {EXIT_OK} done, {EXIT_ERROR} error while running, {EXIT_USAGE} usage "
-               f"error, {EXIT_PIPE} output closed early (| head), {EXIT_INTERRUPTED} interrupted")
+               f"error, {EXIT_INTERNAL} internal error (a bug), {EXIT_PIPE} output closed early "
+               f"(| head), {EXIT_INTERRUPTED} interrupted")
     p.add_argument("--version", action="version", version=f"pitgen {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -298,14 +299,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(e.code, file=sys.stderr)
         return EXIT_ERROR
     except PitgenError as e:
-        print(f"pitgen: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return _fail(str(e))
     except BrokenPipeError:
         # Python's advice: the rest of the output goes nowhere, so the exit flush cannot fail.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PIPE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except MemoryError:
+        return _fail("out of memory (the input asks for more than this machine has)")
+    except RecursionError:
+        return _fail("input nested too deeply (Python's recursion limit)")
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        return _fail(f"{e.strerror or e}{where}")
+    except ImportError as e:
+        return _fail(f"a package pitgen needs here is missing: {e.name or e} ({e})")
+    except Exception as e:  # noqa: BLE001 - the contract: one line, never a traceback
+        return _fail(f"internal error, a bug in pitgen (please report it with the command): "
+                     f"{type(e).__name__}: {e}", EXIT_INTERNAL)
+
+
+def _fail(message: str, status: int = EXIT_ERROR) -> int:
+    """Print ``pitgen: error: message`` on stderr; return ``status``."""
+    try:
+        print(f"pitgen: error: {message}", file=sys.stderr, flush=True)
+    except OSError:  # stderr closed as well: the status alone must say it
+        pass
+    return status
 
 
 if __name__ == "__main__":

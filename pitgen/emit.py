@@ -13,7 +13,9 @@ pointer at a time, so a call only ever runs a variant that lowering would allow 
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -24,12 +26,12 @@ from pathlib import Path
 from typing import Sequence, TextIO
 
 from .compiler import find_nvcc
-from .errors import CompileError, PitgenError, PlanError
+from .errors import CompileError, FileError, PitgenError, PlanError
 from .expr import Operator, parse
 from .lower import DTYPES, GemmForm, Layout, ModuleSpec, Schedule, gemm_form, lower
 from .planner import Candidate, make_plan, parse_tile
 from .ops.matmul import MATMUL
-from .render import render_template
+from .render import render_template, template_dir
 
 #: Opt-in shared memory per block (bytes) of the archs the kernels run on: cp.async and
 #: mma.sync need sm_80 or newer (CUDA C++ Programming Guide, compute capabilities table).
@@ -39,8 +41,30 @@ ARCH_SMEM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_87": 163 * 1024, "sm_8
 STATIC_SMEM = 1024
 DEFAULT_ARCH = "sm_80"
 DEFAULT_DTYPE = "float16"
-#: Names the C API uses itself: a tensor or axis of the expression cannot be called so.
-RESERVED = frozenset({"workspace", "workspace_bytes", "stream", "bytes", "pit_host"})
+#: Names the C API uses itself (its parameters, and the locals p, w, e of the functions that take
+#: the tensors and axes as parameters): a tensor or axis of the expression cannot be called so.
+RESERVED = frozenset({"workspace", "workspace_bytes", "stream", "bytes", "pit_host", "p", "w", "e"})
+#: C, C++ and CUDA keywords and alternative tokens, and the types, values and macros of the
+#: headers the emitted files include or use: a tensor or axis named so would not compile (a
+#: parameter named ``int``) or would change what a name in the generated code means (``dim3``).
+CPP_NAMES = frozenset("""
+    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
+    char32_t class compl concept const consteval constexpr constinit const_cast continue
+    co_await co_return co_yield decltype default delete do double dynamic_cast else enum
+    explicit export extern false float for friend goto if inline int long mutable namespace new
+    noexcept not not_eq nullptr operator or or_eq private protected public register
+    reinterpret_cast requires restrict return short signed sizeof static static_assert
+    static_cast struct switch template this thread_local throw true try typedef typeid typename
+    union unsigned using virtual void volatile wchar_t while xor xor_eq _Bool _Complex
+    __global__ __device__ __host__ __shared__ __constant__ __managed__ __restrict__
+    __forceinline__ __noinline__ __launch_bounds__ __syncthreads
+    int8_t int16_t int32_t int64_t uint8_t uint16_t uint32_t uint64_t intptr_t uintptr_t
+    size_t ptrdiff_t ssize_t max_align_t NULL offsetof assert errno std EOF NAN INFINITY HUGE_VAL
+    dim3 threadIdx blockIdx blockDim gridDim warpSize half half2 float2 float4 int2 int4 uint4
+    nv_bfloat16 nv_bfloat162 min max abs
+""".split())
+#: Longest tensor or axis name of an emitted kernel (it becomes part of file and function names).
+MAX_NAME = 64
 _DTYPE_TAGS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 #: Extents around which lowering is probed (multiples of 64: a shift by d < 64 leaves exactly
 #: the factors of two of d).
@@ -210,6 +234,34 @@ def _regimes(op: Operator, form: GemmForm, choice: Candidate, dtype: str, schedu
     return out
 
 
+@functools.cache
+def _template_macros() -> frozenset[str]:
+    """Every macro the templates #define: a parameter so named would be replaced by it."""
+    return frozenset(m for p in template_dir().glob("*.j2")
+                     for m in re.findall(r"#define\s+([A-Za-z_]\w*)", p.read_text()))
+
+
+def _check_names(op: Operator) -> None:
+    """Tensor and axis names become C identifiers (parameters, enum constants, a file name):
+    each must be one that the emitted code can take as its own, or the kernel is refused."""
+    for name in dict.fromkeys((op.output.tensor, *op.input_names, *op.axes)):
+        why = None
+        if name in RESERVED:
+            why = "would clash with a parameter of the C API"
+        elif name in CPP_NAMES or name in _template_macros():
+            why = "is a C/C++/CUDA keyword or a name the emitted code uses"
+        elif re.fullmatch(r"[A-Z][A-Z0-9]*_[A-Z0-9_]*", name):
+            why = "is spelled as a macro (capitals with an underscore), which a header may define"
+        elif name.startswith("_") or "__" in name:
+            why = "is reserved in C/C++ (a leading underscore or a double underscore)"
+        elif name.lower().startswith(("pit_", "pitgen", "cuda", "cu_", "nv_")):
+            why = "uses a prefix of pitgen's or CUDA's own names (pit_, pitgen, cuda, cu_, nv_)"
+        elif len(name) > MAX_NAME:
+            why = f"is longer than {MAX_NAME} characters"
+        if why:
+            raise PlanError(f"name {name[:MAX_NAME]!r} {why}: rename it for pitgen emit")
+
+
 def kernel_name(req: Request, op: Operator, form: GemmForm, choice: Candidate) -> str:
     """``pit_matmul[_at][_bt][_ct]_<sparse>_<dtype>_<micro-tile>[_t<tile>]_<arch>``: readable,
     and a function of the request (``at``/``bt``: an input stored k-major/n-major; ``ct``: the
@@ -243,6 +295,10 @@ def _normalised(req: Request, op: Operator) -> Request:
 def emit(req: Request) -> Emitted:
     """Plan, lower and render one standalone kernel. Every refusal (PitgenError) happens here,
     before anything is written."""
+    for field, value in vars(req).items():
+        if not isinstance(value, str) and not (field == "tile" and value is None):
+            raise PlanError(f"emit's {field} must be a string (as on the command line), got "
+                            f"{value!r}")
     if req.dtype not in DTYPES:
         raise PlanError(f"dtype {req.dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
     smem_limit = _check_arch(req.arch)
@@ -253,9 +309,7 @@ def emit(req: Request) -> Emitted:
     plan = make_plan(op, req.sparse, micro_tile=req.micro_tile, tile=req.tile)
     choice = plan.choice
     form = gemm_form(op, req.sparse)
-    clash = sorted(RESERVED & {*op.axes, *op.input_names, op.output.tensor})
-    if clash:
-        raise PlanError(f"{', '.join(clash)} would clash with a parameter of the C API: rename it")
+    _check_names(op)
     req = replace(_normalised(req, op), micro_tile="x".join(map(str, choice.shape)))
     schedule = Schedule()
     if req.tile is not None:
@@ -352,7 +406,7 @@ def emit_all(requests: Sequence[Request], progress: Progress | None = None) -> l
 def write(items: Sequence[Emitted], out: Path) -> list[Path]:
     """Write the files of ``items`` into ``out`` (created if needed); returns their paths."""
     if out.exists() and not out.is_dir():
-        raise PitgenError(f"{out} exists and is not a directory")
+        raise FileError(f"{out} exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
         paths = []
@@ -362,7 +416,7 @@ def write(items: Sequence[Emitted], out: Path) -> list[Path]:
                 path.write_bytes(text.encode())
                 paths.append(path)
     except OSError as e:
-        raise PitgenError(f"cannot write into {out}: {e}") from None
+        raise FileError(f"cannot write into {out}: {e.strerror or e}") from None
     return paths
 
 

@@ -17,8 +17,12 @@ class ExpressionError(PitgenError, ValueError):
         self.text = text
         self.column = column
         if text and column is not None:
-            caret = " " * (column - 1) + "^"
-            full = f"{message} (column {column})\n  {text}\n  {caret}"
+            # a window of the text around the column: a long expression stays one short line
+            lo = max(0, column - 1 - 60)
+            shown = ("..." if lo else "") + text[lo:column - 1 + 60] + (
+                "..." if column - 1 + 60 < len(text) else "")
+            caret = " " * (column - 1 - lo + (3 if lo else 0)) + "^"
+            full = f"{message} (column {column})\n  {shown}\n  {caret}"
         else:
             full = message
         super().__init__(full)
@@ -43,3 +47,13 @@ class CompileError(PitgenError, RuntimeError):
 
 class DeviceError(PitgenError, RuntimeError):
     """No usable CUDA device, pycuda missing, or a tensor on the wrong device."""
+
+
+class FileError(PitgenError, OSError):
+    """A file or directory given to pitgen that cannot be read or written (the OS's reason
+    included), or whose content is not what was asked for."""
+
+
+class DependencyError(PitgenError, ImportError):
+    """An optional package that this call needs is not installed (the message says which extra
+    brings it)."""

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import string
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import sympy
 
-from .errors import ShapeError
-from .expr import EPILOGUES, Access, Operator
+from . import checks
+from .errors import PlanError, ShapeError
+from .expr import EPILOGUES, Access, Operator, as_operator
 from .index import TileIndex, build_index, sparse_access
 from .planner import Plan
 
@@ -85,17 +86,33 @@ def _extents_of(op: Operator, views: Sequence[np.ndarray]) -> dict[str, int]:
 def _views(op: Operator,
            arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, int], list[np.ndarray]]:
     """Axis extents and one strided view per input access."""
+    if not isinstance(arrays, Mapping):
+        raise ShapeError(f"arrays must be a dict of input arrays by tensor name, got "
+                         f"{type(arrays).__name__}")
     missing = [t for t in op.input_names if t not in arrays]
     if missing:
         raise ShapeError(f"missing input arrays {missing} for {op.text!r}")
-    arrays = {t: np.asarray(arrays[t]) for t in op.input_names}
+    arrays = {t: checks.numeric_array(arrays[t], f"input {t}") for t in op.input_names}
     ext = op.extents({t: a.shape for t, a in arrays.items()})
     return ext, [op.view(acc, arrays[acc.tensor], ext) for acc in op.inputs]
 
 
-def evaluate(op: Operator, arrays: Mapping[str, np.ndarray], dtype=np.float64) -> np.ndarray:
+def _float_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` as a NumPy floating dtype: the references compute in one."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise ShapeError(f"dtype {dtype!r} is not a NumPy dtype: {e}") from None
+    if dt.kind != "f":
+        raise ShapeError(f"dtype must be a floating dtype (float64, float32, ...), got {dt}")
+    return dt
+
+
+def evaluate(op: Operator | str, arrays: Mapping[str, np.ndarray],
+             dtype: Any = np.float64) -> np.ndarray:
     """The dense result of ``op`` on ``arrays`` (by tensor name), computed in ``dtype``; its
     shape is the output axes' extents in output order."""
+    op, dtype = as_operator(op), _float_dtype(dtype)
     _, views = _views(op, arrays)
     value, _ = _compute(op, views, (), dtype)
     return np.ascontiguousarray(value, dtype=dtype)
@@ -203,6 +220,8 @@ def execute(plan: Plan, **arrays: np.ndarray) -> np.ndarray:
     tile's extent along the micro axis, compute them densely, scatter/accumulate the outputs;
     everything skipped contributes the expression's value at S = 0. Equals :func:`evaluate` up
     to rounding."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"execute needs a pitgen.Plan, got {type(plan).__name__}")
     op, dtype = plan.operator, np.float64
     acc = sparse_access(op, plan.sparse)
     ext, views = _views(op, arrays)

@@ -34,6 +34,13 @@ EPILOGUES = {
     "abs": np.abs,
 }
 
+#: Bounds that keep parsing (and every later stage) cheap: the nesting depth of brackets and
+#: parentheses, the expression's length, and the magnitude of index coefficients and constants
+#: (int64, what a kernel's index arithmetic could hold at most).
+MAX_DEPTH = 64
+MAX_LENGTH = 20_000
+MAX_COEFFICIENT = 2**62
+
 _TOKEN = re.compile(
     r"\s*(?:(?P<op>\+=|max=|min=|=)|(?P<name>[A-Za-z_][A-Za-z_0-9]*)"
     r"|(?P<int>[0-9]+)|(?P<punct>[\[\](),*+\-]))"
@@ -217,6 +224,8 @@ def _tokenize(text: str) -> list[_Tok]:
     for t in toks:
         if t.text in "[(" and t.kind == "punct":
             stack.append(t)
+            if len(stack) > MAX_DEPTH:
+                raise ExpressionError(f"brackets nested more than {MAX_DEPTH} deep", text, t.col)
         elif t.text in "])" and t.kind == "punct":
             if not stack or stack[-1].text != pairs[t.text]:
                 raise ExpressionError(f"unbalanced bracket {t.text!r}", text, t.col)
@@ -308,17 +317,27 @@ class _Parser:
         return e
 
     def sum_expr(self) -> sympy.Expr:
-        e = self.term()
+        start = self.peek()
+        terms = [self.term()]
         while (t := self.peek()) is not None and t.text in "+-" and t.kind == "punct":
             self.i += 1
-            e = e + self.term() if t.text == "+" else e - self.term()
-        return e
+            terms.append(self.term() if t.text == "+" else -self.term())
+        return self.bounded(sympy.Add(*terms), start)
 
     def term(self) -> sympy.Expr:
+        start = self.peek()
         e = self.factor()
         while (t := self.peek()) is not None and t.text == "*":
             self.i += 1
-            e = e * self.factor()
+            e = self.bounded(e * self.factor(), start)
+        return e
+
+    def bounded(self, e: sympy.Expr, tok: _Tok | None) -> sympy.Expr:
+        """``e``, unless a coefficient or constant of it is beyond MAX_COEFFICIENT."""
+        if any(c.is_Integer and abs(int(c)) > MAX_COEFFICIENT
+               for c in e.as_coefficients_dict().values()) or any(
+                   a.is_Integer and abs(int(a)) > MAX_COEFFICIENT for a in sympy.Add.make_args(e)):
+            raise self.error(f"index coefficient beyond {MAX_COEFFICIENT} (2^62)", tok)
         return e
 
     def factor(self) -> sympy.Expr:
@@ -330,10 +349,17 @@ class _Parser:
             return sympy.Symbol(t.text, integer=True)
         if t.kind == "int":
             self.i += 1
+            if len(t.text.lstrip("0")) > 19 or int(t.text) > MAX_COEFFICIENT:
+                raise self.error(f"integer {t.text[:24]}{'...' if len(t.text) > 24 else ''} is "
+                                 f"beyond {MAX_COEFFICIENT} (2^62)", t)
             return sympy.Integer(int(t.text))
-        if t.text == "-":
-            self.i += 1
-            return -self.factor()
+        if t.text == "-":  # a run of unary minus signs, counted rather than recursed into
+            signs = 0
+            while (t := self.peek()) is not None and t.text == "-":
+                self.i += 1
+                signs += 1
+            e = self.factor()
+            return -e if signs % 2 else e
         if t.text == "(":
             self.i += 1
             e = self.sum_expr()
@@ -384,4 +410,16 @@ def parse(text: str) -> Operator:
     """
     if not isinstance(text, str):
         raise ExpressionError(f"expected the expression as a string, got {type(text).__name__}")
+    if len(text) > MAX_LENGTH:
+        raise ExpressionError(f"expression of {len(text)} characters: at most {MAX_LENGTH}")
     return _Parser(text).statement()
+
+
+def as_operator(op: Operator | str, what: str = "op") -> Operator:
+    """``op`` parsed if it is text; an :class:`Operator` as is; anything else refused."""
+    if isinstance(op, Operator):
+        return op
+    if isinstance(op, str):
+        return parse(op)
+    raise ExpressionError(f"{what} must be an expression string or a pitgen.Operator, got "
+                          f"{type(op).__name__}")

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
+from . import checks
 from .errors import PlanError
-from .expr import Access, Operator
+from .expr import Access, Operator, as_operator
 
 if TYPE_CHECKING:
     from .planner import Candidate, Plan
@@ -44,7 +45,7 @@ def list_dim(op: Operator, acc: Access) -> int:
 
 def as_mask(mask: np.ndarray, acc: Access) -> np.ndarray:
     """``mask`` as a boolean array (non-zero = True) of ``acc``'s rank."""
-    m = np.asarray(mask)
+    m = checks.numeric_array(mask, f"mask of {acc.tensor}", error=PlanError)
     if m.dtype != np.bool_:
         m = m != 0
     if m.ndim != acc.rank:
@@ -154,10 +155,14 @@ def _lists(grid: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
     return counts, ids.astype(np.int32)
 
 
-def build_index(mask: np.ndarray, op: Operator, sparse: str,
+def build_index(mask: np.ndarray, op: Operator | str, sparse: str,
                 candidate_or_plan: "Candidate | Plan") -> TileIndex:
     """Index ``mask`` (S's non-zeros) for a micro, block or dense candidate (or a plan's choice)."""
     cand = getattr(candidate_or_plan, "choice", candidate_or_plan)
+    if not all(hasattr(cand, a) for a in ("kind", "axis", "shape")):
+        raise PlanError(f"build_index needs a Candidate or a Plan, got "
+                        f"{type(candidate_or_plan).__name__}")
+    op = as_operator(op)
     acc = sparse_access(op, sparse)
     mask = as_mask(mask, acc)
     shape = tuple(int(n) for n in mask.shape)

@@ -6,3 +6,5 @@ GRID_Y_MAX = 65535
 INT32_MAX = 2**31 - 1
 #: Threads per CTA of the index-building kernels (attention, MoE routing, SDDMM).
 INDEX_THREADS = 256
+#: Largest element count or index value of a host array (NumPy's intp).
+INT64_MAX = 2**63 - 1

@@ -17,13 +17,15 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import sympy
 
+from . import checks
 from .errors import PlanError, RuleError
-from .expr import Access, Operator, parse
+from .expr import Access, Operator, as_operator
+from .limits import INT32_MAX
 from .index import as_mask, sparse_access, tile_extents, tile_grid
 from .rules import Rules, analyse
 
@@ -127,8 +129,14 @@ def load_profile(path_or_name: str | os.PathLike | Mapping | None = None) -> dic
     ``None`` prefers ``measured.json`` (written by the GPU calibration script) over
     ``analytic.json`` (a placeholder)."""
     pkg = resources.files("pitgen.profiles")
+    if not (path_or_name is None or isinstance(path_or_name, (str, os.PathLike, Mapping))):
+        raise PlanError(f"profile must be a name, a JSON file path or a dict, got "
+                        f"{path_or_name!r}")
     if isinstance(path_or_name, Mapping):
-        prof, src = json.loads(json.dumps(path_or_name)), "profile dict"
+        try:
+            prof, src = json.loads(json.dumps(path_or_name)), "profile dict"
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"profile dict is not plain JSON data: {e}") from None
     else:
         if path_or_name is None:
             res = pkg / "measured.json"
@@ -146,10 +154,13 @@ def load_profile(path_or_name: str | os.PathLike | Mapping | None = None) -> dic
     return prof
 
 
-def _check_profile(prof: dict, src: str) -> None:
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+def _check_profile(prof: Any, src: str) -> None:
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
 
+    if not isinstance(prof, dict) or not isinstance(prof.get("kinds", {}), dict) or not all(
+            isinstance(v, dict) for v in prof.get("kinds", {}).values()):
+        raise PlanError(f"profile {src} is not a JSON object of the profile's form")
     problems = [k for k in ("device", "measured", "kinds") if k not in prof]
     if not number(prof.get("index_ns_per_element")):
         problems.append("index_ns_per_element")
@@ -184,6 +195,9 @@ def parse_tile(op: Operator, tile: TileSpec) -> dict[str, int]:
     if tile is None:
         return out
     order = f"{len(op.axes)} extents in axis order {'x'.join(op.axes)}"
+    if not isinstance(tile, (str, Sequence, Mapping, np.ndarray)):
+        raise PlanError(f"tile must be a string such as '64x64x32', a sequence of {order} or a "
+                        f"dict by axis; got {tile!r}")
     if isinstance(tile, str):
         parts = [p for p in re.split(r"[x,\s]+", tile.strip()) if p]
         if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
@@ -202,9 +216,7 @@ def parse_tile(op: Operator, tile: TileSpec) -> dict[str, int]:
             raise PlanError(f"tile has {len(values)} extents, expected {order}")
         given = dict(zip(op.axes, values))
     for a, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise PlanError(f"tile extent of {a} must be a positive integer, got {v!r}")
-        out[a] = int(v)
+        out[a] = checks.integer(v, f"tile extent of {a}", maximum=INT32_MAX, error=PlanError)
     return out
 
 
@@ -262,9 +274,8 @@ class _Stats:
     def counts(self, spec: Spec, chunk: int, acc: Access) -> Counts:
         kind, axis, tile = spec
         if self.mask is None:
-            grid = np.ones(tuple(-(-n // t) for n, t in zip(self.shape, tile)), bool)
-        else:
-            grid = tile_grid(self.mask, tile, self.cache)
+            return self._dense_counts(spec, chunk, acc)
+        grid = tile_grid(self.mask, tile, self.cache)
         nonzero = int(np.count_nonzero(grid))
         covered = grid.astype(np.int64)
         for n, t in zip(self.shape, tile):
@@ -274,6 +285,19 @@ class _Stats:
         else:
             dense_tiles = grid.size if kind == "dense" else nonzero
         return nonzero, dense_tiles, int(covered)
+
+    def _dense_counts(self, spec: Spec, chunk: int, acc: Access) -> Counts:
+        """The counts of an all-ones S, in closed form: a shape planned without a mask may be
+        far larger than memory (every tile holds a non-zero; the tiles cover S once)."""
+        kind, axis, tile = spec
+        grid = [-(-n // t) for n, t in zip(self.shape, tile)]
+        nonzero = math.prod(grid)
+        if kind == "micro":
+            d = acc.bare_dim(axis)
+            dense_tiles = nonzero // grid[d] * -(-grid[d] // chunk)
+        else:
+            dense_tiles = nonzero
+        return nonzero, dense_tiles, math.prod(self.shape)
 
 
 def _chunk(spec: Spec, acc: Access, tile: Mapping[str, int], size: Sequence[int]) -> int:
@@ -330,10 +354,10 @@ def candidate_specs(op: Operator | str, sparse: str, shape: Sequence[int],
     """The (kind, axis, shape) of every candidate :func:`make_plan` costs for ``sparse`` of
     ``shape``: what a planner that counts elsewhere (on the GPU) must count, keyed the same
     way in ``make_plan(coverage=...)``."""
-    if isinstance(op, str):
-        op = parse(op)
+    op = as_operator(op)
     acc = sparse_access(op, sparse)
-    return _specs(op, acc, analyse(op), parse_tile(op, tile), tuple(int(n) for n in shape))
+    size = checks.extents(shape, f"shape of {acc.tensor}", rank=acc.rank, error=PlanError)
+    return _specs(op, acc, analyse(op), parse_tile(op, tile), size)
 
 
 def list_candidates(op: Operator | str, sparse: str, tile: TileSpec = None, *,
@@ -345,9 +369,12 @@ def list_candidates(op: Operator | str, sparse: str, tile: TileSpec = None, *,
     return list(plan.candidates)
 
 
-def _parse_micro_tile(micro_tile) -> str | tuple[int, ...] | Candidate:
+def _parse_micro_tile(micro_tile: Any) -> str | tuple[int, ...] | Candidate:
     if isinstance(micro_tile, Candidate):
         return micro_tile
+    if not (micro_tile is None or isinstance(micro_tile, (str, Sequence, np.ndarray))):
+        raise PlanError(f"micro_tile must be 'auto', 'dense', a shape such as '32x1' or (32, 1), "
+                        f"or a Candidate; got {micro_tile!r}")
     if micro_tile is None or (isinstance(micro_tile, str) and micro_tile.strip() == "auto"):
         return "auto"
     if isinstance(micro_tile, str):
@@ -359,8 +386,9 @@ def _parse_micro_tile(micro_tile) -> str | tuple[int, ...] | Candidate:
                             f"like 32x1")
         micro_tile = [int(p) for p in parts]
     values = tuple(micro_tile)
-    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in values):
-        raise PlanError(f"micro_tile {micro_tile!r}: extents must be positive integers")
+    if not values or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))
+                         or not 1 <= v <= INT32_MAX for v in values):
+        raise PlanError(f"micro_tile {micro_tile!r}: extents must be positive integers (at most {INT32_MAX})")
     return tuple(int(v) for v in values)
 
 
@@ -409,6 +437,29 @@ def _requested(op: Operator, acc: Access, rules: Rules, want: tuple[int, ...] | 
     return "micro", e.name, shape
 
 
+def _coverage(coverage: Any, specs: Sequence[Spec], size: Sequence[int]
+              ) -> tuple[int, dict[Spec, Counts]]:
+    """(nnz, counts per spec) of ``coverage``, each a non-negative integer within S's size."""
+    total = math.prod(size)
+    if not isinstance(coverage, Mapping) or not isinstance(coverage.get("counts"), Mapping):
+        raise PlanError("coverage must be a dict {'counts': {spec: (nonzero, dense_tiles, "
+                        "covered)}, 'nnz': int}")
+    missing = [s for s in specs if s not in coverage["counts"]]
+    if missing:
+        raise PlanError(f"coverage counts lack candidates {missing[:3]}")
+    nnz = checks.integer(coverage.get("nnz"), "coverage['nnz']", minimum=0, maximum=total,
+                         error=PlanError)
+    counts = {}
+    for s in specs:
+        c = coverage["counts"][s]
+        if isinstance(c, (str, bytes)) or not isinstance(c, (Sequence, np.ndarray)) or len(c) != 3:
+            raise PlanError(f"coverage counts of {s} must be (nonzero, dense_tiles, covered), "
+                            f"got {c!r}")
+        counts[s] = tuple(checks.integer(v, f"coverage count of {s}", minimum=0, error=PlanError)
+                          for v in c)
+    return nnz, counts
+
+
 def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
               tile: TileSpec = None,
               micro_tile: str | Sequence[int] | Candidate | None = None,
@@ -424,8 +475,7 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
     ``coverage`` replaces the mask by counts made elsewhere (on the GPU):
     ``{"counts": {spec: (nonzero, dense_tiles, covered)}, "nnz": int}`` for every spec of
     :func:`candidate_specs`, with ``shape`` given."""
-    if isinstance(op, str):
-        op = parse(op)
+    op = as_operator(op)
     rules = analyse(op)
     acc = sparse_access(op, sparse)
     tile = parse_tile(op, tile)
@@ -435,14 +485,12 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
         if coverage is not None:
             raise PlanError("give a mask or coverage counts, not both")
         mask = as_mask(mask, acc)
-        if shape is not None and tuple(shape) != mask.shape:
+        if shape is not None and checks.extents(shape, "shape", error=PlanError) != mask.shape:
             raise PlanError(f"mask has shape {mask.shape} but {acc.tensor} has shape "
                             f"{tuple(shape)}")
         size = tuple(int(n) for n in mask.shape)
     elif shape is not None:
-        size = tuple(int(n) for n in shape)
-        if len(size) != acc.rank or min(size, default=1) < 1:
-            raise PlanError(f"shape {size} does not fit {acc} (rank {acc.rank})")
+        size = checks.extents(shape, f"shape of {acc.tensor}", rank=acc.rank, error=PlanError)
     elif coverage is not None:
         raise PlanError("coverage counts need the operand's shape")
     else:
@@ -457,15 +505,12 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
             chosen = (kind, axis, tuple(min(t, n) for t, n in zip(req, size)) if real else req)
             specs += [chosen] if chosen not in specs else []
     if coverage is not None:
-        missing = [s for s in specs if s not in coverage["counts"]]
-        if missing:
-            raise PlanError(f"coverage counts lack candidates {missing[:3]}")
-        nnz, counts = int(coverage["nnz"]), {s: coverage["counts"][s] for s in specs}
+        nnz, counts = _coverage(coverage, specs, size)
     else:
         stats = _Stats(mask, size)
         nnz = int(np.count_nonzero(mask)) if mask is not None else math.prod(size)
         counts = {s: stats.counts(s, _chunk(s, acc, tile, size), acc) for s in specs}
-    cands = {s: _costed(s, tuple(int(v) for v in counts[s]), nnz, size,
+    cands = {s: _costed(s, counts[s], nnz, size,
                         _chunk(s, acc, tile, size), rules, prof) for s in specs}
     ordered = sorted(cands.values(), key=lambda c: (c.cost, KIND_RANK[c.kind]))
     choice = ordered[0] if want == "auto" and measured else cands[chosen]

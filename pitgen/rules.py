@@ -15,7 +15,7 @@ import sympy
 
 from . import cache
 from .errors import RuleError
-from .expr import Operator, parse
+from .expr import Operator, as_operator, parse
 
 COMMUTATIVE_REDUCERS = ("sum", "max", "min")
 
@@ -24,6 +24,12 @@ COMMUTATIVE_REDUCERS = ("sum", "max", "min")
 #: permutation of the axis, so invariance under both is invariance under all.
 CHECK_EXTENT = 3
 OTHER_EXTENT = 2
+#: Axes that share no access with the axis under the check cannot change what permuting it
+#: does, so they get extent 1: the check evaluates CHECK_EXTENT * OTHER_EXTENT**s points, s the
+#: number of axes sharing an access with it. That count is bounded, so the work per axis is
+#: bounded and the work per expression grows linearly with its axes; beyond the bound the
+#: expression is refused (RuleError) rather than checked for hours.
+MAX_SHARING_AXES = 8
 
 #: Permutations of ``n`` positions, as the position each position gathers from.
 PERMUTATIONS: dict[str, Callable[[int], tuple[int, ...]]] = {
@@ -161,12 +167,24 @@ def _structural(op: Operator, axis: str) -> AxisRule:
 # be gathered by a mere relabelling of k and pass, although no kernel gathers micro-tiles along
 # such a dimension. With it the rotation moves every read of that dimension one position on.
 
-_Gather = dict[tuple[int, int], tuple[int, tuple[int, ...]]]  # (access, dim) -> (low, positions)
+#: (access, dim) -> (low, number of positions, permutation kind): the permutation is applied
+#: position by position (:func:`_moved`), never spelled out, so that a dimension reached through
+#: a huge coefficient (``A[1000000000*m+k]``) costs no memory.
+_Gather = dict[tuple[int, int], tuple[int, int, str]]
+
+
+def _moved(kind: str, p: int, n: int) -> int:
+    """Where position ``p`` of ``n`` gathers from under PERMUTATIONS[kind]."""
+    if kind == "rotation":
+        return (p + 1) % n
+    return 1 - p if p < 2 else p
 
 
 def _affine(e: sympy.Expr, axes: tuple[str, ...]) -> tuple[int, tuple[int, ...]]:
-    syms = [sympy.Symbol(a, integer=True) for a in axes]
-    return int(e.subs({s: 0 for s in syms})), tuple(int(e.coeff(s)) for s in syms)
+    """(constant, coefficient of each axis) of the affine index ``e``."""
+    terms = {(t.name if isinstance(t, sympy.Symbol) else ""): int(c)
+             for t, c in e.as_coefficients_dict().items()}
+    return terms.get("", 0), tuple(terms.get(a, 0) for a in axes)
 
 
 def _evaluate(op: Operator, extents: Mapping[str, int],
@@ -184,8 +202,8 @@ def _evaluate(op: Operator, extents: Mapping[str, int],
             for d, (const, coefs) in enumerate(dims[i]):
                 p = const + sum(c * v for c, v in zip(coefs, point))
                 if (i, d) in gather:
-                    low, positions = gather[i, d]
-                    p = low + positions[p - low]
+                    low, n, kind = gather[i, d]
+                    p = low + _moved(kind, p - low, n)
                 pos.append(p)
             key = (acc.tensor, tuple(pos))
             if key not in symbols:
@@ -210,13 +228,13 @@ def _gather(op: Operator, axis: str, extents: Mapping[str, int], kind: str) -> _
         for d in acc.dims_of(axis):
             e = acc.indices[d]
             if e == sym:
-                gather[i, d] = (0, PERMUTATIONS[kind](extents[axis]))
+                gather[i, d] = (0, extents[axis], kind)
                 continue
             const, coefs = _affine(e, op.axes)
             spans = [c * (extents[a] - 1) for c, a in zip(coefs, op.axes)]
             low = min(0, const + sum(min(0, s) for s in spans))
             high = const + sum(max(0, s) for s in spans) + 1  # one spare position
-            gather[i, d] = (low, PERMUTATIONS[kind](high - low + 1))
+            gather[i, d] = (low, high - low + 1, kind)
     return gather
 
 
@@ -228,10 +246,23 @@ def _csv(values: tuple[int, ...]) -> str:
     return ",".join(map(str, values))
 
 
+def _check_extents(op: Operator, axis: str) -> dict[str, int]:
+    """Extents of the symbolic check of ``axis``: CHECK_EXTENT for it, OTHER_EXTENT for the
+    axes sharing an access with it, 1 for the rest; RuleError past MAX_SHARING_AXES."""
+    sharing = {a for acc in op.accesses_of(axis) for a in acc.axes} - {axis}
+    if len(sharing) > MAX_SHARING_AXES:
+        raise RuleError(
+            f"axis {axis} of {op.text!r} shares an access with {len(sharing)} other axes; the "
+            f"symbolic check of the PIT rules handles at most {MAX_SHARING_AXES} "
+            f"({CHECK_EXTENT}*{OTHER_EXTENT}^{MAX_SHARING_AXES} points): give the tensors fewer "
+            f"dimensions (merge axes that are always used together)")
+    return {a: CHECK_EXTENT if a == axis else OTHER_EXTENT if a in sharing else 1
+            for a in op.axes}
+
+
 def _symbolic(op: Operator, axis: str) -> tuple[bool, str]:
     """Evaluate ``op`` with ``axis`` permuted; (invariant?, what was observed)."""
-    extents = {a: OTHER_EXTENT for a in op.axes}
-    extents[axis] = CHECK_EXTENT
+    extents = _check_extents(op, axis)
     base = _evaluate(op, extents, {})
     out_dim = op.output.axes.index(axis) if axis in op.output.axes else None
     out = op.output.tensor
@@ -250,8 +281,8 @@ def _symbolic(op: Operator, axis: str) -> tuple[bool, str]:
         seen.append(shown)
     effect = (f"{out} permuted the same way along {axis}" if out_dim is not None
               else f"{out} unchanged")
-    return True, (f"{' and '.join(seen)} (extent {CHECK_EXTENT}, other axes {OTHER_EXTENT}) "
-                  f"leave {effect}")
+    return True, (f"{' and '.join(seen)} (extent {CHECK_EXTENT}, axes sharing an access "
+                  f"{OTHER_EXTENT}, others 1) leave {effect}")
 
 
 def _rule(op: Operator, axis: str) -> AxisRule:
@@ -270,7 +301,7 @@ def analyse(op: Operator | str) -> Rules:
     """Derive the PIT rule of every loop axis of ``op``, each confirmed by symbolic evaluation.
     Remembered per expression text: the symbolic checks run once per process, however many
     plans, operators and calls ask (so the result is shared: read it, never mutate it)."""
-    return _analyse(op if isinstance(op, str) else op.text)
+    return _analyse(as_operator(op).text)
 
 
 @cache.lru("rules.analyse", maxsize=1024)

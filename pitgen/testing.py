@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
@@ -369,10 +370,47 @@ def _first(bad: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
-def assert_close(actual: Any, expected: Any, dtype: Any, *, tol: float | None = None,
-                 magnitude: Any = None, k: int = 1, what: str = "output") -> None:
+#: The element-wise bound of a product's output (``assert_close(..., scale=)``):
+#: ``|actual - expected| <= E_OUT * |expected| + E_ACC * scale + SMALLEST_NORMAL``. E_OUT is the
+#: output type's rounding (two ulps of slack), E_ACC what the accumulation and any rounded
+#: operand (tf32) add per unit of ``scale``, the root-sum-square of the summed terms
+#: (:func:`term_scale`): random rounding grows with it, about six of its standard deviations.
+E_OUT: dict[str, float] = {"float64": 2.0**-50, "float32": 2.0**-22, "tf32": 2.0**-22,
+                           "float16": 2.0**-10, "bfloat16": 2.0**-7}
+E_ACC: dict[str, float] = {"float64": 2.0**-44, "float32": 2.0**-12, "tf32": 2.0**-8,
+                           "float16": 2.0**-10, "bfloat16": 2.0**-10}
+#: Smallest normal of each output type: the absolute floor (an exact zero may come back as a
+#: flushed denormal).
+SMALLEST_NORMAL: dict[str, float] = {"float64": float(np.finfo(np.float64).tiny),
+                                     "float32": float(np.finfo(np.float32).tiny),
+                                     "tf32": float(np.finfo(np.float32).tiny),
+                                     "float16": float(np.finfo(np.float16).tiny),
+                                     "bfloat16": 2.0**-126}
+
+
+def term_scale(reference: Any, *operands: Any) -> np.ndarray:
+    """``scale`` for :func:`assert_close` of a product: ``sqrt(reference(A*A, B*B, ...))``, the
+    root-sum-square of the terms each output sums, for a ``reference`` that is linear in each
+    operand (matmul, SpMM, SDDMM: each term a product of one element of each operand)."""
+    return np.sqrt(np.abs(_numpy(reference(*(_numpy(x).astype(np.float64) ** 2
+                                             for x in operands)))))
+
+
+def assert_close(actual: Any, expected: Any, dtype: Any, *, scale: Any = None,
+                 e_out: float | None = None, e_acc: float | None = None,
+                 tol: float | None = None, magnitude: Any = None, k: int = 1,
+                 what: str = "output") -> None:
     """Assert that ``actual`` (a torch tensor or NumPy array, from a kernel computing in
-    ``dtype``: a name of TOLERANCES, a torch or NumPy dtype) matches the float64 ``expected``:
+    ``dtype``: a name of TOLERANCES, a torch or NumPy dtype) matches the float64 ``expected``.
+
+    Same shape, no NaN and no infinity always (an unwritten, :func:`poison` ed element never
+    passes); integer and bool dtypes exactly. With ``scale`` (a product's outputs: the
+    magnitude of the terms each output sums, :func:`term_scale`; ``|A|·|B|``, which is larger,
+    also works and is looser), every element on its own:
+    ``|actual - expected| <= e_out * |expected| + e_acc * scale + smallest normal``
+    (E_OUT, E_ACC and SMALLEST_NORMAL of the dtype by default): a single dropped term or wrong
+    element fails, however many right ones surround it. Without ``scale``
+    (operators that are not a plain product):
 
     - the same shape, and no NaN: an unwritten (:func:`poison` ed) element or a bad read never
       passes; no infinity either;
@@ -389,19 +427,16 @@ def assert_close(actual: Any, expected: Any, dtype: Any, *, tol: float | None = 
     bound = _tolerance(name) if tol is None else float(tol)
     got, ref = _numpy(actual), _numpy(expected)
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != reference shape {ref.shape}"
+    if scale is not None and bound != 0.0:
+        _assert_within(got, ref, name, _numpy(scale), e_out, e_acc, what)
+        return
     if bound == 0.0:
         bad = got != ref
         assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} elements differ, first at "
                                f"{_first(bad)}: {got[bad][0]!r} != {ref[bad][0]!r}")
         return
     got, ref = got.astype(np.float64), ref.astype(np.float64)
-    if not np.isfinite(ref).all():
-        raise ValueError(f"{what}: the reference is not finite at {_first(~np.isfinite(ref))}")
-    nan = np.isnan(got)
-    assert not nan.any(), (f"{what}: {int(nan.sum())} of {nan.size} elements are NaN, first at "
-                           f"{_first(nan)}: unwritten (poisoned) or a bad read")
-    inf = np.isinf(got)
-    assert not inf.any(), f"{what}: {int(inf.sum())} infinite elements, first at {_first(inf)}"
+    _finite(got, ref, what)
     floor = np.zeros_like(ref)
     scale = float(np.linalg.norm(ref))
     if magnitude is not None:
@@ -424,6 +459,46 @@ def assert_close(actual: Any, expected: Any, dtype: Any, *, tol: float | None = 
             f"{what}: {int(bad.sum())} of {bad.size} elements off by more than the {name} bound, "
             f"worst at {tuple(int(i) for i in worst)}: {got[worst]!r} vs {ref[worst]!r} "
             f"(bound {limit[worst]:.3g})")
+
+
+def _finite(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    if not np.isfinite(ref).all():
+        raise ValueError(f"{what}: the reference is not finite at {_first(~np.isfinite(ref))}")
+    nan = np.isnan(got)
+    assert not nan.any(), (f"{what}: {int(nan.sum())} of {nan.size} elements are NaN, first at "
+                           f"{_first(nan)}: unwritten (poisoned) or a bad read")
+    inf = np.isinf(got)
+    assert not inf.any(), f"{what}: {int(inf.sum())} infinite elements, first at {_first(inf)}"
+
+
+def _assert_within(got: np.ndarray, ref: np.ndarray, name: str, scale: np.ndarray,
+                   e_out: float | None, e_acc: float | None, what: str) -> None:
+    """The element-wise bound of :func:`assert_close` with ``scale``."""
+    if name not in E_OUT:
+        raise ValueError(f"no element-wise bound for dtype {name!r}: one of {', '.join(E_OUT)}")
+    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    scale = np.abs(np.broadcast_to(scale.astype(np.float64), ref.shape))
+    _finite(got, ref, what)
+    limit = ((E_OUT[name] if e_out is None else e_out) * np.abs(ref)
+             + (E_ACC[name] if e_acc is None else e_acc) * scale + SMALLEST_NORMAL[name])
+    excess = np.abs(got - ref) - limit
+    bad = excess > 0
+    if bad.any():
+        worst = np.unravel_index(int(np.argmax(excess)), ref.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.size} elements beyond the {name} bound, worst at "
+            f"{tuple(int(i) for i in worst)}: {got[worst]!r} vs {ref[worst]!r} (bound "
+            f"{limit[worst]:.3g}, scale {scale[worst]:.3g})")
+
+
+#: Examples per GPU Hypothesis test under the ``thorough`` profile (PITGEN_HYPOTHESIS=thorough).
+THOROUGH_EXAMPLES = 2000
+
+
+def examples(n: int) -> int:
+    """``max_examples`` of a GPU property test: ``n`` (the fast profile), or at least
+    THOROUGH_EXAMPLES when ``PITGEN_HYPOTHESIS=thorough`` selects the thorough profile."""
+    return max(n, THOROUGH_EXAMPLES) if os.environ.get("PITGEN_HYPOTHESIS") == "thorough" else n
 
 
 def poison(t: Array) -> Array:

@@ -1,9 +1,11 @@
 """Test-suite setup.
 
-- Hypothesis: no deadline (sympy's first calls are slow), few examples so that the suite stays
-  fast on small CI machines.
+- Hypothesis: no deadline (sympy's first calls are slow), few derandomized examples so that the
+  suite stays fast and repeatable on small CI machines; ``PITGEN_HYPOTHESIS=thorough`` selects
+  the thorough profile (2000 examples per GPU property test, for a lent GPU).
 - The compile cache: ``$PITGEN_CACHE`` when set, else pytest's cache folder (cold in a fresh CI
-  clone, warm on local reruns), never the user's ``~/.cache/pitgen``.
+  clone, warm on local reruns), never the user's ``~/.cache/pitgen``: the compile workers are
+  handed that folder explicitly, whatever a test does to the environment meanwhile.
 - nvcc tests (marker ``nvcc``) skip with the reason where nvcc is missing, and run last: each of
   their modules may define ``nvcc_jobs(pool)``, which submits its compiles to one background
   pool of os.cpu_count() worker processes right after collection, so that nvcc runs while the
@@ -24,8 +26,13 @@ from typing import Any, Callable
 import pytest
 from hypothesis import settings
 
-settings.register_profile("ci", deadline=None, max_examples=30)
-settings.load_profile("ci")
+# The fast profile: derandomized (the same examples every run) and printing the blob that
+# reproduces a failure; PITGEN_HYPOTHESIS=thorough: fresh random examples, >= 2000 per GPU
+# property test (pitgen.testing.examples), the seed printed on failure.
+settings.register_profile("ci", deadline=None, max_examples=30, derandomize=True,
+                          print_blob=True)
+settings.register_profile("thorough", deadline=None, max_examples=2000, print_blob=True)
+settings.load_profile(os.environ.get("PITGEN_HYPOTHESIS") or "ci")
 
 
 class NvccPool:
@@ -50,7 +57,9 @@ class NvccPool:
         if key not in self._jobs:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(os.cpu_count() or 2,
-                                                 mp_context=multiprocessing.get_context("spawn"))
+                                                 mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_use_cache,
+                                                 initargs=(os.environ["PITGEN_CACHE"],))
             self._jobs[key] = self._pool.submit(fn, *args)
         return self._jobs[key]
 
@@ -59,6 +68,11 @@ class NvccPool:
             self._pool.shutdown(cancel_futures=True)
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def _use_cache(folder: str) -> None:
+    """A compile worker's start: the session's cache folder, never the user's default."""
+    os.environ["PITGEN_CACHE"] = folder
 
 
 _POOL = NvccPool()

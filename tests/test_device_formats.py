@@ -3,7 +3,9 @@ validation before anything reaches the GPU, the hyb bucket-order rules that the 
 reproduces, template rendering, and nvcc compilation of the variants for sm_80 and sm_90."""
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,15 @@ from pitgen.graph.kernels import (GROUPS, HYB_WIDTHS, SPMM_CUT, SPMM_PACKS, SPMM
                                   GRAPH_SDDMM, SPMM, default_schedule, schedule_space)
 from pitgen.graph.device import hyb_atomic
 from pitgen.render import render_template
+
+
+@pytest.fixture(autouse=True)
+def _temporary_compile_cache():
+    """Compiles here must never land in the user's ~/.cache/pitgen (conftest sets a temporary
+    PITGEN_CACHE; this says so if it ever does not)."""
+    folder = os.environ.get("PITGEN_CACHE", "")
+    assert folder and Path(folder).resolve() != (Path.home() / ".cache" / "pitgen").resolve()
+
 
 # -- planning ---------------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", nan_like)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=T.examples(15), deadline=None)
 @given(b=st.integers(1, 2), h=st.integers(1, 3), sq=st.sampled_from([1, 17, 64, 100, 193]),
        sk=st.sampled_from([1, 40, 64, 130, 256]), d=st.sampled_from([64, 128]),
        dtype=st.sampled_from(["float16", "bfloat16"]), pattern=st.sampled_from(PATTERNS),

@@ -22,7 +22,7 @@ DTYPES = ("float32", "float16")
 LAYOUTS = [("csr", {}), ("ell", {}), ("bsr", {"block": 8}), ("bsr", {"block": 16}),
            ("hyb", {"c": 1, "k": 2}), ("hyb", {"c": 3, "k": 3}), ("hyb", {"c": 1, "k": 0})]
 FEATS = (32, 33, 64, 130)
-GPU_SETTINGS = settings(max_examples=10, deadline=None)
+GPU_SETTINGS = settings(max_examples=T.examples(10), deadline=None)
 
 
 #: every kind of CSR: empty rows, a dense row, long rows (cut by hyb), power-law rows, one

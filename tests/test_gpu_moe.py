@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from pitgen import testing as T
 from hypothesis import given, settings, strategies as st
 
 import pitgen
@@ -59,7 +61,7 @@ def _layer(rng, T, topk, E, H, F, dtype, bias, routing, id_dtype="int64"):
     return (tx, tids, tg, tw1, tw2, tb1, tb2), (f64(tx), ids, gates, f64(tw1), f64(tw2), f64(tb1), f64(tb2))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=T.examples(15), deadline=None)
 @given(T=st.sampled_from([1, 7, 64, 97, 300, 1029]), topk=st.sampled_from([1, 2]),
        E=st.sampled_from([1, 3, 8, 33]), H=st.sampled_from([8, 40, 128, 264]),
        F=st.sampled_from([8, 56, 256, 392]), dtype=st.sampled_from(["float16", "bfloat16"]),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from pitgen import testing as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,7 +60,7 @@ def operands(rng, M, N, D, dtype, transposed_views: bool):
     return q, k
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=T.examples(15), deadline=None)
 @given(tile=st.sampled_from(TILES), dtype=st.sampled_from(DTYPES),
        M=st.integers(1, 150), N=st.integers(1, 150), D=st.integers(1, 100),
        pattern=st.sampled_from(PATTERNS), views=st.booleans(), seed=st.integers(0, 2**31))
@@ -93,7 +95,7 @@ def test_compact_tiles_match_reference(tile, dtype, M, N, D, pattern, views, see
     check(dense, sddmm_reference(qn, kn, mask_np, 0.5), dtype)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=T.examples(15), deadline=None)
 @given(tile=st.sampled_from(TILES), dtype=st.sampled_from(DTYPES),
        M=st.integers(1, 200), N=st.integers(1, 200), D=st.integers(1, 130),
        pattern=st.sampled_from(PATTERNS), views=st.booleans(), seed=st.integers(0, 2**31))

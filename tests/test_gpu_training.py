@@ -4,6 +4,8 @@ optimizer steps with a new mask each step, and state_dict round trips with nn.Li
 from __future__ import annotations
 
 import pytest
+
+from pitgen import testing as T
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -56,7 +58,7 @@ def reference(x, w, b, mask, dy):
     return (y.detach(), x64.grad, w64.grad, b64.grad if b64 is not None else None), mags
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=T.examples(12), deadline=None)
 @given(dtype=st.sampled_from(sorted(TOL)), batch=st.integers(1, 160), in_f=st.integers(8, 130),
        out_f=st.integers(1, 140), kind=st.sampled_from(["micro", "random", "empty", "full"]),
        bias=st.booleans(), tile=st.sampled_from([(32, 1), (1, 32), (32, 32)]),
@@ -85,7 +87,7 @@ def test_sparse_weight_linear_forward_and_gradients(dtype, batch, in_f, out_f, k
         check(b.grad, db64, dtype)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=T.examples(10), deadline=None)
 @given(dtype=st.sampled_from(sorted(TOL)), batch=st.integers(1, 200), in_f=st.integers(8, 130),
        out_f=st.integers(1, 100), zeros=st.sampled_from(["relu", "tokens", "features", "none"]),
        bias=st.booleans(), seed=st.integers(0, 2**31))

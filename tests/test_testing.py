@@ -305,3 +305,68 @@ def test_import_needs_neither_hypothesis_nor_torch():
 def test_references_are_reexported():
     from pitgen import reference
     assert T.reference is reference and callable(T.reference.attention_reference)
+
+
+# -- the element-wise bound of a product (scale=) ---------------------------------------------------
+
+def _tf32(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to tf32 (10 mantissa bits), as tensor cores read it."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _kernel(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
+    """What a sparse GEMM kernel returns: operands as the tensor cores read them, products
+    accumulated in float32 over k-tiles of 32, the result rounded to the output type."""
+    if dtype == "tf32":
+        a, b = _tf32(a), _tf32(b)
+    acc = np.zeros((a.shape[0], b.shape[1]), np.float32)
+    for k0 in range(0, a.shape[1], 32):
+        acc += a[:, k0:k0 + 32].astype(np.float32) @ b[k0:k0 + 32].astype(np.float32)
+    return acc.astype(np.float16) if dtype == "float16" else acc
+
+
+@pytest.mark.parametrize("dtype", ["float16", "tf32"])
+@pytest.mark.parametrize("M, N, K, density", [(64, 64, 64, 1.0), (96, 48, 1024, 0.3),
+                                              (32, 128, 4096, 0.1), (40, 24, 8, 1.0)])
+def test_scaled_bound_passes_rounding_and_fails_one_dropped_term(dtype, M, N, K, density):
+    rng = np.random.default_rng(M * N + K)
+    store = np.float16 if dtype == "float16" else np.float32
+    a = (rng.standard_normal((M, K)) * (rng.random((M, K)) < density)).astype(store)
+    b = rng.standard_normal((K, N)).astype(store)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    scale = T.term_scale(lambda x, y: x @ y, a, b)
+    T.assert_close(_kernel(a, b, dtype), ref, dtype, scale=scale)   # rounding passes
+    nz = np.argwhere(a != 0)
+    mags = np.abs(a[a != 0].astype(np.float64))
+    i, k = nz[np.argsort(mags)[len(mags) // 2]]                      # a typical non-zero
+    dropped = a.copy()
+    dropped[i, k] = 0
+    with pytest.raises(AssertionError, match="beyond the"):
+        T.assert_close(_kernel(dropped, b, dtype), ref, dtype, scale=scale)
+    wrong = _kernel(a, b, dtype).astype(np.float64)
+    wrong[M // 2, N // 2] += 0.01 * np.sqrt(K) * max(1e-3, np.abs(ref).mean() / np.sqrt(K))
+    with pytest.raises(AssertionError, match="1 of"):
+        T.assert_close(wrong, ref, dtype, scale=scale)
+
+
+def test_the_norm_bound_alone_misses_a_dropped_term_that_scale_catches():
+    """Why the GPU product tests pass scale=: the relative-norm bound lets one dropped term of
+    a large product through."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((256, 512)).astype(np.float16)
+    b = rng.standard_normal((512, 256)).astype(np.float16)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    dropped = a.copy()
+    dropped[7, 11] = 0
+    got = _kernel(dropped, b, "float16")
+    T.assert_close(got, ref, "float16")                              # the norm bound passes it
+    with pytest.raises(AssertionError):
+        T.assert_close(got, ref, "float16", scale=T.term_scale(lambda x, y: x @ y, a, b))
+
+
+def test_scaled_bound_refuses_nan_and_takes_zero_outputs():
+    ref = np.zeros((4, 4))
+    T.assert_close(np.zeros((4, 4), np.float16), ref, "float16", scale=np.zeros((4, 4)))
+    with pytest.raises(AssertionError, match="NaN"):
+        T.assert_close(T.poison(np.zeros((4, 4), np.float32)), ref, "float32", scale=ref)

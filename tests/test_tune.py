@@ -250,7 +250,8 @@ def test_cache_round_trip(tune_cache):
     assert T.lookup(st, "spmm", 64, "float16", formats=["csr"], device=res.device) is None
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_key", "missing_field"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_key", "missing_field",
+                                    "unknown_format", "nan_time", "infinite_time", "text_time"])
 def test_broken_cache_entry_is_ignored_with_a_warning(tune_cache, damage):
     res = _result()
     key = T.tune_key("spmm", 64, "float16", res.device, stats(), T.FORMATS)
@@ -264,8 +265,13 @@ def test_broken_cache_entry_is_ignored_with_a_warning(tune_cache, damage):
     elif damage == "wrong_key":
         doc["key"]["feat"] = 128
         path.write_text(json.dumps(doc))
-    else:
+    elif damage == "missing_field":
         del doc["result"]["schedule"]
+        path.write_text(json.dumps(doc))
+    else:
+        field, value = {"unknown_format": ("fmt", "coo"), "nan_time": ("ms", float("nan")),
+                        "infinite_time": ("ms", float("inf")), "text_time": ("ms", "fast")}[damage]
+        doc["result"][field] = value
         path.write_text(json.dumps(doc))
     with pytest.warns(UserWarning, match="ignoring broken entry"):
         assert T.load(key) is None
@@ -391,3 +397,35 @@ def test_make_graphs_unique_matches_numpy():
     x = np.random.default_rng(1).integers(0, 1000, 5000)
     assert np.array_equal(_unique(x), np.unique(x))
     assert _unique(np.zeros(0, np.int64)).size == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
+def test_an_unusable_time_never_wins_and_is_never_cached(tune_cache, bad):
+    clock = FakeClock()
+    measure = fake_measure(clock, lambda c: bad if c.fmt == "hyb" else 2.0 if c.fmt == "csr" else 3.0)
+    trials = T.Search(space(), measure, budget_s=100, clock=clock).run()
+    broken = [t for t in trials if t.fmt == "hyb"]
+    assert broken and all(t.status == "failed" and "unusable time" in t.reason for t in broken)
+    res = T.result_of(space(), trials, 1.0, "fake")
+    assert res.fmt == "csr" and res.ms == 2.0
+    nan_result = dataclasses.replace(res, ms=bad)
+    key = T.tune_key("spmm", 64, "float16", "fake", stats(), T.FORMATS)
+    with pytest.warns(RuntimeWarning, match="not storing"):
+        assert T.store(key, nan_result) is None
+    assert not tune_cache.exists() or not list(tune_cache.iterdir())
+
+
+def test_an_unusable_tune_cache_is_skipped_with_a_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PITGEN_TUNE_CACHE", str(blocker / "tune"))
+    key = T.tune_key("spmm", 64, "float16", "fake", stats(), T.FORMATS)
+    with pytest.warns(RuntimeWarning, match="searching without it"):
+        assert T.load(key) is None
+    with pytest.warns(RuntimeWarning, match="cannot store"):
+        assert T.store(key, _result()) is None
+
+
+def test_cli_tune_refuses_a_nan_budget(capsys):
+    assert main(["tune", "synthetic:cora", "--budget", "nan"]) == 2
+    assert "finite" in capsys.readouterr().err

@@ -8,18 +8,24 @@ pattern-only CSR (``data=None``) counts as all ones.
 """
 from __future__ import annotations
 
+import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import ShapeError
+from .. import checks
+from ..errors import DependencyError, FileError, PitgenError, ShapeError
+from ..limits import INT64_MAX
 
 __all__ = ["CSR", "Relational", "ELL", "BSR", "Hyb", "HybBucket", "load_graph", "index_dtype",
            "FORMATS", "BSR_BLOCKS", "SPMM_EXPR", "SDDMM_EXPR", "RGCN_EXPR"]
 
 FORMATS = ("csr", "ell", "bsr", "hyb")
+#: hyb's widest bucket is 2**k slots: an int32 width.
+HYB_MAX_K = 30
 BSR_BLOCKS = (8, 16, 32)
 #: The graph operators: SpMM (aggregate neighbours) and SDDMM (a value per edge).
 SPMM_EXPR = "Y[i,f] += A[i,j] * X[j,f]"
@@ -30,7 +36,19 @@ RGCN_EXPR = "Y[i,f] += A[r,i,j] * X[j,g] * W[r,g,f]"
 
 def index_dtype(*extents: int) -> np.dtype:
     """int32 when every extent fits (what kernels want), else int64."""
-    return np.dtype(np.int32) if max(extents, default=0) < 2**31 else np.dtype(np.int64)
+    sizes = [checks.integer(n, "extent", minimum=0) for n in extents]
+    return np.dtype(np.int32) if max(sizes, default=0) < 2**31 else np.dtype(np.int64)
+
+
+def _index_array(value: Any, what: str) -> np.ndarray:
+    """A CSR index array; unsigned integers become int64 (kernels index with signed types)
+    when their values fit."""
+    a = checks.numeric_array(value, f"CSR {what}")
+    if a.dtype.kind == "u":
+        if a.size and int(a.max()) > INT64_MAX:
+            raise ShapeError(f"CSR {what} holds {int(a.max())}, beyond int64")
+        a = a.astype(np.int64)
+    return a
 
 
 def _row_of(indptr: np.ndarray, pos: int) -> int:
@@ -50,11 +68,11 @@ class CSR:
     data: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        object.__setattr__(self, "indptr", np.asarray(self.indptr))
-        object.__setattr__(self, "indices", np.asarray(self.indices))
+        object.__setattr__(self, "shape", checks.extents(self.shape, "CSR shape", 2, minimum=0))
+        object.__setattr__(self, "indptr", _index_array(self.indptr, "indptr"))
+        object.__setattr__(self, "indices", _index_array(self.indices, "indices"))
         if self.data is not None:
-            object.__setattr__(self, "data", np.asarray(self.data))
+            object.__setattr__(self, "data", checks.numeric_array(self.data, "CSR data"))
         self.validate()
 
     @property
@@ -110,7 +128,7 @@ class CSR:
     @classmethod
     def from_dense(cls, mask_or_array: Any) -> CSR:
         """Non-zeros of a 2-D array in row-major order; a bool mask gives a pattern-only CSR."""
-        a = np.asarray(mask_or_array)
+        a = checks.numeric_array(mask_or_array, "from_dense's array")
         if a.ndim != 2:
             raise ShapeError(f"from_dense needs a 2-D array, got shape {a.shape}")
         rows, cols = np.nonzero(a)
@@ -123,6 +141,9 @@ class CSR:
     @classmethod
     def from_scipy(cls, m: Any) -> CSR:
         """Any scipy sparse matrix or array (via ``.tocsr()``), duplicates summed, rows sorted."""
+        if not hasattr(m, "tocsr"):
+            raise ShapeError(f"from_scipy needs a scipy sparse matrix or array, got "
+                             f"{type(m).__name__}")
         m = m.tocsr(copy=True)
         m.sum_duplicates()
         dt = index_dtype(m.shape[1], m.nnz)
@@ -258,19 +279,45 @@ class Relational:
 
 def load_graph(path: str | Path) -> CSR:
     """Read a graph written by pitgen.graphs: scipy's save_npz or a plain np.savez
-    with indptr/indices/shape (and optionally data); validated like every CSR."""
-    with np.load(path, allow_pickle=False) as f:
-        keys = set(f.files)
-        if "format" in keys and f["format"].item() not in (b"csr", "csr"):
-            import scipy.sparse
-            return CSR.from_scipy(scipy.sparse.load_npz(path))
-        missing = {"indptr", "indices", "shape"} - keys
-        if missing:
-            raise ShapeError(f"{path}: not a CSR .npz, missing {sorted(missing)}")
-        indptr, indices = f["indptr"], f["indices"]
-        dt = np.promote_types(indptr.dtype, indices.dtype)
-        data = f["data"] if "data" in keys else None
-        return CSR(tuple(f["shape"]), indptr.astype(dt), indices.astype(dt), data)
+    with indptr/indices/shape (and optionally data); validated like every CSR. An unreadable
+    or foreign file is a :class:`FileError`; scipy's other formats need scipy
+    (:class:`DependencyError` without it)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise FileError(f"graph path must be a string or a path, got {type(path).__name__}")
+    try:
+        f = np.load(path, allow_pickle=False)
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise FileError(f"cannot read graph {str(path)!r}: a single .npy array, not a "
+                            f".npz graph")
+        with f:
+            keys = set(f.files)
+            if "format" in keys and f["format"].item() not in (b"csr", "csr"):
+                return CSR.from_scipy(_scipy_sparse(path).load_npz(path))
+            missing = {"indptr", "indices", "shape"} - keys
+            if missing:
+                raise FileError(f"cannot read graph {str(path)!r}: not a CSR .npz, missing "
+                                f"{sorted(missing)}")
+            indptr, indices = _index_array(f["indptr"], "indptr"), _index_array(f["indices"], "indices")
+            dt = np.promote_types(indptr.dtype, indices.dtype)
+            data = f["data"] if "data" in keys else None
+            return CSR(tuple(f["shape"]), indptr.astype(dt), indices.astype(dt), data)
+    except OSError as e:
+        raise FileError(f"cannot read graph {str(path)!r}: {e.strerror or e}") from None
+    except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        if isinstance(e, PitgenError):
+            raise
+        raise FileError(f"cannot read graph {str(path)!r}: not a graph .npz "
+                        f"({type(e).__name__}: {e})") from None
+
+
+def _scipy_sparse(path: str | os.PathLike) -> Any:
+    """scipy.sparse, which reading scipy's own .npz formats needs."""
+    try:
+        import scipy.sparse
+    except ImportError:
+        raise DependencyError(f"{path} is in scipy's sparse format, which needs scipy: "
+                              f"pip install 'pitgen[graphs]'") from None
+    return scipy.sparse
 
 
 def check_dense_operand(name: str, x: np.ndarray, rows: int) -> np.ndarray:
@@ -296,7 +343,8 @@ class ELL:
         """Width None takes the longest row; a fixed width refuses rows that do not fit."""
         lengths = csr.row_lengths()
         longest = int(lengths.max(initial=0))
-        w = longest if width is None else int(width)
+        w = longest if width is None else checks.integer(width, "ELL width", minimum=0)
+        checks.allocation(csr.shape[0] * w, csr.indices.dtype.itemsize + 8, f"ELL of width {w}")
         if longest > w:
             row = int(np.flatnonzero(lengths > w)[0])
             raise ShapeError(f"ELL width {w} too small: row {row} has {lengths[row]} non-zeros")
@@ -338,12 +386,11 @@ class BSR:
 
     @classmethod
     def from_csr(cls, csr: CSR, block: int) -> BSR:
-        b = int(block)
-        if b < 1:
-            raise ShapeError(f"BSR block size must be >= 1, got {block}")
+        b = checks.integer(block, "BSR block size", maximum=2**31 - 1)
         nbr, nbc = -(-csr.shape[0] // b), -(-csr.shape[1] // b)
         rows, cols = csr.row_ids().astype(np.int64), csr.indices.astype(np.int64)
         keys, which = np.unique((rows // b) * nbc + cols // b, return_inverse=True)
+        checks.allocation(keys.size * b * b, 9, f"BSR with {keys.size} blocks of {b}x{b}")
         dt = index_dtype(nbc, keys.size)
         indptr = np.zeros(nbr + 1, dt)
         np.cumsum(np.bincount(keys // nbc, minlength=nbr), out=indptr[1:])
@@ -392,9 +439,10 @@ class Hyb:
 
     @classmethod
     def from_csr(cls, csr: CSR, c: int, k: int) -> Hyb:
-        if c < 1 or k < 0:
-            raise ShapeError(f"hyb needs c >= 1 and k >= 0, got c={c}, k={k}")
+        c = checks.integer(c, "hyb's c (column parts)", maximum=2**31 - 1)
+        k = checks.integer(k, "hyb's k (widest bucket 2**k)", minimum=0, maximum=HYB_MAX_K)
         n_rows = csr.shape[0]
+        checks.allocation(n_rows * c, 24, f"hyb({c}, {k}) of {n_rows} rows")
         cap = 1 << k
         hyb = cls(csr.shape, c, k, [])
         rows = csr.row_ids().astype(np.int64)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import cache
-from ..errors import PitgenError, PlanError
+from ..errors import FileError, PitgenError, PlanError
 from . import kernels as graph_ops
 from .device import DeviceCSR, to_format
 from .formats import BSR_BLOCKS, FORMATS
@@ -106,12 +106,17 @@ def tune_key(op: str, feat: int, dtype: str, device: str, stats: GraphStats,
 
 
 def tune_cache_dir() -> Path:
-    """``$PITGEN_TUNE_CACHE`` or ``<pitgen cache>/tune``."""
+    """``$PITGEN_TUNE_CACHE`` or ``<pitgen cache>/tune``; :class:`FileError` when it cannot be
+    created."""
     root = os.environ.get("PITGEN_TUNE_CACHE")
     if not root:
         return cache.directory("tune")
     path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FileError(f"cannot use the tune cache {root!r} (PITGEN_TUNE_CACHE): "
+                        f"{e.strerror or e}") from None
     return path
 
 
@@ -260,7 +265,7 @@ class Search:
         self._seen: set[tuple[str, str, str]] = set()
 
     def _best(self, fmt: str | None = None) -> Trial | None:
-        ok = [t for t in self.trials if t.status == "ok" and (fmt is None or t.fmt == fmt)]
+        ok = [t for t in self.trials if _usable(t) and (fmt is None or t.fmt == fmt)]
         return min(ok, key=lambda t: t.ms) if ok else None
 
     def _ranked_formats(self) -> list[str]:
@@ -300,13 +305,27 @@ class Search:
             if why:
                 self.trials.append(Trial.of(cand, "skipped", reason=why))
                 continue
-            self.trials.append(self.measure(cand))
+            self.trials.append(_finite(self.measure(cand)))
             if self.progress is not None:
                 self.progress(self.trials[-1], self.clock() - t0)
         return self.trials
 
     def best(self) -> Trial | None:
         return self._best()
+
+
+def _usable(t: Trial) -> bool:
+    """A trial that may win: it ran, and measured a finite, positive time."""
+    return t.status == "ok" and isinstance(t.ms, (int, float)) and math.isfinite(t.ms) \
+        and t.ms > 0
+
+
+def _finite(t: Trial) -> Trial:
+    """``t``, or a failed trial when it ran but its time is NaN, infinite or not positive (a
+    broken clock or kernel must never win the search)."""
+    if t.status == "ok" and not _usable(t):
+        t.status, t.reason = "failed", f"measured an unusable time ({t.ms!r} ms)"
+    return t
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -360,8 +379,8 @@ class TuneResult:
 
 
 def result_of(space: Space, trials: list[Trial], search_s: float, device: str) -> TuneResult:
-    """The fastest successful trial; PlanError when every candidate failed."""
-    ok = [t for t in trials if t.status == "ok"]
+    """The fastest successful trial (a finite time); PlanError when every candidate failed."""
+    ok = [t for t in trials if _usable(t)]
     if not ok:
         why = "; ".join(f"{t.fmt}{t.params}: {t.reason}" for t in trials) or "no trial ran"
         raise PlanError(f"no format could run {space.op} (feat {space.feat}, {space.dtype}): {why}")
@@ -372,18 +391,50 @@ def result_of(space: Space, trials: list[Trial], search_s: float, device: str) -
                       sum(t.status != "skipped" for t in trials), trials)
 
 
-def store(key: Mapping[str, Any], result: TuneResult) -> Path:
-    """Write a result under its key (atomically: readers never see half a file)."""
-    path = cache_path(key)
+def store(key: Mapping[str, Any], result: TuneResult) -> Path | None:
+    """Write a result under its key (atomically: readers never see half a file). A result
+    whose time is not finite is never stored; an unwritable cache is warned about and skipped
+    (the result itself stands): None then."""
+    if _result_problem(result) is not None:
+        warnings.warn(f"pitgen tune cache: not storing a result that {_result_problem(result)}",
+                      RuntimeWarning, stacklevel=2)
+        return None
     doc = {"key": dict(key), "result": result.to_json()}
-    cache.atomic_write(path, json.dumps(doc, indent=1).encode())
+    try:
+        path = cache_path(key)
+        cache.atomic_write(path, json.dumps(doc, indent=1, allow_nan=False).encode())
+    except (OSError, FileError) as e:
+        warnings.warn(f"pitgen tune cache: cannot store the result: {e}", RuntimeWarning,
+                      stacklevel=2)
+        return None
     return path
+
+
+def _result_problem(r: TuneResult) -> str | None:
+    """Why a (cached) result cannot be trusted, or None."""
+    def finite(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+            and v > 0
+    if r.fmt not in FORMATS:
+        return f"names an unknown format {r.fmt!r}"
+    if not finite(r.ms):
+        return f"has time {r.ms!r} ms"
+    if r.csr_ms is not None and not finite(r.csr_ms):
+        return f"has a CSR time of {r.csr_ms!r} ms"
+    if not isinstance(r.params, dict) or not isinstance(r.schedule, dict):
+        return "lacks its parameters or schedule"
+    return None
 
 
 def load(key: Mapping[str, Any]) -> TuneResult | None:
     """The cached result for ``key``; None when absent. A broken or foreign file is ignored
     with a warning (it is overwritten by the next search)."""
-    path = cache_path(key)
+    try:
+        path = cache_path(key)
+    except FileError as e:
+        warnings.warn(f"pitgen tune cache: {e}; searching without it", RuntimeWarning,
+                      stacklevel=2)
+        return None
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -396,7 +447,10 @@ def load(key: Mapping[str, Any]) -> TuneResult | None:
         if doc["key"] != json.loads(json.dumps(dict(key))):
             raise ValueError("its key does not match")
         res = TuneResult.from_json(doc["result"])
-    except (ValueError, KeyError, TypeError) as e:
+        problem = _result_problem(res)
+        if problem is not None:
+            raise ValueError(f"its result {problem}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         warnings.warn(f"pitgen tune cache: ignoring broken entry {path}: {e}", stacklevel=2)
         return None
     res.from_cache = True
@@ -510,6 +564,8 @@ def tune(a: Any, op: str, feat: int, dtype: str, budget_s: float = 60,
     ``progress(trial, elapsed_s)`` hears of every measured trial as the search goes."""
     stats = _stats_of(a)
     space = make_space(stats, op, feat, dtype, formats)
+    if not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        raise PlanError(f"budget_s must be a positive finite number of seconds, got {budget_s!r}")
     t0 = time.perf_counter()
     trials = Search(space, _GpuMeasure(a, op, feat, dtype, repeats), budget_s,
                     progress=progress).run()

@@ -1,0 +1,81 @@
+"""Validation shared by the public functions: each checks its arguments here, up front, so that a
+bad value is a :class:`PitgenError` naming the argument rather than a NumPy or Python exception
+from deep inside (or an allocation the machine cannot make)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import PitgenError, ShapeError
+from .limits import INT64_MAX
+
+#: Array dtype kinds accepted as values or masks: bool, signed and unsigned integers, floats.
+NUMERIC_KINDS = "biuf"
+
+
+def integer(value: Any, what: str, *, minimum: int = 1, maximum: int = INT64_MAX,
+            error: type[PitgenError] = ShapeError) -> int:
+    """``value`` as an int in [minimum, maximum]: a float (even 64.0), a bool or a string is
+    refused rather than truncated or parsed."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise error(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    v = int(value)
+    if v < minimum or v > maximum:
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer of at least {minimum}")
+        raise error(f"{what} must be {kind} (at most {maximum}), got {v}")
+    return v
+
+
+def extents(value: Any, what: str, rank: int | None = None, *, minimum: int = 1,
+            error: type[PitgenError] = ShapeError) -> tuple[int, ...]:
+    """A shape: a sequence of ``rank`` integers each >= ``minimum``, with an int64 element
+    count."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise error(f"{what} must be a sequence of integers, got {value!r}")
+    out = tuple(integer(v, f"{what}[{i}]", minimum=minimum, error=error)
+                for i, v in enumerate(value))
+    if rank is not None and len(out) != rank:
+        raise error(f"{what} {out} must have {rank} extents, has {len(out)}")
+    count = 1
+    for n in out:
+        count *= n
+    if count > INT64_MAX:
+        raise error(f"{what} {out} has {count} elements, beyond int64")
+    return out
+
+
+def numeric_array(value: Any, what: str, *, kinds: str = NUMERIC_KINDS,
+                  error: type[PitgenError] = ShapeError) -> np.ndarray:
+    """``value`` as a NumPy array whose dtype is bool, integer or floating (``kinds``): strings,
+    dates, complex numbers, objects and structured records are refused, never cast."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor: not read here
+        raise error(f"{what} must be a NumPy array on the host, got a torch tensor")
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise error(f"{what} is not an array: {e}") from None
+    if a.dtype.kind not in kinds:
+        allowed = {"b": "bool", "i": "integer", "u": "unsigned integer", "f": "floating"}
+        names = ", ".join(allowed[k] for k in kinds)
+        raise error(f"{what} has dtype {a.dtype}; expected {names} values")
+    return a
+
+
+def memory_bytes() -> int:
+    """The machine's physical memory: no allocation pitgen makes may exceed it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no usable bound
+        return INT64_MAX
+
+
+def allocation(elements: int, itemsize: int, what: str,
+               error: type[PitgenError] = ShapeError) -> None:
+    """Refuse, before allocating, an array of ``elements`` that would not fit in memory."""
+    need = int(elements) * int(itemsize)
+    if need > memory_bytes():
+        raise error(f"{what} would need {need / 2**30:.3g} GiB ({elements} elements), more than "
+                    f"this machine's {memory_bytes() / 2**30:.3g} GiB of memory")
