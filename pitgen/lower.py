@@ -114,7 +114,7 @@ class IndexSpec:
     block_rows: int  # block extent along m' (block)
     block_cols: int  # block extent along k (block)
     id_contiguous: bool  # block: adjacent k adjacent in memory
-    vec: int = 1  # block: elements per 16-byte test (k contiguous, rows aligned), else 1
+    vec: int = 1  # block: elements per 16-byte test where the layout allows (checked at run time)
 
 
 @dataclass(frozen=True)
@@ -244,11 +244,9 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     elif kind == "block":
         bm, bk = tm, min(tk, 32 if dtype == "float32" else 64)
         block_list = True
-        vec = 16 // DTYPES[dtype]
-        wide = (layout.sa[1] == 1 and _vec(dtype, layout.K, layout.sa[0], layout.align_a) == vec
-                and tk % vec == 0)
+        vec = 16 // DTYPES[dtype]  # the kernel takes the 16-byte path when the layout allows
         index = IndexSpec("pit_build_index", "block", "warp", 0, False, tm, tk, layout.sa[1] == 1,
-                          vec if wide else 1)
+                          vec if tk % vec == 0 else 1)
     elif kind == "micro" and axis == f.k_axis:
         bm = tm
         a_mode = "packed"

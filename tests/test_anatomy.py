@@ -83,7 +83,7 @@ def test_every_gpu_operator_declares_the_anatomy():
     for spec in ops.values():
         assert (template_dir() / spec.template).is_file(), spec.name
         assert spec.kernels and spec.dtypes, spec.name
-        assert all(set(sig) <= set("PiqfdlL") for sig in spec.kernels.values()), spec.name
+        assert all(set(sig) <= set("PiqfdlLM") for sig in spec.kernels.values()), spec.name
         derived = spec.derive()
         assert list(derived) == [p.name for p in spec.permutes]
         assert all(derived.values()), spec.name
