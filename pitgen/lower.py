@@ -236,6 +236,13 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     kstep = 8 if dtype == "float32" else 16
     sm, sk = f.a_dims
     tm, tk = (shape[sm], shape[sk]) if shape else (0, 0)
+    # A micro-tile or block clipped to the operand spans all of M' (or all of K): there is one
+    # such tile along that dim, so the next extent the kernels have computes the same thing.
+    if kind in ("micro", "block"):
+        if 1 < tm >= layout.M:
+            tm = next((b for b in sorted(SCHEDULES) if b >= tm), tm)
+        if 1 < tk >= layout.K:
+            tk = -(-tk // kstep) * kstep
     index = None
     block_list, c_mode, a_mode = False, "direct", "box"
     bk = schedule.bk
@@ -303,6 +310,20 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     if arch in WGMMA_ARCHS and schedule == Schedule() and a_mode == "box":
         gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
+
+
+def lower_first(op: Operator, sparse: str, choices: list[tuple[str, str | None, tuple[int, ...]]],
+                dtype: str, layout: Layout, **options) -> tuple[int, ModuleSpec]:
+    """The first of ``choices`` ((kind, axis, shape), best first) that has a kernel on
+    ``layout``, with its position: an 'auto' plan falls back through its candidates (dense
+    last) instead of refusing. The first choice's PlanError when none has."""
+    first: PlanError | None = None
+    for i, (kind, axis, shape) in enumerate(choices):
+        try:
+            return i, lower(op, sparse, kind, axis, shape, dtype, layout, **options)
+        except PlanError as e:
+            first = first or e
+    raise first if first is not None else PlanError("no plan to lower")
 
 
 @dataclass(frozen=True)

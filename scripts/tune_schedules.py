@@ -58,7 +58,7 @@ def main():
         results = []
         for sch in grid:
             try:
-                L = Launcher(op, form, kind, axis, shape, "float16", ops, None, False, sch,
+                L = Launcher(op, form, [(kind, axis, shape)], "float16", ops, None, False, sch,
                              vendor_dense=False)
             except PlanError:  # the schedule does not fit this mode's tile
                 continue

@@ -303,3 +303,35 @@ def test_large_mask_plans_fast():
     plan = make_plan(MATMUL, "A", mask=mask)
     assert time.perf_counter() - start < 3.0
     assert (plan.choice.kind, plan.choice.shape) == ("micro", (32, 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(M=st.integers(1, 80), N=st.integers(1, 80), K=st.integers(1, 80),
+       dtype=st.sampled_from(["float16", "float32"]), arch=st.sampled_from(["sm_80", "sm_90"]),
+       gran=st.sampled_from(T.MASK_KINDS), density=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_auto_lowers_on_every_shape_and_mask(M, N, K, dtype, arch, gran, density, seed):
+    """What SparseKernel does with an 'auto' plan: its choice, then the other candidates (dense
+    among them) until lowering accepts one; decode-sized M, tiny K and empty operands included."""
+    from pitgen.lower import Layout, lower_first
+    op = parse("C[m,n] += A[m,k] * B[k,n]")
+    rng = np.random.default_rng(seed)
+    mask = T.granular_mask(rng, (M, K), gran, (32, 1), density)
+    plan = make_plan(op, "A", mask=mask)
+    order = [plan.choice] + [c for c in plan.candidates if c != plan.choice]
+    assert any(c.kind == "dense" for c in order)
+    lay = Layout(M, N, K, (K, 1), (N, 1), (N, 1), 2, 2, 2)
+    i, spec = lower_first(op, "A", [(c.kind, c.axis, c.shape) for c in order], dtype, lay,
+                          arch=arch)
+    assert spec.plan_kind == order[i].kind
+
+
+def test_clipped_micro_tiles_and_blocks_lower_to_the_next_kernel_extent():
+    from pitgen.lower import Layout, lower
+    op = parse("C[m,n] += A[m,k] * B[k,n]")
+    lay = Layout(15, 64, 8, (8, 1), (64, 1), (64, 1))
+    assert lower(op, "A", "micro", "k", (15, 1), "float16", lay).gemm.bm == 16
+    spec = lower(op, "A", "block", None, (15, 8), "float16", lay)
+    assert (spec.gemm.bm, spec.index.block_cols) == (16, 16)
+    with pytest.raises(PlanError, match="mma"):  # not clipped: a 15-row tile has no kernel
+        lower(op, "A", "micro", "k", (15, 1), "float16", Layout(64, 64, 64, (64, 1), (64, 1), (64, 1)))

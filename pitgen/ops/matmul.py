@@ -3,13 +3,14 @@ returns a :class:`SparseKernel`; calling it on device arrays builds the micro-ti
 GPU and runs the tile kernel over it, every call, with no host round-trip."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from ..coverage import plan_on_device
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
-from ..lower import DTYPES, GemmForm, Layout, Schedule, gemm_form, geometry, lower
+from ..lower import DTYPES, GemmForm, Layout, Schedule, gemm_form, geometry, lower_first
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
                         distinct_strides, signature)
 from ..opspec import OpSpec
@@ -33,8 +34,9 @@ class Launcher:
     all here), so that a call itself only allocates buffers and enqueues launches.
     """
 
-    def __init__(self, op: Operator, form: GemmForm, kind: str, axis: str | None,
-                 shape: tuple[int, ...], dtype: str, ops: dict[str, Operand],
+    def __init__(self, op: Operator, form: GemmForm,
+                 choices: list[tuple[str, str | None, tuple[int, ...]]], dtype: str,
+                 ops: dict[str, Operand],
                  out: Operand | None, accumulate: bool, schedule: Schedule = Schedule(),
                  vendor_dense: bool = True, mask: Operand | None = None):
         A, B = ops[form.sparse], ops[form.dense]
@@ -75,11 +77,13 @@ class Launcher:
         self.layout = Layout(M, N, K, (A.strides[form.a_dims[0]], A.strides[form.a_dims[1]]),
                              (B.strides[form.b_dims[0]], B.strides[form.b_dims[1]]), sc,
                              align(A.ptr), align(B.ptr), align_c)
+        arch = device_arch() if M * N else "sm_80"
+        #: which of ``choices`` runs: the first that lowering accepts on this layout
+        self.choice, self.spec = lower_first(op, form.sparse, choices, dtype, self.layout,
+                                             accumulate=accumulate, schedule=schedule, arch=arch)
+        kind, _, shape = choices[self.choice]
         #: a dense plan on torch tensors runs the vendor GEMM (cuBLAS through torch)
         self.vendor = kind == "dense" and A.is_torch and vendor_dense
-        arch = device_arch() if M * N and not self.vendor else "sm_80"
-        self.spec = lower(op, form.sparse, kind, axis, shape, dtype, self.layout,
-                          accumulate=accumulate, schedule=schedule, arch=arch)
         sms = device_sms() if self.spec.gemm.mainloop == "wgmma" else 0
         self.geo = geometry(self.spec, self.layout, shape[form.a_dims[1]], sms)
         self.mod = MATMUL.module(self.spec.context()) if M * N and not self.vendor else None
@@ -266,10 +270,16 @@ class SparseKernel:
         key = signature(ops, c_op, accumulate, m_op)
         launcher = self._launchers.get(key)
         if launcher is None:
-            c = self._plan.choice
-            launcher = Launcher(self.operator, self.form, c.kind, c.axis, c.shape, self.dtype,
-                                ops, c_op, accumulate, self._schedule(self._plan),
+            plan = self._plan
+            order = [plan.choice]
+            if isinstance(self.micro_tile, str) and self.micro_tile == "auto":
+                order += [c for c in plan.candidates if c != plan.choice]  # dense is among them
+            launcher = Launcher(self.operator, self.form,
+                                [(c.kind, c.axis, c.shape) for c in order], self.dtype, ops,
+                                c_op, accumulate, self._schedule(plan),
                                 vendor_dense=self.vendor_dense, mask=m_op)
+            if launcher.choice:
+                self._plan = replace(plan, choice=order[launcher.choice])
             self._launchers[key] = launcher
         return GemmCall(launcher, ops, out, m_op)
 
