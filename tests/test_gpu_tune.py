@@ -7,7 +7,6 @@ import os
 import numpy as np
 import pytest
 
-from pitgen import testing as T
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +14,7 @@ import pitgen
 from pitgen import reference as R
 from pitgen.graph import formats as F
 from pitgen.graph import tune as T
-from pitgen.testing import assert_close, poison
+from pitgen.testing import assert_close, examples, poison
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -118,7 +117,7 @@ def test_tune_small_budget_still_answers():
     assert res.trials == 1 and res.fmt == "csr"
 
 
-@settings(max_examples=T.examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 200), cols=st.integers(1, 200),
        feat=st.sampled_from([1, 3, 16, 33, 64]), kind=st.sampled_from(["power", "power", "empty",
                                                                        "full"]),
