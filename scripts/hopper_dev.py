@@ -1,5 +1,11 @@
-"""Hopper mainloop bring-up: correctness of the wgmma tile kernel against float64 and the
-mma.sync kernel, then GPU times against cuBLAS (CUDA events, median). Prints one table."""
+"""Hopper tile kernel: correctness of the wgmma kernel against float64 and the mma.sync kernel,
+then GPU times of both against cuBLAS (pitgen.bench.timing.Timer). Prints one table.
+
+    python3 scripts/hopper_dev.py            correctness, then times
+    python3 scripts/hopper_dev.py --speed    times only
+    python3 scripts/hopper_dev.py --once     one launch per wgmma variant (compute-sanitizer)
+    python3 scripts/hopper_dev.py --profile  the 90% 128x128-block case twice (ncu)
+"""
 from __future__ import annotations
 
 import sys
@@ -49,9 +55,21 @@ def once() -> int:
     return bad
 
 
+def profile() -> int:
+    """Two calls of the 90%-sparse 128x128-block case at 4096^3, for
+    ``ncu --kernel-name pit_gemm_sm90 --launch-skip 1 --launch-count 1``."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(2):
+        ml, err, bad, *_ = check("float16", "128x128", 4096, 4096, 4096, 0.1, gen)
+    print(ml, f"{err:.1e}", bad)
+    return int(ml != "wgmma" or err > 1e-2 or bad > 0)
+
+
 def main() -> int:
     if "--once" in sys.argv:
         return once()
+    if "--profile" in sys.argv:
+        return profile()
     gen = torch.Generator(device="cuda").manual_seed(0)
     timer = Timer(repeats=30)
     fails = 0
