@@ -32,6 +32,7 @@ from ..limits import INDEX_THREADS
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
+from . import lazy_torch_classes
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -394,12 +395,4 @@ def _build_module() -> type:
     return SparseAttention
 
 
-_LAZY: dict[str, type] = {}
-
-
-def __getattr__(name: str) -> Any:
-    if name == "SparseAttention":
-        if name not in _LAZY:
-            _LAZY[name] = _build_module()
-        return _LAZY[name]
-    raise AttributeError(f"module 'pitgen.ops.attention' has no attribute {name!r}")
+__getattr__ = lazy_torch_classes(__name__, ("SparseAttention",), lambda: {"SparseAttention": _build_module()})

@@ -24,6 +24,7 @@ from ..limits import INDEX_THREADS
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
+from . import lazy_torch_classes
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -271,7 +272,6 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
 
 # -- torch module (built lazily: importing pitgen.ops.moe needs no torch) ---------------------------
 
-_MODULE_CLASS: Any = None
 
 
 def _build_module_class() -> Any:
@@ -330,14 +330,7 @@ def _build_module_class() -> Any:
     return MoE
 
 
-def __getattr__(name: str) -> Any:
-    """``pitgen.ops.moe.MoE``: the torch module class, built on first access."""
-    global _MODULE_CLASS
-    if name == "MoE":
-        if _MODULE_CLASS is None:
-            _MODULE_CLASS = _build_module_class()
-        return _MODULE_CLASS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_torch_classes(__name__, ("MoE",), lambda: {"MoE": _build_module_class()})
 
 
 def weight_bytes(experts: int, hidden: int, ffn: int, itemsize: int = 2) -> int:

@@ -38,6 +38,7 @@ from ..limits import INT32_MAX
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..reference import spmm_csr
+from . import lazy_torch_classes
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -460,7 +461,6 @@ def rgcn(graph: DeviceRelational, x: Tensor, weight: Tensor, order: str = "auto"
 
 # -- torch module (built lazily: importing pitgen.ops.rgcn needs no torch) ----------------------
 
-_MODULE_CLASS: Any = None
 
 
 def _build_module_class() -> Any:
@@ -516,11 +516,4 @@ def _build_module_class() -> Any:
     return RGCNConv
 
 
-def __getattr__(name: str) -> Any:
-    """``pitgen.ops.rgcn.RGCNConv``: the torch module class, built on first access."""
-    global _MODULE_CLASS
-    if name == "RGCNConv":
-        if _MODULE_CLASS is None:
-            _MODULE_CLASS = _build_module_class()
-        return _MODULE_CLASS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_torch_classes(__name__, ("RGCNConv",), lambda: {"RGCNConv": _build_module_class()})
