@@ -41,7 +41,8 @@ def run(r: Run) -> int:
     from .workloads import block_mask
 
     n, timer, quick = r.args.size, r.timer, r.args.quick
-    grans = r.args.granularity or (["32x1", "32x64"] if quick else ["32x1", "1x64", "32x64"])
+    grans = r.args.granularity or (["32x1", "32x64", "128x128"] if quick
+                                   else ["32x1", "1x64", "32x64", "128x128"])
     sps = [float(s) for s in r.args.sparsity or ((0, 90, 99) if quick else (0, 50, 90, 95, 99))]
     gen = torch.Generator(device="cuda").manual_seed(0)
     b = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)

@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sparsity", type=_csv,
                    help="sparsities in %% (default 0,50,90,95,99; quick 0,90,99)")
     g.add_argument("--granularity", type=_csv,
-                   help="mask units (default 32x1,1x64,32x64; quick 32x1,32x64)")
+                   help="mask units (default 32x1,1x64,32x64,128x128; quick 32x1,32x64,128x128)")
     g = ap.add_argument_group("moe")
     g.add_argument("--experts", type=_csv, help="expert counts (default 64,128; quick 64)")
     g.add_argument("--stk-only", action="store_true", help=argparse.SUPPRESS)
