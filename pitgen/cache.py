@@ -47,11 +47,16 @@ def _root(sub: str | None) -> Path:
 def directory(sub: str | None = None) -> Path:
     """``$PITGEN_CACHE`` (or ``~/.cache/pitgen``), or its subfolder ``sub``; created on demand.
     :class:`FileError` when it cannot be (a file in its place, no permission)."""
-    path = _root(sub)
+    return make_directory(_root(sub), "the cache directory", "PITGEN_CACHE")
+
+
+def make_directory(path: Path, what: str, variable: str) -> Path:
+    """``path``, created if missing; :class:`FileError` naming ``what`` and the environment
+    ``variable`` that chose it when it cannot be."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise FileError(f"cannot use the cache directory {str(path)!r} (PITGEN_CACHE): "
+        raise FileError(f"cannot use {what} {str(path)!r} ({variable}): "
                         f"{e.strerror or e}") from None
     return path
 

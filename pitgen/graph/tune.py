@@ -111,13 +111,7 @@ def tune_cache_dir() -> Path:
     root = os.environ.get("PITGEN_TUNE_CACHE")
     if not root:
         return cache.directory("tune")
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise FileError(f"cannot use the tune cache {root!r} (PITGEN_TUNE_CACHE): "
-                        f"{e.strerror or e}") from None
-    return path
+    return cache.make_directory(Path(root), "the tune cache", "PITGEN_TUNE_CACHE")
 
 
 def cache_path(key: Mapping[str, Any]) -> Path:
