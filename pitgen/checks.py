@@ -15,6 +15,20 @@ from .limits import INT64_MAX
 NUMERIC_KINDS = "biuf"
 
 
+def dtype_name(dtype: Any) -> Any:
+    """``dtype`` as its name when it is a torch or NumPy dtype (``torch.float16`` ->
+    ``'float16'``), else unchanged: callers check the name against what they run."""
+    if isinstance(dtype, str):
+        return dtype
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    try:
+        return np.dtype(dtype).name if isinstance(dtype, (np.dtype, type)) else dtype
+    except TypeError:
+        return dtype
+
+
 def integer(value: Any, what: str, *, minimum: int = 1, maximum: int = INT64_MAX,
             error: type[PitgenError] = ShapeError) -> int:
     """``value`` as an int in [minimum, maximum]: a float (even 64.0), a bool or a string is

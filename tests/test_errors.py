@@ -327,3 +327,14 @@ def test_hypothesis_cli_never_prints_a_traceback(argv):
             status = main(argv)
     assert status in (0, 1, 2) and "Traceback" not in err.getvalue(), (argv, err.getvalue())
     cache.clear()
+
+
+def test_dtypes_are_names_or_dtype_objects():
+    """``compile(dtype=...)`` takes a NumPy (or torch) dtype as well as its name."""
+    expr = "C[m,n] += A[m,k] * B[k,n]"
+    assert pitgen.compile(expr, sparse="A", dtype=np.float32).dtype == "float32"
+    assert pitgen.compile(expr, sparse="A", dtype=np.dtype("float16")).dtype == "float16"
+    with pytest.raises(pitgen.PlanError, match="int8"):
+        pitgen.compile(expr, sparse="A", dtype=np.int8)
+    with pytest.raises(pitgen.PlanError, match="dtype"):
+        pitgen.compile(expr, sparse="A", dtype=5)

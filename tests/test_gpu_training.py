@@ -166,8 +166,10 @@ def test_sparse_input_module_and_prune():
     assert kept >= dense.weight.abs()[~mask].max()
     tiled = dense.prune_(0.5, tile=(16, 1))
     assert torch.equal(tiled, tiled[::16].repeat_interleave(16, 0))
+    partial = dense.prune_(0.5, tile=(5, 1))  # 48 rows: the last tile holds 3
+    assert torch.equal(partial, partial[::5].repeat_interleave(5, 0)[:48])
     with pytest.raises(pitgen.ShapeError):
-        dense.prune_(0.5, tile=(5, 1))
+        dense.prune_(0.5, tile=(0, 1))
     with pytest.raises(pitgen.PlanError):
         dense.prune_(1.5)
 
@@ -183,6 +185,28 @@ def test_state_dict_round_trips_with_nn_linear():
     assert torch.equal(sparse.weight, fresh.weight) and torch.equal(sparse.bias, fresh.bias)
     x = torch.randn(7, 40, device="cuda")
     check(sparse(x), fresh(x).double(), "float32")  # all-True mask: the dense layer (tf32)
+
+
+def test_a_pruned_layer_reloads_pruned():
+    torch.manual_seed(2)
+    layer = pitgen.ops.linear.SparseLinear(777, 1000, device="cuda", dtype=torch.float16)
+    mask = layer.prune_(0.9, tile=(32, 1))  # 1000 rows: the last tile holds 8
+    assert abs(mask.float().mean().item() - 0.1) < 0.02
+    state = layer.state_dict()
+    assert torch.equal(state["weight_mask"], mask)
+    again = pitgen.ops.linear.SparseLinear(777, 1000, device="cuda", dtype=torch.float16)
+    again.load_state_dict(state)
+    assert torch.equal(again.weight_mask, mask)
+    x = torch.randn(5, 777, device="cuda", dtype=torch.float16)
+    check(again(x), layer(x).double(), "float16")
+    with pytest.raises(RuntimeError, match="weight_mask"):  # a dense layer cannot hold the mask
+        torch.nn.Linear(777, 1000).load_state_dict(state)
+
+
+def test_an_input_of_another_dtype_is_named():
+    layer = pitgen.ops.linear.SparseLinear(64, 32, device="cuda", dtype=torch.float16)
+    with pytest.raises(pitgen.ShapeError, match="x has dtype float32; expected float16"):
+        layer(torch.randn(4, 64, device="cuda"))
 
 
 def test_weight_sparse_step_has_no_host_sync():

@@ -81,10 +81,11 @@ def _micro(tile: Any) -> str:
 
 
 def _check_linear(x: Any, weight: Any, bias: Any) -> str:
-    """Validate x [batch, in], weight [out, in], bias [out] (CUDA, one dtype); returns the dtype."""
-    check_tensor("x", x, SDDMM.dtypes, ndim=2, contiguous=False)
-    dtype = str(x.dtype).replace("torch.", "")
-    check_tensor("weight", weight, (dtype,), ndim=2, shape=(None, x.shape[1]), contiguous=False)
+    """Validate x [batch, in], weight [out, in], bias [out] (CUDA, one dtype); returns the dtype.
+    The weight's dtype is the layer's: an input of another dtype is named as the problem."""
+    check_tensor("weight", weight, SDDMM.dtypes, ndim=2, contiguous=False)
+    dtype = str(weight.dtype).replace("torch.", "")
+    check_tensor("x", x, (dtype,), ndim=2, shape=(None, weight.shape[1]), contiguous=False)
     if bias is not None:
         check_tensor("bias", bias, (dtype,), ndim=1, shape=(weight.shape[0],), contiguous=False)
     return dtype
@@ -156,10 +157,12 @@ def _classes() -> dict[str, type]:
             return dx, dw, db, None
 
     class SparseLinear(torch.nn.Linear):
-        """Drop-in for ``nn.Linear`` (same ``weight``/``bias`` parameters and state_dict) whose
-        weight is multiplied by a dynamic mask (non-persistent buffer ``weight_mask``, all True
-        at first; :meth:`set_mask`, :meth:`prune_`), or, with ``sparse_input=True``, whose input
-        zeros are skipped instead."""
+        """Drop-in for ``nn.Linear`` (same ``weight``/``bias`` parameters) whose weight is
+        multiplied by a dynamic mask (buffer ``weight_mask``, all True at first; :meth:`set_mask`,
+        :meth:`prune_`), or, with ``sparse_input=True``, whose input zeros are skipped instead.
+        A pruned layer's state_dict carries its mask (``weight_mask``), so it reloads pruned;
+        an unpruned one's is exactly ``nn.Linear``'s, and an ``nn.Linear`` state_dict loads as
+        dense."""
 
         def __init__(self, in_features: int, out_features: int, bias: bool = True,
                      device: Any = None, dtype: Any = None, sparse_input: bool = False,
@@ -173,6 +176,22 @@ def _classes() -> dict[str, type]:
             self.register_buffer("weight_mask", torch.ones(out_features, in_features,
                                                            dtype=torch.bool, device=device),
                                  persistent=False)
+
+        def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            if not bool(self.weight_mask.all()):  # saving may wait for the device
+                mask = self.weight_mask
+                destination[prefix + "weight_mask"] = mask if keep_vars else mask.detach()
+
+        def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+            super()._load_from_state_dict(state_dict, prefix, *args)
+            key, unexpected_keys = prefix + "weight_mask", args[3]
+            if key in state_dict:
+                self.set_mask(state_dict[key].to(self.weight.device))
+                if key in unexpected_keys:
+                    unexpected_keys.remove(key)
+            else:  # an unpruned layer's or an nn.Linear's: dense
+                self.weight_mask.fill_(True)
 
         def set_mask(self, mask: Any) -> None:
             """Use ``mask`` (bool/uint8 [out, in], this module's device) from the next step."""
@@ -188,15 +207,22 @@ def _classes() -> dict[str, type]:
         @torch.no_grad()
         def prune_(self, sparsity: float, tile: Any = (1, 1)) -> Any:
             """Keep the largest-magnitude ``1 - sparsity`` of the weight (scored per ``tile`` of
-            [out, in], e.g. (32, 1)), on the GPU with no host sync; returns the mask."""
+            [out, in], e.g. (32, 1); the last tiles of each dim may be partial), on the weight's
+            device with no host sync; returns the mask."""
             if not 0.0 <= sparsity <= 1.0:
                 raise PlanError(f"sparsity must be in [0, 1], got {sparsity}")
             th, tw = (int(t) for t in tile)
             out_f, in_f = self.weight.shape
-            if th < 1 or tw < 1 or out_f % th or in_f % tw:
-                raise ShapeError(f"tile {(th, tw)} does not divide the weight {(out_f, in_f)}")
-            score = self.weight.detach().float().abs().reshape(out_f // th, th, in_f // tw, tw)
-            score = score.sum(dim=(1, 3)).flatten()
+            if th < 1 or tw < 1:
+                raise ShapeError(f"tile {(th, tw)} must have positive extents")
+            gh, gw = -(-out_f // th), -(-in_f // tw)
+            pad = (0, gw * tw - in_f, 0, gh * th - out_f)
+
+            def per_tile(t: Any) -> Any:
+                return torch.nn.functional.pad(t, pad).reshape(gh, th, gw, tw).sum(dim=(1, 3))
+
+            w = self.weight.detach().float()
+            score = (per_tile(w.abs()) / per_tile(torch.ones_like(w))).flatten()  # tile means
             drop = int(round(sparsity * score.numel()))
             if drop == 0:
                 keep = torch.ones_like(score, dtype=torch.bool)
@@ -205,8 +231,8 @@ def _classes() -> dict[str, type]:
             else:
                 thr = torch.kthvalue(score, drop).values
                 keep = score > thr
-            grid = keep.reshape(out_f // th, in_f // tw)
-            self.weight_mask.copy_(grid.repeat_interleave(th, 0).repeat_interleave(tw, 1))
+            grid = keep.reshape(gh, gw).repeat_interleave(th, 0).repeat_interleave(tw, 1)
+            self.weight_mask.copy_(grid[:out_f, :in_f])
             return self.weight_mask
 
         def forward(self, x: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
+from ..checks import dtype_name
 from ..coverage import plan_on_device
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
@@ -219,6 +220,7 @@ class SparseKernel:
                  vendor_dense: bool = True):
         self.vendor_dense = vendor_dense
         self.operator = parse(expr) if isinstance(expr, str) else expr
+        dtype = dtype_name(dtype)
         if dtype not in DTYPES:
             raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
         self.dtype = dtype
@@ -327,8 +329,10 @@ def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
     ``format`` ('auto', 'csr', 'ell', 'bsr', 'hyb') asks for a graph operator instead (SpMM
     ``Y[i,f] += A[i,j] * X[j,f]``, or SDDMM ``E[i,j] += U[i,f] * V[j,f]`` with ``sparse='E'``)
     run by a sparse-format kernel: a :class:`pitgen.graph.jit.FormatKernel`; 'auto' takes the
-    tuned choice (``budget_s`` bounds a search when the tune cache has none).
+    tuned choice (``budget_s`` bounds a search when the tune cache has none). ``dtype`` is a
+    name or a torch/NumPy dtype (``torch.bfloat16``).
     """
+    dtype = dtype_name(dtype)
     if format is not None:
         if not (isinstance(micro_tile, str) and micro_tile == "auto") or tile is not None \
                 or not vendor_dense:
