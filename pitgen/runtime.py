@@ -223,11 +223,10 @@ class _DriverKernel:
     driver places each argument at the offset the cubin declares (``M``: 128 bytes, ``P``:
     pointer, ``i``: int32)."""
 
-    _CODES = {"P": "c_uint64", "i": "c_int32"}
-
     def __init__(self, module: _DriverModule, name: str, signature: str):
         import ctypes
-        self._module, self._sig, self._lib = module, signature, module._lib
+        self._module, self._lib = module, module._lib
+        self._types = [{"P": ctypes.c_uint64, "i": ctypes.c_int32}.get(code) for code in signature]
         self.handle = ctypes.c_void_p()
         _check(self._lib.cuModuleGetFunction(ctypes.byref(self.handle), module.handle,
                                              name.encode()), f"cuModuleGetFunction({name})")
@@ -239,8 +238,8 @@ class _DriverKernel:
     def prepared_async_call(self, grid: tuple[int, ...], block: tuple[int, ...], stream: Any,
                             *args: Any, shared_size: int = 0) -> None:
         import ctypes
-        values = [ctypes.create_string_buffer(a, 128) if code == "M"
-                  else getattr(ctypes, self._CODES[code])(a) for code, a in zip(self._sig, args)]
+        values = [kind(a) if kind else ctypes.create_string_buffer(a, 128)  # M: 128 bytes
+                  for kind, a in zip(self._types, args)]
         params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
         g, b = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
         _check(self._lib.cuLaunchKernel(

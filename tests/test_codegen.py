@@ -1,6 +1,7 @@
 """CPU tests of lowering, rendering and compilation: every template variant renders and compiles
-with nvcc (no GPU or driver needed), each for sm_80 or sm_90 so that both archs meet every pair
-of dtype, kind and layout, and arch-dependent ones for both; the compile cache behaves."""
+with nvcc (no GPU or driver needed), each for sm_80 or sm_90a (what an sm_90 device builds) so
+that both archs meet every pair of dtype, kind and layout, and arch-dependent ones for both; the
+wgmma variants for sm_90a; the compile cache behaves."""
 from __future__ import annotations
 
 import functools

@@ -167,15 +167,16 @@ class GemmCall:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
         ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
         lay = L.layout
-        args = (ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr, self.c_ptr,
-                ptr(f32), ptr(self.counts), ptr(self.ids),
-                M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk)
+        buffers = (ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr,
+                   self.c_ptr, ptr(f32), ptr(self.counts), ptr(self.ids))
+        sizes = (M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk)
         if g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
-                       *L.tensor_maps(self.A.ptr, self.B.ptr), *args[:6], ptr(self.order),
-                       *args[6:], smem=L.smem)
+                       *L.tensor_maps(self.A.ptr, self.B.ptr), *buffers, ptr(self.order),
+                       *sizes, smem=L.smem)
         else:
-            mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, *args, smem=L.smem)
+            mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, *buffers, *sizes,
+                       smem=L.smem)
         if f32 is not None:
             mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr,
                        Workspace.ptr(f32), M, N, *sc, int(L.accumulate))
