@@ -79,21 +79,17 @@ def as_operand(name: str, x: Any) -> Operand:
 
 class Workspace:
     """Device buffers for one call, from torch's caching allocator when the operands are torch
-    tensors (stream-ordered reuse), else from PyCUDA."""
+    tensors (stream-ordered reuse on the stream the call launches on), else from PyCUDA."""
 
-    def __init__(self, like: Operand):
-        self.torch = like.is_torch
-        self.keep: list[Any] = []
+    def __init__(self, is_torch: bool):
+        self.torch = is_torch
 
     def alloc(self, shape: tuple[int, ...], dtype: str) -> Any:
         if self.torch:
             import torch
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-        else:
-            import pycuda.gpuarray as ga
-            t = ga.empty(shape, dtype=np.dtype(dtype))
-        self.keep.append(t)
-        return t
+            return torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+        import pycuda.gpuarray as ga
+        return ga.empty(shape, dtype=np.dtype(dtype))
 
     @staticmethod
     def ptr(x: Any) -> int:

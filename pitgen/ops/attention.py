@@ -240,7 +240,6 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     rowcount = counters.data_ptr()
     done = rowcount + 4 * plan.slices * plan.n_qb
     vec = _vector_mask(plan, mask)
-    launch.keep(mask, states, order, counters)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
                    plan.n_kb, states.data_ptr(), rowcount, done, order.data_ptr())
@@ -305,7 +304,6 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     with TorchLaunch() as launch:
         idx = (_index(kernels, plan, mask, launch) if index is None
                else _given_index(plan, index, q.device))
-        launch.keep(q, k, v, out, mask, *idx)
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
         kernels.launch(name, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),

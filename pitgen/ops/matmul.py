@@ -111,42 +111,48 @@ class Launcher:
 class GemmCall:
     """One call: the launcher's plan applied to this call's arrays and fresh buffers.
 
-    ``build_index()`` then ``compute()``: both only enqueue work on the stream; nothing waits.
+    ``build_index()`` then ``compute()``: both only enqueue work on the stream (a CUstream
+    handle; None or 0: the legacy default stream); nothing waits. ``a`` and ``b`` are the
+    sparse and the dense operand (torch tensors or GPUArrays, as the launcher was built for).
     """
 
-    def __init__(self, launcher: Launcher, ops: dict[str, Operand], out: Any | None,
-                 mask: Operand | None = None):
+    def __init__(self, launcher: Launcher, a: Any, b: Any, out: Any | None, mask_ptr: int = 0):
         self.L = L = launcher
-        self.mask_ptr = mask.ptr if mask is not None else 0
-        self.A, self.B = ops[L.form.sparse], ops[L.form.dense]
-        self.ws = Workspace(self.A)
+        self.a, self.b, self.mask_ptr = a, b, mask_ptr
+        self.a_ptr, self.b_ptr = Workspace.ptr(a), Workspace.ptr(b)
+        self.ws = Workspace(L.is_torch)
         self.out = out if out is not None else self.ws.alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
         self.counts = self.ids = self.pack = self.order = None
 
-    def build_index(self, stream) -> None:
-        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block)."""
+    def build_index(self, stream: int | None) -> None:
+        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block).
+        counts, ids (and the wgmma kernel's m-tile order) share one int32 buffer: one
+        allocation per call."""
         L = self.L
         ix = L.spec.index
         if ix is None or L.vendor or L.M * L.N * L.K == 0:
             return
         geo = L.geo
-        self.counts = self.ws.alloc((geo.groups,), "int32")
-        self.ids = self.ws.alloc((geo.groups, geo.cap), "int32")
+        n, cap = geo.groups, geo.groups * geo.cap
+        wgmma = L.spec.gemm.mainloop == "wgmma"
+        ints = self.ws.alloc((n + cap + (n if wgmma else 0),), "int32")
+        self.counts, self.ids = ints[:n], ints[n:n + cap]
         if ix.pack:
-            self.pack = self.ws.alloc((geo.groups * geo.cap * ix.long_extent,), L.dtype)
-        memset_d32(Workspace.ptr(self.counts), 0, geo.groups, stream)
+            self.pack = self.ws.alloc((cap * ix.long_extent,), L.dtype)
+        counts = Workspace.ptr(ints)
+        memset_d32(counts, 0, n, stream)
         L.mod.launch(
-            "pit_build_index", geo.index_grid, (256, 1, 1), stream, self.A.ptr, *geo.index_args,
-            Workspace.ptr(self.counts), Workspace.ptr(self.ids),
+            "pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr, *geo.index_args,
+            counts, Workspace.ptr(self.ids),
             Workspace.ptr(self.pack) if self.pack is not None else 0,
             self.mask_ptr, *L.mask_strides)
-        if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for the persistent CTAs
-            self.order = self.ws.alloc((geo.groups,), "int32")
+        if wgmma:  # the m-tiles longest first, for the persistent CTAs
+            self.order = ints[n + cap:]
             L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream,
-                         Workspace.ptr(self.counts), Workspace.ptr(self.order), geo.groups)
+                         counts, Workspace.ptr(self.order), n)
 
-    def compute(self, stream) -> None:
+    def compute(self, stream: int | None) -> None:
         """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
         L = self.L
         M, N, K, g, mod, sc = L.M, L.N, L.K, L.spec.gemm, L.mod, L.layout.sc
@@ -167,12 +173,12 @@ class GemmCall:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
         ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
         lay = L.layout
-        buffers = (ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr,
+        buffers = (ptr(self.pack) if self.pack is not None else self.a_ptr, self.b_ptr,
                    self.c_ptr, ptr(f32), ptr(self.counts), ptr(self.ids))
         sizes = (M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk)
         if g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
-                       *L.tensor_maps(self.A.ptr, self.B.ptr), *buffers, ptr(self.order),
+                       *L.tensor_maps(self.a_ptr, self.b_ptr), *buffers, ptr(self.order),
                        *sizes, smem=L.smem)
         else:
             mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, *buffers, *sizes,
@@ -184,8 +190,8 @@ class GemmCall:
     def _vendor(self) -> None:
         """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""
         f = self.L.form
-        a = self.A.obj.permute(*f.a_dims)
-        b = self.B.obj.permute(*f.b_dims)
+        a = self.a.permute(*f.a_dims)
+        b = self.b.permute(*f.b_dims)
         c = self.out.permute(*f.c_dims)
         if self.L.accumulate:
             c.addmm_(a, b)
@@ -200,13 +206,39 @@ class GemmCall:
         if self.L.vendor:
             self.compute(None)
             return self.out
-        with TorchLaunch(self.A.is_torch) as launch:
-            try:
-                self.build_index(launch.stream)
-                self.compute(launch.stream)
-            finally:
-                launch.keep(*self.ws.keep)
+        with TorchLaunch(self.L.is_torch) as launch:
+            self.build_index(launch.stream)
+            self.compute(launch.stream)
         return self.out
+
+
+_TENSOR: list[Any] = []
+
+
+def _torch_key(args: tuple, out: Any, mask: Any, accumulate: bool) -> tuple | None:
+    """What a launcher depends on, read straight off torch tensors (shape, strides, dtype,
+    device, pointer alignment; the current device; out/mask/accumulate), or None when an
+    operand is not a plain torch tensor. A key seen before maps to a launcher the full path
+    validated for exactly these attributes."""
+    if not _TENSOR:
+        try:
+            import torch
+            usable = torch.cuda.is_available()
+        except ImportError:
+            usable = False
+        _TENSOR[:] = [torch.Tensor, torch._C._cuda_getDevice] if usable else [None, None]
+    tensor, device = _TENSOR
+    if tensor is None:
+        return None
+    key: list[Any] = [accumulate, device()]
+    for x in (*args, out, mask):
+        if x is None:
+            key.append(None)
+        elif type(x) is tensor:
+            key.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15))
+        else:
+            return None
+    return tuple(key)
 
 
 class SparseKernel:
@@ -231,6 +263,10 @@ class SparseKernel:
         self.micro_tile = micro_tile
         self._plan: Plan | None = None
         self._launchers: dict[tuple, Launcher] = {}
+        #: the same launchers keyed by a torch call's raw tensor attributes (see _torch_key)
+        self._fast: dict[tuple, Launcher] = {}
+        names = self.operator.input_names
+        self._ab = names.index(self.form.sparse), names.index(self.form.dense)
         if not (isinstance(micro_tile, str) and micro_tile == "auto"):
             self._plan = make_plan(self.operator, sparse, micro_tile=micro_tile, tile=tile)
 
@@ -244,6 +280,7 @@ class SparseKernel:
         if isinstance(self.micro_tile, str) and self.micro_tile == "auto":
             self._plan = None
             self._launchers.clear()
+            self._fast.clear()
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         names = self.operator.input_names
@@ -261,7 +298,15 @@ class SparseKernel:
                 **kwargs: Any) -> GemmCall:
         """Validate the operands and compile (or load) the module for them; launches nothing.
         Everything but buffer allocation is cached per call signature (shapes, strides, dtypes,
-        alignment), so repeated calls cost only their launches."""
+        alignment), so repeated calls cost only their launches: a call on torch tensors given
+        positionally finds its launcher from the tensors' raw attributes, before any Operand is
+        built."""
+        fast = _torch_key(args, out, mask, accumulate) if not kwargs else None
+        launcher = self._fast.get(fast) if fast is not None else None
+        if launcher is not None:
+            ia, ib = self._ab
+            return GemmCall(launcher, args[ia], args[ib], out,
+                            mask.data_ptr() if mask is not None else 0)
         ops = self._bind(args, kwargs)
         m_op = as_operand("mask", mask) if mask is not None else None
         if m_op is not None and m_op.shape != ops[self.sparse].shape:
@@ -284,7 +329,10 @@ class SparseKernel:
             if launcher.choice:
                 self._plan = replace(plan, choice=order[launcher.choice])
             self._launchers[key] = launcher
-        return GemmCall(launcher, ops, out, m_op)
+        if fast is not None:
+            self._fast[fast] = launcher
+        return GemmCall(launcher, ops[self.sparse].obj, ops[self.form.dense].obj, out,
+                        m_op.ptr if m_op is not None else 0)
 
     def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
                  **kwargs: Any) -> Any:
@@ -302,11 +350,8 @@ class SparseKernel:
         call = self.prepare(*args, **kwargs)
         if call.L.vendor:
             return None, None
-        with TorchLaunch(call.A.is_torch) as launch:
-            try:
-                call.build_index(launch.stream)
-            finally:
-                launch.keep(*call.ws.keep)
+        with TorchLaunch(call.L.is_torch) as launch:
+            call.build_index(launch.stream)
         return call.counts, call.ids
 
     def source(self, *args: Any, **kwargs: Any) -> str:

@@ -157,7 +157,7 @@ def _aligned(name: str, t: Any) -> None:
                          f"pass {name}.clone()")
 
 
-def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: Any, keep: Any) -> tuple[Routing, Any]:
+def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: int) -> tuple[Routing, Any]:
     """Enqueue the GPU index build; returns its device buffers (nothing is synchronised)."""
     import torch
     dev = ids.device
@@ -169,7 +169,6 @@ def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: Any, keep: Any) -> tup
     tile_e = torch.empty(plan.max_tiles, dtype=torch.int32, device=dev)
     tile_r = torch.empty(plan.max_tiles, dtype=torch.int32, device=dev)
     ntiles = torch.empty(1, dtype=torch.int32, device=dev)
-    keep(counts, rank, offsets, row_pair, tile_e, tile_r, ntiles)
     grid, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
     kernels.launch("moe_count", grid, block, stream, ids.data_ptr(), P, E, counts.data_ptr(),
                    rank.data_ptr())
@@ -193,8 +192,7 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
     plan = MoEPlan(**{**plan.__dict__, "bm": block_m})
     kernels = MOE.module(plan.context())
     with TorchLaunch() as launch:
-        launch.keep(expert_ids)
-        return _route(kernels, plan, expert_ids, launch.stream, launch.keep)
+        return _route(kernels, plan, expert_ids, launch.stream)
 
 
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
@@ -251,10 +249,8 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     inter = torch.empty((plan.pairs, F), dtype=x.dtype, device=x.device)
     ws = y if direct else torch.zeros((T, H), dtype=torch.float32, device=x.device)
     with TorchLaunch() as launch:
-        launch.keep(x, expert_ids, g, w1, w2, inter, ws, y,
-                    *(b for b in (b1, b2) if b is not None))
         s = launch.stream
-        (r, ntiles) = _route(kernels, plan, expert_ids, s, launch.keep)
+        (r, ntiles) = _route(kernels, plan, expert_ids, s)
         idx = (r.row_pair.data_ptr(), r.tile_e.data_ptr(), r.tile_r.data_ptr(),
                r.offsets.data_ptr(), ntiles.data_ptr())
         block = (plan.threads, 1, 1)
