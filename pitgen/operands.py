@@ -50,7 +50,7 @@ def check_device(name: str, x: Any) -> None:
     if not x.is_cuda:
         raise DeviceError(f"{name} is on {x.device}; pitgen kernels need CUDA tensors "
                           f"(move it with .cuda())")
-    current = torch.cuda.current_device()
+    current = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its wrappers
     if x.device.index != current:
         raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:{current} "
                           f"(the current device)")

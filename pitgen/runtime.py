@@ -309,30 +309,28 @@ class TorchLaunch:
         if self._bound is not None:
             self._bound.__enter__()
         if self._use_torch:
-            import torch
-            self.stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            self.stream = current_stream()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._bound is not None:
             self._bound.__exit__(*exc)
 
-    @property
-    def torch_stream(self) -> Any:
-        """torch's current stream (a torch.cuda.Stream), the one ``stream`` is the handle of."""
-        import torch
-        return torch.cuda.current_stream()
 
-
-def stream_counters(by_stream: dict[int, Any], stream: Any, size: int, device: Any) -> Any:
-    """At least ``size`` int32 counters for launches on torch ``stream`` whose kernels leave them
-    zero again: zeroed once per stream in ``by_stream`` (and again when a launch needs more), so
-    launches on one stream, which run in order, share them and none has to clear them first."""
+def current_stream(device: int | None = None) -> int:
+    """The CUstream handle of torch's current stream on ``device`` (default: the current one)."""
     import torch
-    buf = by_stream.get(stream.cuda_stream)
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice() if device is None
+                                              else device)
+
+
+def stream_counters(by_stream: dict[int, Any], stream: int, size: int, device: Any) -> Any:
+    """At least ``size`` int32 counters for launches on ``stream`` (a CUstream handle, as
+    :class:`TorchLaunch` gives) whose kernels leave them zero again: zeroed once per stream in
+    ``by_stream`` (and again when a launch needs more), so launches on one stream, which run in
+    order, share them and none has to clear them first."""
+    import torch
+    buf = by_stream.get(stream)
     if buf is None or buf.numel() < size:
-        buf = by_stream[stream.cuda_stream] = torch.zeros(max(size, 1), dtype=torch.int32,
-                                                          device=device)
+        buf = by_stream[stream] = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
     return buf
-
-

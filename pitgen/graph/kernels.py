@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import PlanError, ShapeError
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, stream_counters
+from ..runtime import TorchLaunch, current_stream, stream_counters
 from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
 
@@ -232,7 +232,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
         partials = torch.empty((n_partials, feat), dtype=torch.float32, device=x.device) \
             if n_partials else out
         # cut-row counters, reset by each row's last piece
-        counters = (stream_counters(m.counters, torch.cuda.current_stream(x.device),
+        counters = (stream_counters(m.counters, current_stream(x.device.index),
                                     info["cut_rows"], x.device) if pieces else out)
     with TorchLaunch() as tl:
         if m.fmt == "hyb":

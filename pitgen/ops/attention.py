@@ -235,7 +235,7 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
-    counters = stream_counters(_COUNTERS.setdefault(mask.device.index, {}), launch.torch_stream,
+    counters = stream_counters(_COUNTERS.setdefault(mask.device.index, {}), launch.stream,
                                plan.slices * (plan.n_qb + 1), mask.device)
     rowcount = counters.data_ptr()
     done = rowcount + 4 * plan.slices * plan.n_qb
@@ -252,7 +252,7 @@ def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     query-block order (as ``block_order_reference``)."""
     plan = _check(q, k, v, mask)
     with TorchLaunch() as launch:
-        return _index(ATTENTION.module(plan.context()), plan, _mask_u8(mask.contiguous()), launch)
+        return _index(ATTENTION.module(plan), plan, _mask_u8(mask.contiguous()), launch)
 
 
 def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
@@ -299,7 +299,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     if not math.isfinite(scale):
         raise ShapeError(f"scale must be finite, got {scale}")
     mask = _mask_u8(mask.contiguous())
-    kernels = ATTENTION.module(plan.context())
+    kernels = ATTENTION.module(plan)
     sb, sh = plan.mask_strides
     with TorchLaunch() as launch:
         idx = (_index(kernels, plan, mask, launch) if index is None

@@ -217,7 +217,7 @@ def sddmm(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int] = (32, 1),
         out.zero_()  # elements of tiles the mask leaves empty
         vptr = rptr = cptr = tptr = 0
         optr, o_str = out.data_ptr(), out.stride()[::-1] if cfg.transposed else out.stride()
-    kern = SDDMM.module(cfg.context())
+    kern = SDDMM.module(cfg)
     with TorchLaunch() as L:
         kern.launch("pit_sddmm_index", grids["index"], (INDEX_THREADS, 1, 1), L.stream,
                     m8.data_ptr(), m_str[0], m_str[1], Mv, Nv, items, counts.data_ptr(),
