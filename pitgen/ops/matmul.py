@@ -137,7 +137,7 @@ class GemmCall:
         n, cap = geo.groups, geo.groups * geo.cap
         wgmma = L.spec.gemm.mainloop == "wgmma"
         ints = self.ws.alloc((n + cap + (n if wgmma else 0),), "int32")
-        self.counts, self.ids = ints[:n], ints[n:n + cap]
+        self.counts, self.ids = ints[:n], ints[n:n + cap].reshape(n, geo.cap)
         if ix.pack:
             self.pack = self.ws.alloc((cap * ix.long_extent,), L.dtype)
         counts = Workspace.ptr(ints)
