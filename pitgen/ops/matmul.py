@@ -3,6 +3,7 @@ returns a :class:`SparseKernel`; calling it on device arrays builds the micro-ti
 GPU and runs the tile kernel over it, every call, with no host round-trip."""
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -93,6 +94,26 @@ class Launcher:
         if mask is not None:  # the mask's strides along the index's (long, id) dims
             md = (mask.strides[form.a_dims[0]], mask.strides[form.a_dims[1]])
             self.mask_strides = md[::-1] if self.spec.gemm.a_mode == "rows" else md
+        lay, g = self.layout, self.spec.gemm
+        #: the tile kernel's size arguments
+        self.sizes = (M, N, K, *lay.sa, *lay.sb, *lay.sc, self.geo.tk)
+        #: int32 words of the index (counts, ids, and the wgmma kernel's m-tile order)
+        n = self.geo.groups
+        self.index_words = n + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
+        #: per stream handle: index buffers that calls on that stream reuse (stream order
+        #: keeps one call's index build behind the previous call's tile kernel)
+        self._scratch: dict[tuple[int, str], Any] = {}
+        #: held while a reusing call enqueues its index build and tile kernel, so that two
+        #: threads on one stream cannot interleave their launches over one index buffer
+        self.lock = threading.Lock()
+
+    def scratch(self, stream: int | None, words: int, dtype: str) -> Any:
+        """This launcher's reusable buffer of ``words`` elements for launches on ``stream``."""
+        key = (stream or 0, dtype)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = Workspace(self.is_torch).alloc((words,), dtype)
+        return buf
 
 
     def tensor_maps(self, a_ptr: int, b_ptr: int) -> tuple[bytes, bytes]:
@@ -109,48 +130,70 @@ class Launcher:
 
 
 class GemmCall:
-    """One call: the launcher's plan applied to this call's arrays and fresh buffers.
+    """One call: the launcher's plan applied to this call's arrays.
 
     ``build_index()`` then ``compute()``: both only enqueue work on the stream (a CUstream
     handle; None or 0: the legacy default stream); nothing waits. ``a`` and ``b`` are the
     sparse and the dense operand (torch tensors or GPUArrays, as the launcher was built for).
+    The index goes to fresh buffers (``counts``/``ids`` stay the caller's), or with
+    ``reuse=True`` to the launcher's per-stream buffers (``__call__``: nothing allocated for it).
     """
 
-    def __init__(self, launcher: Launcher, a: Any, b: Any, out: Any | None, mask_ptr: int = 0):
+    def __init__(self, launcher: Launcher, a: Any, b: Any, out: Any | None, mask_ptr: int = 0,
+                 reuse: bool = False):
         self.L = L = launcher
-        self.a, self.b, self.mask_ptr = a, b, mask_ptr
+        self.a, self.b, self.mask_ptr, self.reuse = a, b, mask_ptr, reuse
         self.a_ptr, self.b_ptr = Workspace.ptr(a), Workspace.ptr(b)
-        self.ws = Workspace(L.is_torch)
-        self.out = out if out is not None else self.ws.alloc(L.out_shape, L.dtype)
+        self.out = out if out is not None else Workspace(L.is_torch).alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
-        self.counts = self.ids = self.pack = self.order = None
+        self._ints = self.pack = None
+        self.counts_ptr = self.ids_ptr = self.order_ptr = 0
+
+    @property
+    def counts(self) -> Any:
+        """The index's per-group counts (None before build_index, or without an index)."""
+        return None if self._ints is None else self._ints[:self.L.geo.groups]
+
+    @property
+    def ids(self) -> Any:
+        """The index's [groups, cap] id lists (rows padded past ``counts``)."""
+        if self._ints is None:
+            return None
+        n, cap = self.L.geo.groups, self.L.geo.cap
+        return self._ints[n:n + n * cap].reshape(n, cap)
+
+    def use_index(self, counts: Any, ids: Any) -> None:
+        """Compute over an index built elsewhere (device arrays shaped as ``counts``/``ids``)."""
+        self.counts_ptr, self.ids_ptr = Workspace.ptr(counts), Workspace.ptr(ids)
 
     def build_index(self, stream: int | None) -> None:
         """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block).
-        counts, ids (and the wgmma kernel's m-tile order) share one int32 buffer: one
-        allocation per call."""
+        counts, ids (and the wgmma kernel's m-tile order) share one int32 buffer."""
         L = self.L
         ix = L.spec.index
         if ix is None or L.vendor or L.M * L.N * L.K == 0:
             return
         geo = L.geo
         n, cap = geo.groups, geo.groups * geo.cap
-        wgmma = L.spec.gemm.mainloop == "wgmma"
-        ints = self.ws.alloc((n + cap + (n if wgmma else 0),), "int32")
-        self.counts, self.ids = ints[:n], ints[n:n + cap].reshape(n, geo.cap)
+        words = L.index_words
+        ints = (L.scratch(stream, words, "int32") if self.reuse
+                else Workspace(L.is_torch).alloc((words,), "int32"))
+        self._ints = ints
+        self.counts_ptr = base = Workspace.ptr(ints)
+        self.ids_ptr = base + 4 * n
+        pack = 0
         if ix.pack:
-            self.pack = self.ws.alloc((cap * ix.long_extent,), L.dtype)
-        counts = Workspace.ptr(ints)
-        memset_d32(counts, 0, n, stream)
-        L.mod.launch(
-            "pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr, *geo.index_args,
-            counts, Workspace.ptr(self.ids),
-            Workspace.ptr(self.pack) if self.pack is not None else 0,
-            self.mask_ptr, *L.mask_strides)
-        if wgmma:  # the m-tiles longest first, for the persistent CTAs
-            self.order = ints[n + cap:]
-            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream,
-                         counts, Workspace.ptr(self.order), n)
+            size = cap * ix.long_extent
+            self.pack = (L.scratch(stream, size, L.dtype) if self.reuse
+                         else Workspace(L.is_torch).alloc((size,), L.dtype))
+            pack = Workspace.ptr(self.pack)
+        memset_d32(base, 0, n, stream)
+        L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
+                     *geo.index_args, base, self.ids_ptr, pack, self.mask_ptr, *L.mask_strides)
+        if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
+            self.order_ptr = base + 4 * (n + cap)
+            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream, base,
+                         self.order_ptr, n)
 
     def compute(self, stream: int | None) -> None:
         """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
@@ -164,28 +207,29 @@ class GemmCall:
             if not L.accumulate:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
             return
-        f32 = None
+        f32 = 0
         if g.a_mode == "rows":
             if g.c_mode == "atomic":
-                f32 = self.ws.alloc((M * N,), "float32")
-                memset_d32(Workspace.ptr(f32), 0, M * N, stream)
+                f32 = Workspace.ptr(self._f32(M * N))
+                memset_d32(f32, 0, M * N, stream)
             elif not L.accumulate:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
-        ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
-        lay = L.layout
-        buffers = (ptr(self.pack) if self.pack is not None else self.a_ptr, self.b_ptr,
-                   self.c_ptr, ptr(f32), ptr(self.counts), ptr(self.ids))
-        sizes = (M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk)
+        a = Workspace.ptr(self.pack) if self.pack is not None else self.a_ptr
         if g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
-                       *L.tensor_maps(self.a_ptr, self.b_ptr), *buffers, ptr(self.order),
-                       *sizes, smem=L.smem)
+                       *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr, f32,
+                       self.counts_ptr, self.ids_ptr, self.order_ptr, *L.sizes, smem=L.smem)
         else:
-            mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, *buffers, *sizes,
-                       smem=L.smem)
-        if f32 is not None:
-            mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr,
-                       Workspace.ptr(f32), M, N, *sc, int(L.accumulate))
+            mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, a, self.b_ptr,
+                       self.c_ptr, f32, self.counts_ptr, self.ids_ptr, *L.sizes, smem=L.smem)
+        if f32:
+            mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr, f32,
+                       M, N, *sc, int(L.accumulate))
+
+    def _f32(self, size: int) -> Any:
+        """The rows mode's fp32 accumulator, kept with the call until its kernels are queued."""
+        self.f32 = Workspace(self.L.is_torch).alloc((size,), "float32")
+        return self.f32
 
     def _vendor(self) -> None:
         """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""
@@ -206,7 +250,7 @@ class GemmCall:
         if self.L.vendor:
             self.compute(None)
             return self.out
-        with TorchLaunch(self.L.is_torch) as launch:
+        with TorchLaunch(self.L.is_torch) as launch, self.L.lock:
             self.build_index(launch.stream)
             self.compute(launch.stream)
         return self.out
@@ -300,13 +344,17 @@ class SparseKernel:
         Everything but buffer allocation is cached per call signature (shapes, strides, dtypes,
         alignment), so repeated calls cost only their launches: a call on torch tensors given
         positionally finds its launcher from the tensors' raw attributes, before any Operand is
-        built."""
+        built. The call builds its index into fresh buffers, which stay the caller's."""
+        return self._prepare(args, kwargs, out, accumulate, mask, reuse=False)
+
+    def _prepare(self, args: tuple, kwargs: dict, out: Any, accumulate: bool, mask: Any,
+                 reuse: bool) -> GemmCall:
         fast = _torch_key(args, out, mask, accumulate) if not kwargs else None
         launcher = self._fast.get(fast) if fast is not None else None
         if launcher is not None:
             ia, ib = self._ab
             return GemmCall(launcher, args[ia], args[ib], out,
-                            mask.data_ptr() if mask is not None else 0)
+                            mask.data_ptr() if mask is not None else 0, reuse)
         ops = self._bind(args, kwargs)
         m_op = as_operand("mask", mask) if mask is not None else None
         if m_op is not None and m_op.shape != ops[self.sparse].shape:
@@ -332,7 +380,7 @@ class SparseKernel:
         if fast is not None:
             self._fast[fast] = launcher
         return GemmCall(launcher, ops[self.sparse].obj, ops[self.form.dense].obj, out,
-                        m_op.ptr if m_op is not None else 0)
+                        m_op.ptr if m_op is not None else 0, reuse)
 
     def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
                  **kwargs: Any) -> Any:
@@ -341,7 +389,7 @@ class SparseKernel:
         ``mask`` (bool or uint8, the sparse operand's shape) says where that operand may be
         non-zero: the index is built from it instead of from the values. Values outside the mask
         must be zero (they are computed only where they share a micro-tile with a masked one)."""
-        return self.prepare(*args, out=out, accumulate=accumulate, mask=mask, **kwargs).run()
+        return self._prepare(args, kwargs, out, accumulate, mask, reuse=True).run()
 
     def index(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Build only the micro-tile index of the sparse operand; returns device arrays
