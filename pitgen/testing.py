@@ -551,14 +551,19 @@ def _assert_within(got: np.ndarray, ref: np.ndarray, name: str, scale: np.ndarra
             f"{limit[worst]:.3g}, scale {scale[worst]:.3g})")
 
 
-#: Examples per GPU Hypothesis test under the ``thorough`` profile (PITGEN_HYPOTHESIS=thorough).
+#: Examples per kernel family's GPU property test under the ``thorough`` profile
+#: (PITGEN_HYPOTHESIS=thorough; ``scripts/device_session.sh thorough``).
 THOROUGH_EXAMPLES = 2000
 
 
-def examples(n: int) -> int:
-    """``max_examples`` of a GPU property test: ``n`` (the fast profile), or at least
-    THOROUGH_EXAMPLES when ``PITGEN_HYPOTHESIS=thorough`` selects the thorough profile."""
-    return max(n, THOROUGH_EXAMPLES) if os.environ.get("PITGEN_HYPOTHESIS") == "thorough" else n
+def examples(n: int, share: int = 1) -> int:
+    """``max_examples`` of a GPU property test: ``n`` (the fast profile), or when
+    ``PITGEN_HYPOTHESIS=thorough`` selects the thorough profile at least THOROUGH_EXAMPLES /
+    ``share``: a test parametrized into ``share`` items that together cover one kernel family
+    (each item draws its own examples) gives the family THOROUGH_EXAMPLES in all."""
+    if os.environ.get("PITGEN_HYPOTHESIS") != "thorough":
+        return n
+    return max(n, -(-THOROUGH_EXAMPLES // max(1, share)))
 
 
 def poison(t: Array) -> Array:

@@ -74,12 +74,14 @@ def _shape_for(kind: str, form: str, t_m: int, t_k: int) -> tuple[int, int] | st
 
 
 sizes = T.extents(200)
+KINDS = ("dense", "micro_k", "micro_m", "block")
 
 
-@pytest.mark.parametrize("kind", ["dense", "micro_k", "micro_m", "block"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@settings(max_examples=T.examples(8), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=T.examples(8, share=len(KINDS) * len(FORMS) * len(DTYPES)), deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(M=sizes, N=sizes, K=sizes, t_m=st.sampled_from([16, 32, 64, 128]),
        t_k=st.sampled_from([16, 32, 64, 128]), gran=st.sampled_from(T.MASK_KINDS),
        density=st.sampled_from([0.05, 0.3, 0.7]), seed=st.integers(0, 2**31 - 1))
@@ -96,10 +98,12 @@ def test_kernel_matches_float64_reference(dtype, form, kind, M, N, K, t_m, t_k, 
     check(out, ref, dtype, gemm_scale(op, arrays))
 
 
-@settings(max_examples=T.examples(25), deadline=None, suppress_health_check=list(HealthCheck))
-@given(form=st.sampled_from(sorted(FORMS)), kind=st.sampled_from(["micro_k", "micro_m", "block"]),
-       M=sizes, N=st.integers(1, 40), K=sizes, t=st.sampled_from([16, 32, 64]),
-       gran=st.sampled_from(T.MASK_KINDS), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.parametrize("form", sorted(FORMS))   # spread over workers in the thorough profile
+@settings(max_examples=T.examples(5, share=len(FORMS)), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(["micro_k", "micro_m", "block"]), M=sizes, N=st.integers(1, 40),
+       K=sizes, t=st.sampled_from([16, 32, 64]), gran=st.sampled_from(T.MASK_KINDS),
+       seed=st.integers(0, 2**31 - 1))
 def test_gpu_index_equals_reference_as_sets(form, kind, M, N, K, t, gran, seed):
     rng = np.random.default_rng(seed)
     micro = _shape_for(kind, form, t, t)
