@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 import numpy as np
@@ -371,14 +371,23 @@ def _first(bad: np.ndarray) -> tuple[int, ...]:
 
 
 #: The element-wise bound of a product's output (``assert_close(..., scale=)``):
-#: ``|actual - expected| <= E_OUT * |expected| + E_ACC * scale + SMALLEST_NORMAL``. E_OUT is the
-#: output type's rounding (two ulps of slack), E_ACC what the accumulation and any rounded
-#: operand (tf32) add per unit of ``scale``, the root-sum-square of the summed terms
-#: (:func:`term_scale`): random rounding grows with it, about six of its standard deviations.
+#: ``|actual - expected| <= E_OUT * |expected| + (E_ACC + roundings * E_ROUND) * scale
+#: + SMALLEST_NORMAL``. E_OUT is the output type's rounding (two ulps of slack), E_ACC what the
+#: accumulation and any rounded operand (tf32) add per unit of ``scale``, the root-sum-square of
+#: the summed terms (:func:`term_scale`): random rounding grows with it, about six of its
+#: standard deviations.
 E_OUT: dict[str, float] = {"float64": 2.0**-50, "float32": 2.0**-22, "tf32": 2.0**-22,
                            "float16": 2.0**-10, "bfloat16": 2.0**-7}
 E_ACC: dict[str, float] = {"float64": 2.0**-44, "float32": 2.0**-12, "tf32": 2.0**-8,
                            "float16": 2.0**-10, "bfloat16": 2.0**-10}
+#: What each intermediate rounding to the storage type adds per unit of ``scale``: a partial
+#: result stored in the dtype before the last step (a product rounded before its bias is added,
+#: RGCN's XW, MoE's activations, attention's P, a split-k partial cuBLAS reduces in fp16) is off
+#: by at most one unit roundoff u of its value, uniformly (standard deviation u / sqrt(3) of a
+#: value about as large as the root-sum-square of its terms), summed with random signs: 4 u is
+#: about seven standard deviations. tf32 intermediates are stored as float32.
+E_ROUND: dict[str, float] = {"float64": 2.0**-51, "float32": 2.0**-22, "tf32": 2.0**-22,
+                             "float16": 2.0**-9, "bfloat16": 2.0**-6}
 #: Smallest normal of each output type: the absolute floor (an exact zero may come back as a
 #: flushed denormal).
 SMALLEST_NORMAL: dict[str, float] = {"float64": float(np.finfo(np.float64).tiny),
@@ -388,18 +397,64 @@ SMALLEST_NORMAL: dict[str, float] = {"float64": float(np.finfo(np.float64).tiny)
                                      "bfloat16": 2.0**-126}
 
 
+def _squared(x: Any) -> Any:
+    """``x`` with every element squared, in float64: an array, or a CSR / Relational's values."""
+    if isinstance(x, (CSR, Relational)):
+        return replace(x, data=x.values() ** 2)
+    return _numpy(x).astype(np.float64) ** 2
+
+
 def term_scale(reference: Any, *operands: Any) -> np.ndarray:
     """``scale`` for :func:`assert_close` of a product: ``sqrt(reference(A*A, B*B, ...))``, the
     root-sum-square of the terms each output sums, for a ``reference`` that is linear in each
-    operand (matmul, SpMM, SDDMM: each term a product of one element of each operand)."""
-    return np.sqrt(np.abs(_numpy(reference(*(_numpy(x).astype(np.float64) ** 2
-                                             for x in operands)))))
+    operand (matmul, SpMM, SDDMM, RGCN: each term a product of one element of each operand).
+    Operands are arrays, torch tensors, or ``pitgen.graph.formats`` CSR / Relational matrices
+    (their values squared), e.g. ``term_scale(reference.spmm_csr, csr, x)``."""
+    return np.sqrt(np.abs(_numpy(reference(*(_squared(x) for x in operands)))))
+
+
+def attention_term_scale(q: Any, k: Any, v: Any, mask: Any,
+                         scale: float | None = None) -> np.ndarray:
+    """``scale`` for :func:`assert_close` of masked attention: the root-sum-square of the terms
+    of O = P V, ``sqrt(P*P @ V*V)`` with P the float64 softmax probabilities (the kernels
+    round P to the input type before P V: pass ``roundings=1``)."""
+    q, k, v = (_numpy(x).astype(np.float64) for x in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    m = np.broadcast_to(_numpy(mask) != 0, q.shape[:-2] + (q.shape[-2], k.shape[-2]))
+    s = np.where(m, np.einsum("...id,...jd->...ij", q, k) * scale, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    p = np.where(m, np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
+    return np.sqrt(np.einsum("...ij,...jd->...id", p * p, v * v))
+
+
+def moe_term_scale(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any = None,
+                   b2: Any = None, activation: str = "gelu") -> np.ndarray:
+    """``scale`` for :func:`assert_close` of the MoE layer: the root-sum-square of the terms of
+    the second GEMM, ``gate * act(x W1 + b1)[f] * W2[f]`` and ``gate * b2`` over every pair
+    routed to a token (the kernel rounds the activations to the input type in between: pass
+    ``roundings=1``)."""
+    x, g, ids = _numpy(x).astype(np.float64), _numpy(gates).astype(np.float64), _numpy(expert_ids)
+    w1, w2 = _numpy(w1).astype(np.float64), _numpy(w2).astype(np.float64)
+    topk = ids.shape[1]
+    sq = np.zeros((x.shape[0], w2.shape[2]))
+    for e in range(w1.shape[0]):
+        pairs = np.flatnonzero(ids.reshape(-1) == e)
+        if not len(pairs):
+            continue
+        h = x[pairs // topk] @ w1[e] + (0.0 if b1 is None else _numpy(b1)[e])
+        terms = (reference.activation_reference(h, activation) ** 2) @ w2[e] ** 2
+        if b2 is not None:
+            terms = terms + _numpy(b2).astype(np.float64)[e] ** 2
+        np.add.at(sq, pairs // topk, g.reshape(-1)[pairs, None] ** 2 * terms)
+    return np.sqrt(sq)
 
 
 def assert_close(actual: Any, expected: Any, dtype: Any, *, scale: Any = None,
                  e_out: float | None = None, e_acc: float | None = None,
-                 tol: float | None = None, magnitude: Any = None, k: int = 1,
-                 what: str = "output") -> None:
+                 roundings: int = 0, tol: float | None = None, magnitude: Any = None,
+                 k: int = 1, what: str = "output") -> None:
     """Assert that ``actual`` (a torch tensor or NumPy array, from a kernel computing in
     ``dtype``: a name of TOLERANCES, a torch or NumPy dtype) matches the float64 ``expected``.
 
@@ -407,9 +462,11 @@ def assert_close(actual: Any, expected: Any, dtype: Any, *, scale: Any = None,
     passes); integer and bool dtypes exactly. With ``scale`` (a product's outputs: the
     magnitude of the terms each output sums, :func:`term_scale`; ``|A|·|B|``, which is larger,
     also works and is looser), every element on its own:
-    ``|actual - expected| <= e_out * |expected| + e_acc * scale + smallest normal``
-    (E_OUT, E_ACC and SMALLEST_NORMAL of the dtype by default): a single dropped term or wrong
-    element fails, however many right ones surround it. Without ``scale``
+    ``|actual - expected| <= e_out * |expected| + (e_acc + roundings * E_ROUND) * scale +
+    smallest normal`` (E_OUT, E_ACC, E_ROUND and SMALLEST_NORMAL of the dtype by default;
+    ``roundings``: how many times the kernel stores a partial result in the dtype before the
+    output, see E_ROUND): a single dropped term or wrong element fails, however many right ones
+    surround it. Without ``scale``
     (operators that are not a plain product):
 
     - the same shape, and no NaN: an unwritten (:func:`poison` ed) element or a bad read never
@@ -428,7 +485,7 @@ def assert_close(actual: Any, expected: Any, dtype: Any, *, scale: Any = None,
     got, ref = _numpy(actual), _numpy(expected)
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != reference shape {ref.shape}"
     if scale is not None and bound != 0.0:
-        _assert_within(got, ref, name, _numpy(scale), e_out, e_acc, what)
+        _assert_within(got, ref, name, _numpy(scale), e_out, e_acc, roundings, what)
         return
     if bound == 0.0:
         bad = got != ref
@@ -472,15 +529,18 @@ def _finite(got: np.ndarray, ref: np.ndarray, what: str) -> None:
 
 
 def _assert_within(got: np.ndarray, ref: np.ndarray, name: str, scale: np.ndarray,
-                   e_out: float | None, e_acc: float | None, what: str) -> None:
+                   e_out: float | None, e_acc: float | None, roundings: int, what: str) -> None:
     """The element-wise bound of :func:`assert_close` with ``scale``."""
     if name not in E_OUT:
         raise ValueError(f"no element-wise bound for dtype {name!r}: one of {', '.join(E_OUT)}")
     got, ref = got.astype(np.float64), ref.astype(np.float64)
     scale = np.abs(np.broadcast_to(scale.astype(np.float64), ref.shape))
     _finite(got, ref, what)
-    limit = ((E_OUT[name] if e_out is None else e_out) * np.abs(ref)
-             + (E_ACC[name] if e_acc is None else e_acc) * scale + SMALLEST_NORMAL[name])
+    if roundings < 0:
+        raise ValueError(f"roundings must be >= 0, got {roundings}")
+    acc = (E_ACC[name] if e_acc is None else e_acc) + roundings * E_ROUND[name]
+    limit = ((E_OUT[name] if e_out is None else e_out) * np.abs(ref) + acc * scale
+             + SMALLEST_NORMAL[name])
     excess = np.abs(got - ref) - limit
     bad = excess > 0
     if bad.any():
@@ -491,14 +551,19 @@ def _assert_within(got: np.ndarray, ref: np.ndarray, name: str, scale: np.ndarra
             f"{limit[worst]:.3g}, scale {scale[worst]:.3g})")
 
 
-#: Examples per GPU Hypothesis test under the ``thorough`` profile (PITGEN_HYPOTHESIS=thorough).
+#: Examples per kernel family's GPU property test under the ``thorough`` profile
+#: (PITGEN_HYPOTHESIS=thorough; ``scripts/device_session.sh thorough``).
 THOROUGH_EXAMPLES = 2000
 
 
-def examples(n: int) -> int:
-    """``max_examples`` of a GPU property test: ``n`` (the fast profile), or at least
-    THOROUGH_EXAMPLES when ``PITGEN_HYPOTHESIS=thorough`` selects the thorough profile."""
-    return max(n, THOROUGH_EXAMPLES) if os.environ.get("PITGEN_HYPOTHESIS") == "thorough" else n
+def examples(n: int, share: int = 1) -> int:
+    """``max_examples`` of a GPU property test: ``n`` (the fast profile), or when
+    ``PITGEN_HYPOTHESIS=thorough`` selects the thorough profile at least THOROUGH_EXAMPLES /
+    ``share``: a test parametrized into ``share`` items that together cover one kernel family
+    (each item draws its own examples) gives the family THOROUGH_EXAMPLES in all."""
+    if os.environ.get("PITGEN_HYPOTHESIS") != "thorough":
+        return n
+    return max(n, -(-THOROUGH_EXAMPLES // max(1, share)))
 
 
 def poison(t: Array) -> Array:

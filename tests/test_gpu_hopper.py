@@ -52,7 +52,8 @@ mult8 = st.integers(1, 66).map(lambda v: 8 * v)
 
 @pytest.mark.parametrize("mainloop", ["wgmma", "mma_sync"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@settings(max_examples=T.examples(12), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=T.examples(12, share=2), deadline=None,   # 2 dtypes per mainloop
+          suppress_health_check=list(HealthCheck))
 @given(form=st.sampled_from(sorted(FORMS)), kind=st.sampled_from(["dense", "block"]),
        M=mult8, N=mult8, K=mult8, t_m=st.sampled_from([64, 128]), t_k=st.sampled_from([64, 128]),
        density=st.sampled_from([0.0, 0.2, 0.6, 1.0]), accumulate=st.booleans(),
