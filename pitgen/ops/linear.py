@@ -195,10 +195,12 @@ def _classes() -> dict[str, type]:
     return {"SparseLinear": SparseLinear}
 
 
-def _flat(x: Any, in_features: int) -> tuple[Any, tuple[int, ...]]:
-    """x [..., in] as [batch, in] and the leading shape to restore."""
-    if getattr(x, "dim", lambda: 0)() < 1:
-        raise ShapeError(f"x must be a tensor [..., {in_features}]")
+def _flat(x: Any) -> tuple[Any, tuple[int, ...]]:
+    """x [..., in] as [batch, in] and the leading shape to restore (plain checks that
+    torch.compile traces without a break)."""
+    import torch
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ShapeError(f"x must be a tensor [..., in_features], got {type(x).__name__}")
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
@@ -213,7 +215,7 @@ def sparse_weight_linear(x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor |
     'auto' or a micro-tile runs pitgen's GEMM with W ⊙ M sparse. No host synchronisation,
     except that an 'auto' kernel plans once per operand shape (one small copy back then).
     The result is a transposed view (the kernel writes yᵀ)."""
-    x2, lead = _flat(x, weight.shape[-1] if hasattr(weight, "shape") else 0)
+    x2, lead = _flat(x)
     _check_linear(x2, weight, bias)
     check_tensor("mask", mask, ("bool", "uint8"), ndim=2, shape=tuple(weight.shape), contiguous=False)
     y = ops().sparse_weight_linear(x2, weight, mask, bias, _micro(micro_tile),
@@ -226,7 +228,7 @@ def sparse_input_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     """``x weightᵀ + bias`` with gradients, skipping x's zeros in forward and dW. With
     ``micro_tile='auto'`` each kernel plans once per operand shape, on that shape's first call,
     from coverage counts copied back from the GPU (one small host sync then; none later)."""
-    x2, lead = _flat(x, weight.shape[-1] if hasattr(weight, "shape") else 0)
+    x2, lead = _flat(x)
     _check_linear(x2, weight, bias)
     y = ops().sparse_input_linear(x2, weight, bias, _micro(micro_tile))
     return y.reshape(*lead, weight.shape[0])
