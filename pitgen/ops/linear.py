@@ -61,11 +61,12 @@ def kernel(expr: str, sparse: str, dtype: str, micro_tile: str,
 
 def _gemm(expr: str, sparse: str, dtype: str, micro_tile: str, a: Any, b: Any,
           mask: Any = None) -> Any:
-    """``expr`` on (A=a, B=b) through the cached kernel. An 'auto' plan that has no GPU kernel
-    (extents below one mma tile, e.g. a batch of 1) runs torch's dense product instead."""
+    """``expr`` on (A=a, B=b) through the cached kernel, launched directly (this runs inside
+    the ``pitgen::`` ops). An 'auto' plan that has no GPU kernel (extents below one mma tile,
+    e.g. a batch of 1) runs torch's dense product instead."""
     k = kernel(expr, sparse, dtype, micro_tile, (tuple(a.shape), tuple(b.shape)))
     try:
-        return k(a, b, mask=mask)
+        return k.prepare(a, b, mask=mask).run()
     except PlanError:
         if micro_tile != "auto":
             raise
