@@ -14,6 +14,7 @@ import pytest
 import pitgen
 from pitgen.errors import BackwardError, PitgenError
 from pitgen.ops import library
+from pitgen.ops.sddmm import sddmm
 
 torch = pytest.importorskip("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
@@ -94,9 +95,9 @@ def test_ops_without_backward_name_themselves():
 
 
 def test_torch_compile_traces_a_model_into_one_graph_forward_and_backward(monkeypatch):
-    """SparseLinear and MoE under torch.compile(fullgraph=True) on fake tensors: one graph, the
-    pitgen ops in it, every parameter's gradient through the registered backwards (traced by
-    AOTAutograd). The device check is lifted: fake tensors here live on the CPU."""
+    """SparseLinear, MoE and a differentiable SDDMM under torch.compile(fullgraph=True) on fake
+    tensors: one graph, the pitgen ops in it, every gradient through the registered backwards
+    (traced by AOTAutograd). The device check is lifted: fake tensors here live on the CPU."""
     import pitgen.nn
     import pitgen.operands
 
@@ -109,9 +110,10 @@ def test_torch_compile_traces_a_model_into_one_graph_forward_and_backward(monkey
             self.moe = pitgen.nn.MoE(128, 256, 4, topk=2)
             self.down = pitgen.nn.SparseLinear(128, 48, sparse_input=True)
 
-        def forward(self, x):
+        def forward(self, x, q, k, mask):
             h = torch.relu(self.up(x))
-            return self.down(torch.relu(h + self.moe(h)))
+            s = sddmm(q, k, mask, tile=(1, 32), layout=torch.strided)
+            return self.down(torch.relu(h + self.moe(h))), s
 
     graphs = []
 
@@ -126,12 +128,17 @@ def test_torch_compile_traces_a_model_into_one_graph_forward_and_backward(monkey
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        out = compiled(mode.from_tensor(torch.randn(3, 7, 64)))
-        assert out.shape == (3, 7, 48)
-        out.square().mean().backward()
+        x = mode.from_tensor(torch.randn(3, 7, 64))
+        q = mode.from_tensor(torch.randn(57, 32)).requires_grad_()
+        k = mode.from_tensor(torch.randn(40, 32)).requires_grad_()
+        mask = mode.from_tensor(torch.rand(57, 40) < 0.3)
+        out, s = compiled(x, q, k, mask)
+        assert out.shape == (3, 7, 48) and s.shape == (57, 40)
+        (out.square().mean() + s.sum()).backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape
     assert len(graphs) == 1
     code = graphs[0].code
-    for op in ("sparse_weight_linear", "moe_ffn", "sparse_input_linear"):
+    for op in ("sparse_weight_linear", "moe_ffn", "sparse_input_linear", "sddmm"):
         assert f"torch.ops.pitgen.{op}" in code
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape, name

@@ -104,6 +104,11 @@ class MoEPlan:
                 "stages": self.stages, "vec": self.vec}
 
 
+def block_m(pairs: int, experts: int) -> int:
+    """Rows per expert tile: 128 when an expert gets >= 256 rows on average, else 64."""
+    return 128 if pairs >= 256 * experts else 64
+
+
 @cache.lru("moe.plans")
 def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype: str = "float16",
              activation: str = "gelu", id_dtype: str = "int32") -> MoEPlan:
@@ -127,7 +132,7 @@ def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype:
     pairs = tokens * topk
     if pairs >= 2**31 or pairs * max(hidden, ffn) >= 2**62 or experts >= 2**31 - 1:
         raise ShapeError(f"T*topk = {pairs} rows is too large (int32 row ids)")
-    bm = 128 if pairs >= 256 * experts else 64
+    bm = block_m(pairs, experts)
     stages = 3 if (bm == 128 or dtype == "float32") else 4
     return MoEPlan(tokens, topk, experts, hidden, ffn, dtype, activation,
                    "int" if id_dtype == "int32" else "long long", bm, 128, 32, 2, 4, stages)
@@ -345,7 +350,7 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
     db1 = torch.zeros(E, F, dtype=f32, device=dev)
     db2 = torch.zeros(E, H, dtype=f32, device=dev)
     if P:
-        bm = plan_moe(T, topk, E, H, F, _name(x), activation, _name(expert_ids)).bm
+        bm = block_m(P, E)  # the forward's tiles (plan_moe's rule; sizes may be symbolic here)
         row_pair, tile_e, tile_r, offsets, ntiles = ops().moe_route(expert_ids, E, bm)
         nt = tile_e.shape[0]
         chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // (8 * H * F)))
