@@ -57,3 +57,8 @@ class FileError(PitgenError, OSError):
 class DependencyError(PitgenError, ImportError):
     """An optional package that this call needs is not installed (the message says which extra
     brings it)."""
+
+
+class BackwardError(PitgenError, RuntimeError):
+    """An operator without a backward called on inputs that require grad while grad mode is on
+    (the message names the operator): its result would have no grad path."""

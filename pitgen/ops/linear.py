@@ -16,8 +16,10 @@ Dynamic activation sparsity (x has run-time zeros, e.g. after ReLU):
 
 Every expression goes through the rule engine for the axes its micro-tiles permute. Compiled
 kernels are cached per (expression, dtype, micro-tile) at module level, so steps reuse them.
-``SparseLinear`` (and the Function classes) are built on first access: importing this module
-needs no torch.
+Both linears are ``torch.library`` ops with their backward registered (``pitgen::sparse_weight_linear``,
+``pitgen::sparse_input_linear``: :mod:`pitgen.ops.library`), so ``torch.compile`` traces them
+as single ops, forward and backward. ``SparseLinear`` is built on first access: importing this
+module needs no torch.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..operands import check_tensor
+from .library import ops
 from .matmul import SparseKernel, compile as compile_kernel
-from .sddmm import SDDMM, normalise_tile, sddmm
+from .sddmm import SDDMM, normalise_tile
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -58,11 +61,12 @@ def kernel(expr: str, sparse: str, dtype: str, micro_tile: str,
 
 def _gemm(expr: str, sparse: str, dtype: str, micro_tile: str, a: Any, b: Any,
           mask: Any = None) -> Any:
-    """``expr`` on (A=a, B=b) through the cached kernel. An 'auto' plan that has no GPU kernel
-    (extents below one mma tile, e.g. a batch of 1) runs torch's dense product instead."""
+    """``expr`` on (A=a, B=b) through the cached kernel, launched directly (this runs inside
+    the ``pitgen::`` ops). An 'auto' plan that has no GPU kernel (extents below one mma tile,
+    e.g. a batch of 1) runs torch's dense product instead."""
     k = kernel(expr, sparse, dtype, micro_tile, (tuple(a.shape), tuple(b.shape)))
     try:
-        return k(a, b, mask=mask)
+        return k.prepare(a, b, mask=mask).run()
     except PlanError:
         if micro_tile != "auto":
             raise
@@ -96,65 +100,7 @@ def _classes() -> dict[str, type]:
     """The torch classes, built once on first use."""
     import torch
 
-    class SparseWeightLinearFunction(torch.autograd.Function):
-        """y = x (W ⊙ M)ᵀ + b; gradients for x, W (only where M is set) and b."""
-
-        @staticmethod
-        def forward(ctx, x, weight, mask, bias, micro_tile, dx_micro_tile, sddmm_tile):
-            dtype = str(x.dtype).replace("torch.", "")
-            w_eff = weight * mask  # the sparse GEMM needs W's values outside M to be zero
-            xt = x.t().contiguous()  # B of yᵀ = W_eff xᵀ, and K of dW's SDDMM
-            y = _gemm(WEIGHT_FORWARD, "A", dtype, micro_tile, w_eff, xt, mask).t()
-            if bias is not None:
-                y.add_(bias)
-            ctx.save_for_backward(xt, w_eff, mask)
-            ctx.cfg = (dtype, dx_micro_tile, sddmm_tile, bias is not None)
-            return y
-
-        @staticmethod
-        def backward(ctx, dy):
-            xt, w_eff, mask = ctx.saved_tensors
-            dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
-            dtype, dx_micro_tile, sddmm_tile, has_bias = ctx.cfg
-            dx = dw = db = None
-            # autograd runs this in its own thread: every launch binds PyCUDA's context itself
-            if ctx.needs_input_grad[0]:
-                dx = (dy @ w_eff if dx_micro_tile == "dense"
-                      else _gemm(WEIGHT_DX, "B", dtype, dx_micro_tile, dy, w_eff, mask))
-            if ctx.needs_input_grad[1]:
-                dw = torch.empty_like(w_eff)
-                # dYᵀ copied once so the SDDMM reads 16 bytes at a time along the batch
-                sddmm(dy.t().contiguous(), xt, mask, tile=sddmm_tile, out=dw)
-            if has_bias and ctx.needs_input_grad[3]:
-                db = dy.sum(0)
-            return dx, dw, None, db, None, None, None
-
-    class SparseInputLinearFunction(torch.autograd.Function):
-        """y = x Wᵀ + b with x's run-time zeros skipped in forward and in dW."""
-
-        @staticmethod
-        def forward(ctx, x, weight, bias, micro_tile):
-            dtype = str(x.dtype).replace("torch.", "")
-            y = _gemm(INPUT_FORWARD, "A", dtype, micro_tile, x, weight)
-            if bias is not None:
-                y.add_(bias)
-            ctx.save_for_backward(x, weight)
-            ctx.cfg = (dtype, micro_tile, bias is not None)
-            return y
-
-        @staticmethod
-        def backward(ctx, dy):
-            x, weight = ctx.saved_tensors
-            dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
-            dtype, micro_tile, has_bias = ctx.cfg
-            dx = dw = db = None
-            if ctx.needs_input_grad[0]:
-                dx = dy @ weight  # dense: see the module docstring
-            if ctx.needs_input_grad[1]:
-                dw = _gemm(INPUT_DW, "B", dtype, micro_tile, dy, x)
-            if has_bias and ctx.needs_input_grad[2]:
-                db = dy.sum(0)
-            return dx, dw, db, None
+    ops()  # registered before any model using SparseLinear is traced
 
     class SparseLinear(torch.nn.Linear):
         """Drop-in for ``nn.Linear`` (same ``weight``/``bias`` parameters) whose weight is
@@ -247,15 +193,15 @@ def _classes() -> dict[str, type]:
             mode = "sparse_input" if self.sparse_input else f"weight micro_tile={self.micro_tile}"
             return f"{super().extra_repr()}, {mode}"
 
-    return {"SparseWeightLinearFunction": SparseWeightLinearFunction,
-            "SparseInputLinearFunction": SparseInputLinearFunction,
-            "SparseLinear": SparseLinear}
+    return {"SparseLinear": SparseLinear}
 
 
-def _flat(x: Any, in_features: int) -> tuple[Any, tuple[int, ...]]:
-    """x [..., in] as [batch, in] and the leading shape to restore."""
-    if getattr(x, "dim", lambda: 0)() < 1:
-        raise ShapeError(f"x must be a tensor [..., {in_features}]")
+def _flat(x: Any) -> tuple[Any, tuple[int, ...]]:
+    """x [..., in] as [batch, in] and the leading shape to restore (plain checks that
+    torch.compile traces without a break)."""
+    import torch
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ShapeError(f"x must be a tensor [..., in_features], got {type(x).__name__}")
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
@@ -270,12 +216,11 @@ def sparse_weight_linear(x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor |
     'auto' or a micro-tile runs pitgen's GEMM with W ⊙ M sparse. No host synchronisation,
     except that an 'auto' kernel plans once per operand shape (one small copy back then).
     The result is a transposed view (the kernel writes yᵀ)."""
-    x2, lead = _flat(x, weight.shape[-1] if hasattr(weight, "shape") else 0)
+    x2, lead = _flat(x)
     _check_linear(x2, weight, bias)
     check_tensor("mask", mask, ("bool", "uint8"), ndim=2, shape=tuple(weight.shape), contiguous=False)
-    y = _classes()["SparseWeightLinearFunction"].apply(x2, weight, mask, bias, _micro(micro_tile),
-                                                       _micro(dx_micro_tile),
-                                                       normalise_tile(sddmm_tile))
+    y = ops().sparse_weight_linear(x2, weight, mask, bias, _micro(micro_tile),
+                                   _micro(dx_micro_tile), list(normalise_tile(sddmm_tile)))
     return y.reshape(*lead, weight.shape[0])
 
 
@@ -284,13 +229,13 @@ def sparse_input_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     """``x weightᵀ + bias`` with gradients, skipping x's zeros in forward and dW. With
     ``micro_tile='auto'`` each kernel plans once per operand shape, on that shape's first call,
     from coverage counts copied back from the GPU (one small host sync then; none later)."""
-    x2, lead = _flat(x, weight.shape[-1] if hasattr(weight, "shape") else 0)
+    x2, lead = _flat(x)
     _check_linear(x2, weight, bias)
-    y = _classes()["SparseInputLinearFunction"].apply(x2, weight, bias, _micro(micro_tile))
+    y = ops().sparse_input_linear(x2, weight, bias, _micro(micro_tile))
     return y.reshape(*lead, weight.shape[0])
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("SparseLinear", "SparseWeightLinearFunction", "SparseInputLinearFunction"):
+    if name == "SparseLinear":
         return _classes()[name]
     raise AttributeError(f"module 'pitgen.ops.linear' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from ..operands import (Operand, Workspace, align, as_operand, bind_operands, co
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
 from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_map
+from .library import jit_config, jit_matmul, no_backward, tracing
 
 #: The GEMM module (index build, tile kernel, SWrite passes). Its permutations depend on the
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
@@ -285,6 +286,11 @@ def _torch_key(args: tuple, out: Any, mask: Any, accumulate: bool) -> tuple | No
     return tuple(key)
 
 
+def _is_tensor(x: Any) -> bool:
+    """A torch tensor (checked by its type's module, like :func:`as_operand`: no torch import)."""
+    return type(x).__module__.startswith("torch")
+
+
 class SparseKernel:
     """A compiled dynamic-sparse operator. ``micro_tile='auto'`` plans on the first call from
     coverage counts computed on the GPU (one small device-to-host copy) and keeps that choice;
@@ -313,6 +319,8 @@ class SparseKernel:
         self._ab = names.index(self.form.sparse), names.index(self.form.dense)
         if not (isinstance(micro_tile, str) and micro_tile == "auto"):
             self._plan = make_plan(self.operator, sparse, micro_tile=micro_tile, tile=tile)
+        #: the ``pitgen::matmul`` argument that rebuilds this kernel
+        self.config = jit_config(self)
 
     @property
     def plan(self) -> Plan | None:
@@ -388,8 +396,32 @@ class SparseKernel:
 
         ``mask`` (bool or uint8, the sparse operand's shape) says where that operand may be
         non-zero: the index is built from it instead of from the values. Values outside the mask
-        must be zero (they are computed only where they share a micro-tile with a masked one)."""
+        must be zero (they are computed only where they share a micro-tile with a masked one).
+
+        On torch tensors without ``out``, a call that torch traces (torch.compile, torch.export)
+        runs as the ``torch.library`` op ``pitgen::matmul`` (the graph sees one op); an eager
+        call launches directly, as that op's implementation does, without the dispatcher's
+        cost. There is no backward: operands that require grad (grad mode on) raise
+        :class:`pitgen.errors.BackwardError`."""
+        if tracing():
+            tensors = self._torch_operands(args, kwargs)
+            if tensors is not None:
+                if out is None and not accumulate and (mask is None or _is_tensor(mask)):
+                    return jit_matmul(self, *tensors, mask)
+                no_backward("a compiled SparseKernel called with out=", *tensors)
+        elif any(getattr(x, "requires_grad", False) for x in (*args, *kwargs.values())):
+            no_backward("pitgen::matmul (a compiled SparseKernel)", *args, *kwargs.values())
         return self._prepare(args, kwargs, out, accumulate, mask, reuse=True).run()
+
+    def _torch_operands(self, args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
+        """The two operands in the expression's input order when both are torch tensors, else
+        None (GPUArrays, other arities: the direct launch path)."""
+        names = self.operator.input_names
+        if len(names) != 2:
+            return None
+        bound = bind_operands(self.operator.text, names, args, kwargs)
+        ops = tuple(bound[n] for n in names)
+        return ops if all(_is_tensor(t) for t in ops) else None
 
     def index(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Build only the micro-tile index of the sparse operand; returns device arrays

@@ -25,6 +25,7 @@ from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, memset_d32
 from . import lazy_torch_classes
+from .library import ops, tracing
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -103,6 +104,11 @@ class MoEPlan:
                 "stages": self.stages, "vec": self.vec}
 
 
+def block_m(pairs: int, experts: int) -> int:
+    """Rows per expert tile: 128 when an expert gets >= 256 rows on average, else 64."""
+    return 128 if pairs >= 256 * experts else 64
+
+
 @cache.lru("moe.plans")
 def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype: str = "float16",
              activation: str = "gelu", id_dtype: str = "int32") -> MoEPlan:
@@ -126,7 +132,7 @@ def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype:
     pairs = tokens * topk
     if pairs >= 2**31 or pairs * max(hidden, ffn) >= 2**62 or experts >= 2**31 - 1:
         raise ShapeError(f"T*topk = {pairs} rows is too large (int32 row ids)")
-    bm = 128 if pairs >= 256 * experts else 64
+    bm = block_m(pairs, experts)
     stages = 3 if (bm == 128 or dtype == "float32") else 4
     return MoEPlan(tokens, topk, experts, hidden, ffn, dtype, activation,
                    "int" if id_dtype == "int32" else "long long", bm, 128, 32, 2, 4, stages)
@@ -207,8 +213,12 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     ``activation``: relu, gelu (tanh approximation), silu or identity.
 
     check=True validates that every id is in [0, E) and every gate is finite with torch ops and
-    synchronises with the host once to read the verdict. check=False never synchronises: pairs
-    with out-of-range ids are skipped (they add nothing), NaN gates propagate."""
+    synchronises with the host once to read the verdict (skipped while torch.compile or
+    torch.export traces). check=False never synchronises: pairs with out-of-range ids are
+    skipped (they add nothing, and get no gradient), NaN gates propagate.
+
+    Runs as the ``torch.library`` op ``pitgen::moe_ffn``, differentiable in x, gates, w1, w2,
+    b1 and b2 (:func:`moe_backward`)."""
     import torch
 
     check_tensor("x", x, MOE.dtypes, ndim=2)
@@ -228,10 +238,9 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
                     ("b1", b1), ("b2", b2)):
         if t is not None and t.device != x.device:
             raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
-    plan = plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
-    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
-        if t is not None:
-            _aligned(name, t)
+    if tracing():  # the op's launch plans (and validates) at run time
+        return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
+    plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
     if check and T * topk:
         bad = torch.stack([((expert_ids < 0) | (expert_ids >= E)).sum(),
                            (~torch.isfinite(gates)).sum()]).cpu()  # the one host sync
@@ -239,7 +248,21 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
             raise ShapeError(f"expert_ids: {int(bad[0])} ids outside [0, {E})")
         if bad[1]:
             raise ShapeError(f"gates: {int(bad[1])} values are NaN or infinite")
+    return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
 
+
+def launch(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+           b1: Tensor | None, b2: Tensor | None, activation: str) -> Tensor:
+    """The fused FFN's launches on validated operands (the body of ``pitgen::moe_ffn``)."""
+    import torch
+
+    T, H = x.shape
+    E, _, F = w1.shape
+    topk = expert_ids.shape[1]
+    plan = plan_moe(T, topk, E, H, F, _name(x), activation, _name(expert_ids))
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
+        if t is not None:
+            _aligned(name, t)
     g = gates.to(torch.float32).contiguous()
     direct = topk == 1
     y = torch.empty_like(x)
@@ -269,6 +292,121 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     return y
 
 
+#: bytes of fp32 expert weights one backward chunk gathers (w1 and w2 of its tiles)
+BACKWARD_CHUNK_BYTES = 256 << 20
+
+
+def _act_grad(activation: str, da: Any, h: Any) -> Any:
+    """d act(h) / dh applied to ``da`` (aten's own backward formulas: traceable)."""
+    import torch
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(da, h, approximate="tanh")
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(da, h)
+    if activation == "relu":
+        return torch.where(h > 0, da, torch.zeros((), dtype=da.dtype, device=da.device))
+    return da
+
+
+def _act(activation: str, h: Any) -> Any:
+    import torch.nn.functional as fn
+    if activation == "gelu":
+        return fn.gelu(h, approximate="tanh")
+    if activation == "silu":
+        return fn.silu(h)
+    if activation == "relu":
+        return fn.relu(h)
+    return h
+
+
+def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+                 b1: Tensor | None, b2: Tensor | None, activation: str,
+                 dy: Tensor) -> tuple[Any, ...]:
+    """(dx, dgates, dw1, dw2, db1, db2) of :func:`moe_ffn` for the output gradient ``dy``.
+
+    A first, correct version in torch ops over the forward's own routing index
+    (``pitgen::moe_route``: the expert-sorted rows and the BM-row tile list, built on the GPU):
+    the tile list is walked in static chunks; each chunk gathers its tiles' token rows
+    (index_select, padded rows zeroed) and its tiles' expert weights, recomputes the
+    pre-activation and activation in float32 with batched matmuls, and accumulates every
+    gradient with index_add (weights and biases by the tile's expert, x by token, gates by
+    (token, j) pair). No host synchronisation: grids and chunk counts come from the shapes.
+    It gathers weights per tile (at most :data:`BACKWARD_CHUNK_BYTES` at a time) and computes
+    in float32, so it is slower than the forward kernels; it does not reuse pitgen's MoE GEMM
+    kernels (their tiles gather rows, not the transposed reductions dW needs)."""
+    import torch
+
+    T, H = x.shape
+    E, _, F = w1.shape
+    topk = expert_ids.shape[1]
+    P = T * topk
+    f32 = torch.float32
+    dev = x.device
+    dx = torch.zeros(T, H, dtype=f32, device=dev)
+    dg = torch.zeros(max(P, 1), dtype=f32, device=dev)
+    dw1 = torch.zeros(E, H, F, dtype=f32, device=dev)
+    dw2 = torch.zeros(E, F, H, dtype=f32, device=dev)
+    db1 = torch.zeros(E, F, dtype=f32, device=dev)
+    db2 = torch.zeros(E, H, dtype=f32, device=dev)
+    if P:
+        bm = block_m(P, E)  # the forward's tiles (plan_moe's rule; sizes may be symbolic here)
+        row_pair, tile_e, tile_r, offsets, ntiles = ops().moe_route(expert_ids, E, bm)
+        nt = tile_e.shape[0]
+        chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // (8 * H * F)))
+        xf, dyf, gf = x.to(f32), dy.to(f32), gates.to(f32).reshape(-1)
+        w1f, w2f = w1.to(f32), w2.to(f32)
+        ar = torch.arange(bm, device=dev)
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        for s in range(0, nt, chunk):
+            tiles = torch.arange(s, min(nt, s + chunk), device=dev)
+            live = tiles < ntiles
+            e = torch.where(live, tile_e[tiles].long(), zero).clamp(0, E - 1)
+            rows = torch.where(live, tile_r[tiles].long(), zero)[:, None] + ar  # [C, BM]
+            ok = live[:, None] & (rows < offsets[e + 1].long()[:, None]) & (rows < P)
+            pair = torch.where(ok, row_pair[rows.clamp(0, P - 1)].long(), zero)
+            ok = ok & (pair >= 0)
+            pair = torch.where(ok, pair, zero)
+            tok = pair // topk
+            okf = ok.to(f32)[..., None]
+            xg = xf[tok] * okf                                    # [C, BM, H]
+            dyg = dyf[tok] * okf                                  # [C, BM, H]
+            w1c, w2c = w1f[e], w2f[e]                             # [C, H, F], [C, F, H]
+            h = torch.bmm(xg, w1c)
+            if b1 is not None:
+                h = h + b1.to(f32)[e][:, None, :]
+            a = _act(activation, h)
+            o = torch.bmm(a, w2c)
+            if b2 is not None:
+                o = o + b2.to(f32)[e][:, None, :]
+            dg.index_add_(0, pair.reshape(-1), (dyg * o).sum(-1).reshape(-1))
+            do = dyg * gf[pair][..., None]
+            dw2.index_add_(0, e, torch.bmm(a.transpose(1, 2), do))
+            db2.index_add_(0, e, do.sum(1))
+            dh = _act_grad(activation, torch.bmm(do, w2c.transpose(1, 2)), h)
+            dw1.index_add_(0, e, torch.bmm(xg.transpose(1, 2), dh))
+            db1.index_add_(0, e, dh.sum(1))
+            dx.index_add_(0, tok.reshape(-1), torch.bmm(dh, w1c.transpose(1, 2)).reshape(-1, H))
+    return (dx.to(x.dtype), dg[:P].reshape(T, topk).to(gates.dtype), dw1.to(w1.dtype),
+            dw2.to(w2.dtype), None if b1 is None else db1.to(b1.dtype),
+            None if b2 is None else db2.to(b2.dtype))
+
+
+def register_backward(op: Any) -> None:
+    """Register :func:`moe_backward` as ``pitgen::moe_ffn``'s autograd formula."""
+    def setup(ctx: Any, inputs: tuple, output: Any) -> None:
+        x, ids, gates, w1, w2, b1, b2, activation = inputs
+        ctx.save_for_backward(x, ids, gates, w1, w2, b1, b2)
+        ctx.activation = activation
+
+    def backward(ctx: Any, dy: Any) -> tuple:
+        x, ids, gates, w1, w2, b1, b2 = ctx.saved_tensors
+        dx, dg, dw1, dw2, db1, db2 = moe_backward(x, ids, gates, w1, w2, b1, b2, ctx.activation,
+                                                  dy)
+        return dx, None, dg, dw1, dw2, db1, db2, None
+
+    op.register_autograd(backward, setup_context=setup)
+
+
 # -- torch module (built lazily: importing pitgen.ops.moe needs no torch) ---------------------------
 
 
@@ -276,6 +414,8 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
 def _build_module_class() -> Any:
     import torch
     from torch import nn
+
+    ops()  # registered before any model using MoE is traced
 
     class MoE(nn.Module):
         """Drop-in MoE FFN block: router ``nn.Linear(H, E, bias=False)``, softmax over experts,

@@ -11,6 +11,7 @@ and the mask's and output's strides, swapped.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from ..limits import GRID_Y_MAX, INDEX_THREADS
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
+from .library import no_backward, ops
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -165,30 +167,82 @@ def _check_int32(name: str, x: Any) -> None:
         raise ShapeError(f"{name} spans {span} elements; int32 offsets overflow")
 
 
+#: dQ = dS' K and dK = dS'ᵀ Q (dS' = dS ⊙ M, the masked gradient): pitgen's GEMM, dS' sparse
+GRAD_EXPR = "C[m,n] += A[m,k] * B[k,n]"
+
+
 def sddmm(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int] = (32, 1),
-          out: Tensor | None = None,
-          scale: float = 1.0) -> SparseTiles | Tensor:
+          out: Tensor | None = None, scale: float = 1.0,
+          layout: Any = None) -> SparseTiles | Tensor:
     """``S = scale · Q Kᵀ`` where ``mask`` is set, on the GPU, no host synchronisation.
 
     q [M, D], k [N, D]: float16, bfloat16 or float32 (tf32 tensor cores), same dtype, any
     strides (dYᵀ as a view needs no copy). mask: bool or uint8 [M, N], any strides. tile:
-    ``(L, 1)``/``(1, L)`` micro-tiles or ``(b, b')`` blocks. Returns :class:`SparseTiles`, or with
-    ``out`` (dense [M, N], q's dtype) writes S ⊙ mask into it (0 where the mask is 0) and returns it.
+    ``(L, 1)``/``(1, L)`` micro-tiles or ``(b, b')`` blocks. Returns:
+
+    - ``layout=None``: :class:`SparseTiles` (compact tiles; no backward);
+    - ``out`` (dense [M, N], q's dtype): S ⊙ mask written into it (0 where the mask is 0),
+      returned (no backward);
+    - ``layout=torch.strided``: a new dense S ⊙ mask, differentiable (``pitgen::sddmm``):
+      dQ = dS' K and dK = dS'ᵀ Q with dS' = dS ⊙ M run pitgen's JIT GEMM with dS' sparse
+      and ``micro_tile='auto'`` (the planner picks micro-tiles, blocks or cuBLAS from the
+      mask's coverage: one small host copy on each shape's first backward, none after);
+    - ``layout=torch.sparse_csr``: the same values as a CSR tensor (mask order), built on the
+      GPU; sizing it reads the mask's non-zero count back (one host sync). Differentiable
+      through its values.
+
+    Every path runs through a ``torch.library`` op (``torch.compile`` sees one op); the CSR
+    path's sizing is data-dependent (a graph break unless torch captures dynamic shapes).
     """
     import torch
 
     check_tensor("q", q, SDDMM.dtypes, ndim=2, contiguous=False)
     dtype = str(q.dtype).replace("torch.", "")
     check_tensor("k", k, (dtype,), ndim=2, shape=(None, q.shape[1]), contiguous=False)
-    M, D = q.shape
-    N = k.shape[0]
+    M, N = q.shape[0], k.shape[0]
     check_tensor("mask", mask, ("bool", "uint8"), ndim=2, shape=(M, N), contiguous=False)
     if out is not None:
         check_tensor("out", out, (dtype,), ndim=2, shape=(M, N), contiguous=False)
         if 0 in out.stride() and out.numel() > 1:
             raise ShapeError(f"out has a zero stride {tuple(out.stride())}; pass a writable tensor")
+        if layout is not None:
+            raise PlanError("sddmm: pass out= or layout=, not both")
+    if layout not in (None, torch.strided, torch.sparse_csr):
+        raise PlanError(f"sddmm: layout must be None (SparseTiles), torch.strided or "
+                        f"torch.sparse_csr, got {layout!r}")
     for name, x in (("q", q), ("k", k), ("mask", mask)) + ((("out", out),) if out is not None else ()):
         _check_int32(name, x)
+    th, tw = normalise_tile(tile)
+    pit = ops()
+    if layout is None:
+        why = "use layout=torch.strided or torch.sparse_csr for gradients"
+        no_backward("pitgen::sddmm_tiles" if out is None else "pitgen::sddmm_out", q, k, hint=why)
+        if out is not None:
+            pit.sddmm_out(q, k, mask, [th, tw], float(scale), out)
+            return out
+        values, rows, cols, count = pit.sddmm_tiles(q, k, mask, [th, tw], float(scale))
+        return SparseTiles(values, rows, cols, count, (M, N), (th, tw))
+    dense = pit.sddmm(q, k, mask, [th, tw], float(scale))
+    if layout == torch.strided:
+        return dense
+    nz = mask.nonzero()  # the one host sync: the CSR's size
+    crow = torch.zeros(M + 1, dtype=torch.int64, device=q.device)
+    crow[1:] = torch.cumsum((mask != 0).sum(1), 0)
+    with warnings.catch_warnings():  # torch's "sparse CSR support is in beta" notice
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, nz[:, 1].contiguous(), dense[nz[:, 0], nz[:, 1]],
+                                       (M, N), check_invariants=False)
+
+
+def launch(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int], out: Tensor | None,
+           scale: float) -> SparseTiles | Tensor:
+    """The SDDMM's launches on validated operands (the body of the ``pitgen::sddmm*`` ops):
+    :class:`SparseTiles`, or ``out`` filled."""
+    import torch
+
+    dtype = str(q.dtype).replace("torch.", "")
+    M, D = q.shape
+    N = k.shape[0]
     vecs = (vector_width(dtype, D, q.stride(), q.data_ptr()),
             vector_width(dtype, D, k.stride(), k.data_ptr()))
     cfg = plan_sddmm(dtype, normalise_tile(tile), tuple(q.stride()), tuple(k.stride()),

@@ -1,0 +1,322 @@
+"""pitgen's operators as PyTorch custom ops (``torch.library``, namespace ``pitgen``), so that
+``torch.compile`` (``fullgraph=True``), ``torch.export`` and CUDA graphs see them as single ops:
+
+==================================  ==========================================================
+``pitgen::matmul``                  the JIT GEMM (:class:`pitgen.ops.matmul.SparseKernel`)
+``pitgen::gemm``                    one cached GEMM of the training linear (``linear._gemm``)
+``pitgen::sparse_weight_linear``    ``x (W ⊙ M)ᵀ + b``, with backward
+``pitgen::sparse_input_linear``     ``x Wᵀ + b`` skipping x's zeros, with backward
+``pitgen::sddmm``                   dense ``scale · (Q Kᵀ) ⊙ M``, with backward
+``pitgen::sddmm_tiles``             the compact :class:`pitgen.ops.sddmm.SparseTiles` tensors
+``pitgen::sddmm_out``               SDDMM into a caller's dense ``out`` (mutates it)
+``pitgen::moe_ffn``                 the fused MoE FFN, with backward (:mod:`pitgen.ops.moe`)
+``pitgen::moe_route``               its routing index (expert-sorted rows, tile list)
+==================================  ==========================================================
+
+Every op has a fake (meta) implementation that propagates shapes and dtypes without touching
+the GPU. Configuration travels as op arguments (strings, ints, floats, lists). Host
+synchronisation (``moe_ffn(check=True)``) stays in the Python wrappers, outside the ops, and is
+skipped while torch traces. The ops are registered on first use (:func:`ops`): importing
+pitgen never imports torch. Ops without a backward refuse inputs that require grad while grad
+mode is on (:func:`no_backward`), rather than returning a result with no grad path.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import sys
+from typing import Any, Mapping, Sequence
+
+from ..errors import BackwardError, PitgenError
+
+NAMESPACE = "pitgen"
+
+#: config string (see :func:`jit_config`) -> the SparseKernel that last ran with it
+_JIT: dict[str, Any] = {}
+
+
+def tracing() -> bool:
+    """Whether torch is tracing (torch.compile, torch.export): host reads must be skipped. Not
+    while torch is not even imported (GPUArray callers)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.compiler.is_compiling())
+
+
+def no_backward(op: str, *tensors: Any, hint: str = "") -> None:
+    """BackwardError naming ``op`` when grad mode is on and one of ``tensors`` requires grad:
+    ``op`` has no backward, so its result would silently have no grad path."""
+    import torch
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise BackwardError(f"{op} has no backward, but an input requires grad; run it under "
+                            f"torch.no_grad() or pass detached tensors" + (f" ({hint})" if hint else ""))
+
+
+@functools.lru_cache(maxsize=256)
+def _axes(expr: str) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """((axes of each input, in input order), output axes) of ``expr``."""
+    from ..expr import parse
+    op = parse(expr)
+    return tuple(tuple(op.access(n).axes) for n in op.input_names), tuple(op.output.axes)
+
+
+def out_shape(expr: str, *shapes: Sequence[int]) -> list[int]:
+    """The output shape of ``expr`` for inputs of ``shapes`` (in the expression's input order)."""
+    ins, out = _axes(expr)
+    sizes: dict[str, int] = {}
+    for axes, shape in zip(ins, shapes):
+        sizes.update(zip(axes, shape))
+    return [sizes[a] for a in out]
+
+
+def jit_config(kernel: Any) -> str:
+    """The literal that rebuilds ``kernel`` (a SparseKernel): the ``pitgen::matmul`` argument."""
+    def plain(v: Any) -> Any:  # ints, strs, tuples and dicts of them: literal_eval reads them
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, Mapping):
+            return {str(a): int(n) for a, n in sorted(v.items())}
+        return tuple(int(n) for n in v)
+
+    return repr((kernel.operator.text, kernel.sparse, kernel.dtype, plain(kernel.micro_tile),
+                 plain(kernel.tile), bool(kernel.vendor_dense)))
+
+
+def _jit_kernel(config: str) -> Any:
+    """The SparseKernel of ``config``: the one that last called with it (its 'auto' plan),
+    else a new one (a graph loaded in another process)."""
+    k = _JIT.get(config)
+    if k is None:
+        SparseKernel = importlib.import_module(f"{__package__}.matmul").SparseKernel
+        expr, sparse, dtype, micro_tile, tile, vendor = ast.literal_eval(config)
+        k = _JIT[config] = SparseKernel(expr, sparse, dtype, micro_tile, tile, vendor)
+    return k
+
+
+def jit_matmul(kernel: Any, a: Any, b: Any, mask: Any) -> Any:
+    """``kernel(a, b, mask=mask)`` on torch tensors through ``pitgen::matmul``."""
+    no_backward("pitgen::matmul (a compiled SparseKernel)", a, b)
+    _JIT[kernel.config] = kernel
+    return ops().matmul(a, b, mask, kernel.config)
+
+
+def _dtype(t: Any) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+_REGISTERED: list[bool] = []
+
+
+def ops() -> Any:
+    """``torch.ops.pitgen``, every op registered (once, on first call; the torch modules
+    ``pitgen.nn.*`` register when their class is built, so a model traces with them in place)."""
+    import torch
+    if not _REGISTERED:
+        if tracing():
+            raise PitgenError(
+                "pitgen's torch ops are registered on first use, which cannot happen while "
+                "torch traces: call pitgen.ops.library.ops() once before torch.compile")
+        _register(torch)
+        _REGISTERED.append(True)
+    return torch.ops.pitgen
+
+
+def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
+    from torch.library import custom_op
+
+    # by name, not ``from . import``: those modules import this one
+    linear, moe, sd = (importlib.import_module(f"{__package__}.{m}")
+                       for m in ("linear", "moe", "sddmm"))
+
+    def op(name: str, schema: str, mutates: tuple[str, ...] = ()) -> Any:
+        # explicit schemas: this module's annotations are strings (postponed evaluation)
+        return custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates, schema=schema)
+
+    # -- the JIT GEMM and the training linear's GEMMs ----------------------------------------
+
+    @op("matmul",
+        "(Tensor a, Tensor b, Tensor? mask, str config) -> Tensor")
+    def matmul(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None,
+               config: str) -> torch.Tensor:
+        return _jit_kernel(config).prepare(a, b, mask=mask).run()
+
+    @matmul.register_fake
+    def _(a, b, mask, config):
+        expr, _sparse, dtype, *_ = ast.literal_eval(config)
+        return a.new_empty(out_shape(expr, a.shape, b.shape), dtype=getattr(torch, dtype))
+
+    @op("gemm",
+        "(Tensor a, Tensor b, Tensor? mask, str expr, str sparse, str micro_tile) -> Tensor")
+    def gemm(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, expr: str, sparse: str,
+             micro_tile: str) -> torch.Tensor:
+        return linear._gemm(expr, sparse, _dtype(a), micro_tile, a, b, mask).contiguous()
+
+    @gemm.register_fake
+    def _(a, b, mask, expr, sparse, micro_tile):
+        return a.new_empty(out_shape(expr, a.shape, b.shape))
+
+    # -- SDDMM ---------------------------------------------------------------------------------
+
+    @op("sddmm",
+        "(Tensor q, Tensor k, Tensor mask, int[] tile, float scale) -> Tensor")
+    def sddmm_dense(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, tile: list[int],
+                    scale: float) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], k.shape[0])
+        return sd.launch(q, k, mask, tuple(tile), out, scale)
+
+    @sddmm_dense.register_fake
+    def _(q, k, mask, tile, scale):
+        return q.new_empty(q.shape[0], k.shape[0])
+
+    def sddmm_setup(ctx, inputs, output):
+        q, k, mask, tile, scale = inputs
+        ctx.save_for_backward(q, k, mask)
+        ctx.scale = scale
+
+    def sddmm_backward(ctx, ds):
+        q, k, mask = ctx.saved_tensors
+        dsm = torch.where(mask != 0, ds * ctx.scale, torch.zeros((), dtype=ds.dtype,
+                                                                  device=ds.device))
+        dq = dk = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.ops.pitgen.gemm(dsm, k, mask, sd.GRAD_EXPR, "A", "auto")
+        if ctx.needs_input_grad[1]:
+            dk = torch.ops.pitgen.gemm(dsm.t(), q, mask.t(), sd.GRAD_EXPR, "A", "auto")
+        return dq, dk, None, None, None
+
+    sddmm_dense.register_autograd(sddmm_backward, setup_context=sddmm_setup)
+
+    @op("sddmm_tiles",
+        "(Tensor q, Tensor k, Tensor mask, int[] tile, float scale)"
+        " -> (Tensor, Tensor, Tensor, Tensor)")
+    def sddmm_tiles(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, tile: list[int],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = sd.launch(q, k, mask, tuple(tile), None, scale)
+        return t.values, t.tile_rows, t.tile_cols, t.count
+
+    @sddmm_tiles.register_fake
+    def _(q, k, mask, tile, scale):
+        th, tw = tile
+        cap = -(-q.shape[0] // th) * -(-k.shape[0] // tw)
+        i32 = torch.int32
+        return (q.new_empty(cap, th, tw), q.new_empty(cap, dtype=i32), q.new_empty(cap, dtype=i32),
+                q.new_empty(1, dtype=i32))
+
+    @op("sddmm_out",
+        "(Tensor q, Tensor k, Tensor mask, int[] tile, float scale, Tensor(a!) out) -> ()",
+        mutates=("out",))
+    def sddmm_out(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, tile: list[int],
+                  scale: float, out: torch.Tensor) -> None:
+        sd.launch(q, k, mask, tuple(tile), out, scale)
+
+    @sddmm_out.register_fake
+    def _(q, k, mask, tile, scale, out):
+        return None
+
+    # -- training linear -------------------------------------------------------------------------
+
+    @op("sparse_weight_linear",
+        "(Tensor x, Tensor weight, Tensor mask, Tensor? bias, str micro_tile, str dx_micro_tile,"
+        " int[] sddmm_tile) -> Tensor")
+    def weight_linear(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
+                      bias: torch.Tensor | None, micro_tile: str, dx_micro_tile: str,
+                      sddmm_tile: list[int]) -> torch.Tensor:
+        w_eff = weight * mask  # the sparse GEMM needs W's values outside M to be zero
+        xt = x.t().contiguous()  # B of yᵀ = W_eff xᵀ
+        y = linear._gemm(linear.WEIGHT_FORWARD, "A", _dtype(x), micro_tile, w_eff, xt, mask).t()
+        if bias is not None:
+            y.add_(bias)
+        return y
+
+    @weight_linear.register_fake
+    def _(x, weight, mask, bias, micro_tile, dx_micro_tile, sddmm_tile):
+        return x.new_empty(weight.shape[0], x.shape[0]).t()  # the kernel writes yᵀ
+
+    def weight_setup(ctx, inputs, output):
+        x, weight, mask, bias, _mt, dx_micro_tile, sddmm_tile = inputs
+        ctx.save_for_backward(x, weight, mask)
+        ctx.cfg = (dx_micro_tile, list(sddmm_tile), bias is not None)
+
+    def weight_backward(ctx, dy):
+        x, weight, mask = ctx.saved_tensors
+        dx_micro_tile, sddmm_tile, has_bias = ctx.cfg
+        dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            w_eff = weight * mask
+            dx = (dy @ w_eff if dx_micro_tile == "dense" else
+                  torch.ops.pitgen.gemm(dy, w_eff, mask, linear.WEIGHT_DX, "B", dx_micro_tile))
+        if ctx.needs_input_grad[1]:
+            # dW = (dYᵀ X) ⊙ M: dYᵀ and Xᵀ copied once so the SDDMM reads 16 bytes at a time
+            dw = torch.ops.pitgen.sddmm(dy.t().contiguous(), x.t().contiguous(), mask,
+                                        sddmm_tile, 1.0)
+        if has_bias and ctx.needs_input_grad[3]:
+            db = dy.sum(0)
+        return dx, dw, None, db, None, None, None
+
+    weight_linear.register_autograd(weight_backward, setup_context=weight_setup)
+
+    @op("sparse_input_linear",
+        "(Tensor x, Tensor weight, Tensor? bias, str micro_tile) -> Tensor")
+    def input_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     micro_tile: str) -> torch.Tensor:
+        y = linear._gemm(linear.INPUT_FORWARD, "A", _dtype(x), micro_tile, x, weight).contiguous()
+        if bias is not None:
+            y.add_(bias)
+        return y
+
+    @input_linear.register_fake
+    def _(x, weight, bias, micro_tile):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    def input_setup(ctx, inputs, output):
+        x, weight, bias, micro_tile = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.cfg = (micro_tile, bias is not None)
+
+    def input_backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        micro_tile, has_bias = ctx.cfg
+        dy = dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight  # dense: see pitgen.ops.linear's docstring
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.pitgen.gemm(dy, x, None, linear.INPUT_DW, "B", micro_tile)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None
+
+    input_linear.register_autograd(input_backward, setup_context=input_setup)
+
+    # -- MoE -------------------------------------------------------------------------------------
+
+    @op("moe_ffn",
+        "(Tensor x, Tensor expert_ids, Tensor gates, Tensor w1, Tensor w2, Tensor? b1, Tensor? b2,"
+        " str activation) -> Tensor")
+    def moe_ffn(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor,
+                w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | None,
+                b2: torch.Tensor | None, activation: str) -> torch.Tensor:
+        return moe.launch(x, expert_ids, gates, w1, w2, b1, b2, activation)
+
+    @moe_ffn.register_fake
+    def _(x, expert_ids, gates, w1, w2, b1, b2, activation):
+        return torch.empty_like(x)
+
+    moe.register_backward(moe_ffn)
+
+    @op("moe_route",
+        "(Tensor expert_ids, int num_experts, int block_m) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+    def moe_route(expert_ids: torch.Tensor, num_experts: int,
+                  block_m: int) -> tuple[torch.Tensor, ...]:
+        r, ntiles = moe.moe_route(expert_ids, num_experts, block_m)
+        return r.row_pair, r.tile_e, r.tile_r, r.offsets, ntiles
+
+    @moe_route.register_fake
+    def _(expert_ids, num_experts, block_m):
+        pairs = expert_ids.shape[0] * expert_ids.shape[1]
+        tiles = -(-pairs // block_m) + num_experts
+        i32 = torch.int32
+        return (expert_ids.new_empty(max(pairs, 1), dtype=i32),
+                expert_ids.new_empty(tiles, dtype=i32), expert_ids.new_empty(tiles, dtype=i32),
+                expert_ids.new_empty(num_experts + 1, dtype=i32), expert_ids.new_empty(1, dtype=i32))
