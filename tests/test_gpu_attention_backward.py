@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pitgen
+import pitgen.nn
 from pitgen import reference as R
 from pitgen import testing as T
 from pitgen.ops import attention as A
@@ -67,13 +68,32 @@ def numpy64(*xs):
     return [x.detach().double().cpu().numpy() for x in xs]
 
 
+def magnitudes(q, k, v, mask, dout, scale=None):
+    """(dq, dk, dv) summed over absolute terms, with their reduction lengths: the scale that
+    the gradients' rounding follows where they cancel (e.g. one key: dS = P (dP - delta) = 0
+    exactly, up to rounding of terms of this size)."""
+    q, k, v, dout = (np.abs(x) for x in (q, k, v, dout))
+    group = q.shape[1] // k.shape[1]
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    p, _ = R.attention_probabilities(q, k, mask, scale)      # any P of the right support
+    p = (p > 0).astype(np.float64)
+    kr, vr = (np.repeat(x, group, axis=1) for x in (k, v))
+    ds = p * (dout @ vr.swapaxes(-1, -2) + (dout * (p @ vr)).sum(-1, keepdims=True))
+    dq = scale * ds @ kr
+    dk, dv = scale * ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ dout
+    if group > 1:
+        dk, dv = (x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(2) for x in (dk, dv))
+    return (dq, k.shape[2]), (dk, q.shape[2] * group), (dv, q.shape[2] * group)
+
+
 def check_grads(q, k, v, mask, dout, dtype, scale=None, dlse=None):
-    ref = R.attention_backward_reference(*numpy64(q, k, v), mask, dout.double().cpu().numpy(),
-                                         scale, None if dlse is None else dlse.cpu().numpy())
-    for name, x, r in zip(("dq", "dk", "dv"), (q, k, v), ref):
+    args = (*numpy64(q, k, v), mask, dout.double().cpu().numpy())
+    ref = R.attention_backward_reference(*args, scale, None if dlse is None else dlse.cpu().numpy())
+    for name, x, r, (mag, n) in zip(("dq", "dk", "dv"), (q, k, v), ref,
+                                    magnitudes(*args, scale)):
         assert x.grad is not None, f"{name}: no gradient reached the input"
         assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
-        T.assert_close(x.grad, r, dtype, what=name)
+        T.assert_close(x.grad, r, dtype, magnitude=mag, k=n, what=name)
 
 
 @settings(max_examples=T.examples(25), deadline=None)
@@ -217,3 +237,29 @@ def test_bad_input_is_refused_clearly():
         A.sparse_attention(q, k, v, torch.ones(1, 2, 64, 64, dtype=torch.bool, device="cuda"))
     with pytest.raises(pitgen.ShapeError, match="scale"):
         A.sparse_attention(q, k, v, m, scale=float("nan"))
+
+
+def test_module_masks_in_multihead_attention_terms():
+    torch.manual_seed(1)
+    e, heads, n, length = 128, 2, 3, 90
+    mha = torch.nn.MultiheadAttention(e, heads, bias=True, batch_first=True)
+    mod = pitgen.nn.SparseAttention(e, heads).cuda().half()
+    mod.load_state_dict(mha.state_dict())
+    ref = mha.double()
+    x = torch.randn(n, length, e)
+    xh, xd = x.cuda().half(), x.double()
+    causal = ~torch.ones(length, length, dtype=torch.bool).tril()      # True = not allowed
+    padding = torch.zeros(n, length, dtype=torch.bool)
+    padding[0, 60:] = padding[2, 1:30] = True                          # row 0 keeps key 0
+    with torch.no_grad():
+        want, _ = ref(xd, xd, xd, need_weights=False)
+        got, _ = mod(xh, xh, xh)                                       # no mask: dense
+        T.assert_close(got, want.numpy(), "float16", what="no mask")
+        want, _ = ref(xd, xd, xd, attn_mask=causal, is_causal=True, need_weights=False)
+        got, _ = mod(xh, xh, xh, is_causal=True)
+        T.assert_close(got, want.numpy(), "float16", what="is_causal")
+        want, _ = ref(xd, xd, xd, padding, False, causal)              # MHA's positional order
+        got, _ = mod(xh, xh, xh, padding.cuda(), False, causal.cuda())
+        T.assert_close(got, want.numpy(), "float16", what="key_padding_mask + attn_mask")
+        got, _ = mod(xh, xh, xh, padding.cuda(), is_causal=True)
+        T.assert_close(got, want.numpy(), "float16", what="key_padding_mask + is_causal")

@@ -565,12 +565,18 @@ def _build_module() -> type:
 
     class SparseAttention(nn.Module):
         """Drop-in for ``nn.MultiheadAttention(embed_dim, num_heads, bias=True,
-        batch_first=True)`` (same parameters and state_dict) running ``sparse_attention``.
+        batch_first=True)`` (same parameters and state_dict) running ``sparse_attention``;
+        trains like it (gradients reach the projections and the inputs through the sparse
+        backward).
 
-        ``attn_mask`` follows nn.MultiheadAttention: bool, **True = NOT allowed**, shape [L, S]
-        or [N * num_heads, L, S]. ``mask=`` takes pitgen's convention instead (True = attend;
-        [L, S], [H, L, S] or [N, H, L, S]). Exactly one of them is required. Rows with nothing
-        allowed give zeros (nn.MultiheadAttention gives NaN). Returns (out, None)."""
+        ``forward`` takes nn.MultiheadAttention's arguments in its order. Its bool masks
+        follow nn.MultiheadAttention (**True = NOT allowed**): ``key_padding_mask`` [N, S],
+        ``attn_mask`` [L, S] or [N * num_heads, L, S]; ``is_causal=True`` adds a causal mask
+        (query i attends keys j <= i). ``mask=`` takes pitgen's convention instead (True =
+        attend; [L, S], [H|1, L, S] or [N|1, H|1, L, S]). Given masks combine; with none,
+        every key is attended. Rows with nothing allowed give zeros (nn.MultiheadAttention
+        gives NaN). Returns (out, None): attention weights are never stored, so
+        ``need_weights=True`` is refused."""
 
         def __init__(self, embed_dim: int, num_heads: int, bias: bool = True,
                      batch_first: bool = True, device: Any = None, dtype: Any = None):
@@ -596,25 +602,16 @@ def _build_module() -> type:
             y = F.linear(x, w, b).view(n, length, self.num_heads, self.head_dim)
             return y.transpose(1, 2).contiguous()
 
-        def forward(self, query: Any, key: Any, value: Any, attn_mask: Any = None,
-                    need_weights: bool = False, *, mask: Any = None) -> tuple[Any, None]:
-            if need_weights:
-                raise PlanError("need_weights=True is not supported (weights are never stored)")
-            if (attn_mask is None) == (mask is None):
-                raise ShapeError("pass exactly one of attn_mask (True = not allowed) or "
-                                 "mask (True = attend)")
-            for name, x in (("query", query), ("key", key), ("value", value)):
-                if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-                    raise ShapeError(f"{name} has shape {tuple(x.shape)}; expected "
-                                     f"[N, L, {self.embed_dim}] (batch_first)")
-            n, length = query.shape[:2]
-            if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
-                raise ShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must "
-                                 f"share [N, S] with N = {n}")
+        def _allowed(self, n: int, length: int, src: int, device: Any, key_padding_mask: Any,
+                     attn_mask: Any, is_causal: bool, mask: Any) -> Any:
+            """pitgen's mask (True = attend), the given masks combined; [L, S], [N, 1, L, S],
+            [N, H, L, S] or as ``mask`` was given, never copied per head without need."""
+            for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+                if m is not None and m.dtype != torch.bool:
+                    raise ShapeError(f"{name} has dtype {m.dtype}; only bool masks (True = not "
+                                     f"allowed) are supported")
+            parts = [] if mask is None else [mask]
             if attn_mask is not None:
-                if attn_mask.dtype != torch.bool:
-                    raise ShapeError(f"attn_mask has dtype {attn_mask.dtype}; only bool masks "
-                                     f"(True = not allowed) are supported")
                 if attn_mask.dim() == 3:
                     if attn_mask.shape[0] != n * self.num_heads:
                         raise ShapeError(f"attn_mask has shape {tuple(attn_mask.shape)}; dim 0 "
@@ -623,13 +620,46 @@ def _build_module() -> type:
                 elif attn_mask.dim() != 2:
                     raise ShapeError(f"attn_mask has shape {tuple(attn_mask.shape)}; expected "
                                      f"[L, S] or [N * num_heads, L, S]")
-                mask = ~attn_mask
+                parts.append(~attn_mask)
+            if key_padding_mask is not None:
+                if tuple(key_padding_mask.shape) != (n, src):
+                    raise ShapeError(f"key_padding_mask has shape "
+                                     f"{tuple(key_padding_mask.shape)}; expected [N, S] = "
+                                     f"{(n, src)}")
+                parts.append(~key_padding_mask.view(n, 1, 1, src))
+            if is_causal:
+                parts.append(torch.ones(length, src, dtype=torch.bool, device=device).tril())
+            if not parts:
+                return torch.ones(length, src, dtype=torch.bool, device=device)
+            allowed = parts[0]
+            for m in parts[1:]:
+                allowed = allowed & m
+            if allowed.shape[-2:] != (length, src):   # key padding alone: [N, 1, 1, S]
+                allowed = allowed.expand(*allowed.shape[:-2], length, src)
+            return allowed
+
+        def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None,
+                    need_weights: bool = False, attn_mask: Any = None,
+                    average_attn_weights: bool = True, is_causal: bool = False, *,
+                    mask: Any = None) -> tuple[Any, None]:
+            if need_weights:
+                raise PlanError("need_weights=True is not supported (weights are never stored)")
+            for name, x in (("query", query), ("key", key), ("value", value)):
+                if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                    raise ShapeError(f"{name} has shape {tuple(x.shape)}; expected "
+                                     f"[N, L, {self.embed_dim}] (batch_first)")
+            n, length = query.shape[:2]
+            if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
+                raise ShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                                 f"share [N, S] with N = {n}")
+            allowed = self._allowed(n, length, key.shape[1], query.device, key_padding_mask,
+                                    attn_mask, is_causal, mask)
             e = self.embed_dim
             w, b = self.in_proj_weight, self.in_proj_bias
             q = self._heads(query, w[:e], b[:e])
             k = self._heads(key, w[e:2 * e], b[e:2 * e])
             v = self._heads(value, w[2 * e:], b[2 * e:])
-            o = sparse_attention(q, k, v, mask)
+            o = sparse_attention(q, k, v, allowed)
             o = o.transpose(1, 2).reshape(n, length, e)
             return self.out_proj(o), None
 
