@@ -263,3 +263,25 @@ def test_module_masks_in_multihead_attention_terms():
         T.assert_close(got, want.numpy(), "float16", what="key_padding_mask + attn_mask")
         got, _ = mod(xh, xh, xh, padding.cuda(), is_causal=True)
         T.assert_close(got, want.numpy(), "float16", what="key_padding_mask + is_causal")
+
+
+@pytest.mark.parametrize("d, dtype, sq, sk, heads", [(64, "float16", 200, 200, (4, 2)),
+                                                     (128, "bfloat16", 130, 257, (2, 2)),
+                                                     (64, "bfloat16", 300, 100, (3, 1))])
+def test_causal_and_dense_calls_read_no_mask(d, dtype, sq, sk, heads):
+    rng = np.random.default_rng(sq + sk)
+    for is_causal in (False, True):
+        q, k, v = operands(rng, 2, *heads, sq, sk, d, dtype)
+        mask = np.tril(np.ones((sq, sk), bool)) if is_causal else np.ones((sq, sk), bool)
+        with pytest.MonkeyPatch.context() as mp:
+            poison(mp)
+            out = A.sparse_attention(q, k, v, is_causal=is_causal)
+            dout = torch.randn_like(out)
+            out.backward(dout)
+        T.assert_close(out, R.attention_reference(*numpy64(q, k, v), mask), dtype, what="out")
+        check_grads(q, k, v, mask, dout, dtype)
+        with torch.no_grad():
+            again = A.sparse_attention(q, k, v, is_causal=is_causal)   # the cached index
+        T.assert_close(again, out.detach().double().cpu().numpy(), dtype, what="again")
+    with pytest.raises(pitgen.ShapeError, match="not both"):
+        A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), is_causal=True)

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
@@ -257,13 +259,19 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
 
 # -- GPU ----------------------------------------------------------------------------------------
 
+def _mask_shape(mask: Any) -> tuple[int, ...]:
+    """The shape the kernels see: a leading dim broadcast by stride 0 (``expand``) counts once."""
+    return tuple(1 if dim < mask.dim() - 2 and mask.stride(dim) == 0 else n
+                 for dim, n in enumerate(mask.shape))
+
+
 def _mask_u8(mask: Any) -> Any:
     """The mask as contiguous uint8 bytes without a copy where possible (bool is stored as one
     byte); a leading dim broadcast by stride 0 (``expand``) is taken once, not copied."""
     import torch
-    for dim in range(mask.dim() - 2):
-        if mask.stride(dim) == 0 and mask.shape[dim] > 1:
-            mask = mask.narrow(dim, 0, 1)
+    shape = _mask_shape(mask)
+    if shape != tuple(mask.shape):
+        mask = mask[tuple(slice(0, n) for n in shape)]
     mask = mask.contiguous()
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8)
@@ -290,12 +298,15 @@ def check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> 
 
 
 def _check(q: Any, k: Any, v: Any, mask: Any) -> tuple[AttentionPlan, Any]:
-    """The plan, and the mask as the kernels read it (``_mask_u8``)."""
+    """The plan, and the mask as the kernels read it (``_mask_u8``; None stays None: no mask
+    to read, the index says dense or causal)."""
     check_tensor("q", q, ATTENTION.dtypes, ndim=4)
     dtype = str(q.dtype).replace("torch.", "")
     check_tensor("k", k, (dtype,), ndim=4)
     check_tensor("v", v, (dtype,), ndim=4)
     b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    if mask is None:
+        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv), None
     check_tensor("mask", mask, ("bool", "uint8"), contiguous=False)
     for name, x in (("k", k), ("v", v), ("mask", mask)):
         if x.device != q.device:
@@ -324,13 +335,48 @@ _COUNTERS = cache.memo("attention.counters")
 def _vector_mask(plan: AttentionPlan, mask: Any) -> bool:
     """Whether the kernels may read the mask 16 bytes at a time (rows and base 16-byte aligned);
     else their byte-by-byte variants run."""
-    return plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
+    return mask is not None and plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
+
+
+def causal_states(sq: int, sk: int, bm: int = BM, bn: int = BN) -> np.ndarray:
+    """The state map (uint8 [1, nQB, nKB]) of the causal mask (key j allowed for query i when
+    j <= i), from block positions: FULL when every in-range element is below the diagonal,
+    EMPTY when none is, else PARTIAL (``block_index_reference`` of the materialised mask)."""
+    r0 = np.arange(0, sq, bm)[:, None]
+    r1 = np.minimum(r0 + bm, sq) - 1
+    c0 = np.arange(0, sk, bn)[None, :]
+    c1 = np.minimum(c0 + bn, sk) - 1
+    return np.where(c0 > r1, EMPTY, np.where(c1 <= r0, FULL, PARTIAL)).astype(np.uint8)[None]
+
+
+#: (Sq, Sk, causal, device index) -> the BlockIndex of a call without a mask (dense: every
+#: block FULL; causal: causal_states), built on the host once per shape
+_STATIC = cache.memo("attention.static_index")
+
+
+def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
+    """The index of a mask-free call; the kernels then read no mask (a null mask with a
+    PARTIAL block is the causal element test)."""
+    import torch
+    from ..reference import block_order_reference
+
+    key = (plan.sq, plan.sk, causal, device.index)
+    hit = _STATIC.get(key)
+    if hit is None:
+        states = (causal_states(plan.sq, plan.sk) if causal
+                  else np.full((1, plan.n_qb, plan.n_kb), FULL, np.uint8))
+        order = block_order_reference(states)
+        hit = _STATIC[key] = BlockIndex(torch.from_numpy(states).to(device),
+                                        torch.from_numpy(order).to(device))
+    return hit
 
 
 def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIndex:
     """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
     fills."""
     import torch
+    if mask is None:
+        raise PlanError("the index of a call without a mask is not built on the GPU")
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
@@ -350,6 +396,8 @@ def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
     query-block order (as ``block_order_reference``)."""
+    if mask is None:
+        raise ShapeError("block_index needs a mask")
     plan, mask = _check(q, k, v, mask)
     with TorchLaunch() as launch:
         return _index(ATTENTION.module(plan.context()), plan, mask, launch)
@@ -376,6 +424,12 @@ def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
     return index
 
 
+def _ptr(mask: Any) -> int:
+    """The mask's address for the kernels; 0 (no mask: the index decides, and a PARTIAL block
+    tests the causal condition) for None."""
+    return 0 if mask is None else mask.data_ptr()
+
+
 def _scale(plan: AttentionPlan, scale: float | None) -> float:
     scale = 1.0 / math.sqrt(plan.d) if scale is None else float(scale)
     if not math.isfinite(scale):
@@ -384,9 +438,11 @@ def _scale(plan: AttentionPlan, scale: float | None) -> float:
 
 
 def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: float,
-             index: BlockIndex | None, want_lse: bool) -> tuple[Any, Any, BlockIndex]:
-    """(out, lse or None, the index used): the index pass (unless given) and the attention
-    kernel, enqueued on torch's stream; ``mask`` as ``_check`` returns it."""
+             index: BlockIndex | None, want_lse: bool,
+             causal: bool = False) -> tuple[Any, Any, BlockIndex]:
+    """(out, lse or None, the index used): the index pass (unless given, or static where
+    ``mask`` is None: dense, or ``causal``) and the attention kernel, enqueued on torch's
+    stream; ``mask`` as ``_check`` returns it."""
     import torch
 
     out = torch.empty_like(q)
@@ -401,14 +457,17 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
         return out.zero_(), lse, empty
     kernels = ATTENTION.module(plan.context())
     with TorchLaunch() as launch:
-        idx = (_index(kernels, plan, mask, launch) if index is None
-               else _given_index(plan, index, q.device))
-        launch.keep(q, k, v, out, mask, *idx, *(() if lse is None else (lse,)))
+        if mask is None:
+            idx = _static_index(plan, causal, q.device)
+        else:
+            idx = (_index(kernels, plan, mask, launch) if index is None
+                   else _given_index(plan, index, q.device))
+        launch.keep(q, k, v, out, *idx, *(x for x in (mask, lse) if x is not None))
         sb, sh = plan.mask_strides
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
         kernels.launch(name, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                       0 if lse is None else lse.data_ptr(), mask.data_ptr(),
+                       0 if lse is None else lse.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk, plan.heads,
                        plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e), smem=plan.smem)
     return out, lse, idx
@@ -438,13 +497,13 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
             delta.data_ptr())
     consts = (scale * math.log2(math.e), scale)
     with TorchLaunch() as launch:
-        launch.keep(q, k, v, dout, lse, delta, dq, dk, dv, mask, *idx)
+        launch.keep(q, k, v, dout, lse, delta, dq, dk, dv, *idx, *(() if mask is None else (mask,)))
         kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, dq.data_ptr(), mask.data_ptr(),
+                       launch.stream, *args, dq.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk,
                        plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
         kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, dk.data_ptr(), dv.data_ptr(), mask.data_ptr(),
+                       launch.stream, *args, dk.data_ptr(), dv.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), plan.sq, plan.sk, plan.heads, plan.group, sb, sh,
                        plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
     return dq, dk, dv
@@ -465,27 +524,29 @@ def _ops() -> Any:
     import torch
     from torch import Tensor
 
-    def fake_plan(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> AttentionPlan:
+    def fake_plan(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> AttentionPlan:
         b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
         return plan_attention(b, h, sq, sk, d, str(q.dtype).replace("torch.", ""),
-                              tuple(mask.shape), hkv)
+                              (sq, sk) if mask is None else tuple(_mask_shape(mask)), hkv)
 
     @torch.library.custom_op(
         "pitgen::sparse_attention", mutates_args=(),
-        schema="(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? states, "
-               "Tensor? order) -> (Tensor, Tensor, Tensor, Tensor)")
-    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
-                states: Tensor | None, order: Tensor | None
+        schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? states, "
+               "Tensor? order, bool is_causal) -> (Tensor, Tensor, Tensor, Tensor)")
+    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                states: Tensor | None, order: Tensor | None, is_causal: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         plan, m = _check(q, k, v, mask)
         given = None if states is None or order is None else BlockIndex(states, order)
-        out, lse, idx = _forward(plan, q, k, v, m, scale, given, want_lse=True)
+        out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal)
+        if m is None:           # the cached static index: outputs may not alias it either
+            idx = BlockIndex(idx.states.clone(), idx.order.clone())
         if given is not None:   # a custom op's outputs may not alias its inputs
             idx = BlockIndex(idx.states.clone(), idx.order.clone())
         return out, lse, idx.states, idx.order
 
     @forward.register_fake
-    def _(q, k, v, mask, scale, states, order):
+    def _(q, k, v, mask, scale, states, order, is_causal):
         p = fake_plan(q, k, v, mask)
         return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
                 q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
@@ -493,10 +554,10 @@ def _ops() -> Any:
 
     @torch.library.custom_op(
         "pitgen::sparse_attention_backward", mutates_args=(),
-        schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor mask, Tensor out, "
+        schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
                "Tensor lse, Tensor states, Tensor order, float scale, Tensor? dlse) "
                "-> (Tensor, Tensor, Tensor)")
-    def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, out: Tensor,
+    def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
                  lse: Tensor, states: Tensor, order: Tensor, scale: float,
                  dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         plan, m = _check(q, k, v, mask)
@@ -508,7 +569,7 @@ def _ops() -> Any:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, scale, _, _ = inputs
+        q, k, v, mask, scale, _, _, _ = inputs
         out, lse, states, order = output
         ctx.save_for_backward(q, k, v, mask, out, lse, states, order)
         ctx.scale = scale
@@ -518,26 +579,29 @@ def _ops() -> Any:
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = backward(dout, q, k, v, mask, out, lse, states, order, ctx.scale, dlse)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
     forward.register_autograd(grad, setup_context=setup_context)
     _OPS["forward"] = forward
     return forward
 
 
-def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
-                     index: BlockIndex | None = None, *, return_lse: bool = False) -> Any:
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                     scale: float | None = None, index: BlockIndex | None = None, *,
+                     is_causal: bool = False, return_lse: bool = False) -> Any:
     """out[b,h,i] = sum_j softmax_j(scale * q_i . k_j over {j : mask[.., i, j]}) v_j.
 
     q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (SDPA's layout; Hkv divides H: grouped-query attention,
     query head h reads K/V head h // (H / Hkv)): contiguous, 16-byte aligned CUDA tensors,
     float16 or bfloat16, D in {64, 128}; mask bool or uint8 (non-zero = attend) broadcastable
-    to [B, H, Sq, Sk]: [Sq, Sk], [H|1, Sq, Sk] or [B|1, H|1, Sq, Sk] (a broadcast dim is read
-    once, not copied per head; a non-contiguous mask is copied). scale defaults to 1/sqrt(D).
-    Rows with no set element are zeros. The index is built on the GPU on every call (nothing
-    waits for the host) unless ``index`` passes the ``BlockIndex`` from ``block_index`` for
-    this same mask (used to time the two stages apart; any contents stay in bounds, but only
-    block_index's give the right answer).
+    to [B, H, Sq, Sk]: [Sq, Sk], [H|1, Sq, Sk] or [B|1, H|1, Sq, Sk] (a broadcast dim, also
+    one expanded with stride 0, is read once, not copied per head; a non-contiguous mask is
+    copied). Without a mask every key is attended, or with ``is_causal=True`` keys j <= i
+    (SDPA's convention); neither reads a mask: their index is computed once per shape. scale
+    defaults to 1/sqrt(D). Rows with no set element are zeros. The index is built on the GPU
+    on every call (nothing waits for the host) unless ``index`` passes the ``BlockIndex`` from
+    ``block_index`` for this same mask (used to time the two stages apart; any contents stay
+    in bounds, but only block_index's give the right answer).
 
     Differentiable in q, k, v (``torch.library`` op ``pitgen::sparse_attention``): the forward
     then also saves the per-row log-sum-exp and the index, and the backward computes dQ, dK, dV
@@ -545,14 +609,18 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     (natural log; -inf on rows with nothing to attend), itself differentiable."""
     import torch
 
+    if is_causal and mask is not None:
+        raise ShapeError("pass a mask or is_causal=True, not both (combine them into the mask)")
     plan, m = _check(q, k, v, mask)
     scale = _scale(plan, scale)
     if index is not None:
+        if m is None:
+            raise ShapeError("index is the block index of a mask; a call without one has none")
         _given_index(plan, index, q.device)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None, None)))
+        out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None, None)), is_causal)
     else:
-        out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse)
+        out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
     return (out, lse) if return_lse else out
 
 
@@ -603,9 +671,10 @@ def _build_module() -> type:
             return y.transpose(1, 2).contiguous()
 
         def _allowed(self, n: int, length: int, src: int, device: Any, key_padding_mask: Any,
-                     attn_mask: Any, is_causal: bool, mask: Any) -> Any:
-            """pitgen's mask (True = attend), the given masks combined; [L, S], [N, 1, L, S],
-            [N, H, L, S] or as ``mask`` was given, never copied per head without need."""
+                     attn_mask: Any, is_causal: bool, mask: Any) -> tuple[Any, bool]:
+            """(pitgen's mask (True = attend), is_causal) for sparse_attention: the given masks
+            combined ([L, S], [N, 1, L, S], [N, H, L, S] or as ``mask`` was given, never
+            copied per head without need); no mask for a dense or plain causal call."""
             for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
                 if m is not None and m.dtype != torch.bool:
                     raise ShapeError(f"{name} has dtype {m.dtype}; only bool masks (True = not "
@@ -627,16 +696,16 @@ def _build_module() -> type:
                                      f"{tuple(key_padding_mask.shape)}; expected [N, S] = "
                                      f"{(n, src)}")
                 parts.append(~key_padding_mask.view(n, 1, 1, src))
+            if not parts:
+                return None, is_causal
             if is_causal:
                 parts.append(torch.ones(length, src, dtype=torch.bool, device=device).tril())
-            if not parts:
-                return torch.ones(length, src, dtype=torch.bool, device=device)
             allowed = parts[0]
             for m in parts[1:]:
                 allowed = allowed & m
             if allowed.shape[-2:] != (length, src):   # key padding alone: [N, 1, 1, S]
                 allowed = allowed.expand(*allowed.shape[:-2], length, src)
-            return allowed
+            return allowed, False
 
         def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None,
                     need_weights: bool = False, attn_mask: Any = None,
@@ -652,14 +721,14 @@ def _build_module() -> type:
             if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
                 raise ShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must "
                                  f"share [N, S] with N = {n}")
-            allowed = self._allowed(n, length, key.shape[1], query.device, key_padding_mask,
-                                    attn_mask, is_causal, mask)
+            allowed, causal = self._allowed(n, length, key.shape[1], query.device,
+                                            key_padding_mask, attn_mask, is_causal, mask)
             e = self.embed_dim
             w, b = self.in_proj_weight, self.in_proj_bias
             q = self._heads(query, w[:e], b[:e])
             k = self._heads(key, w[e:2 * e], b[e:2 * e])
             v = self._heads(value, w[2 * e:], b[2 * e:])
-            o = sparse_attention(q, k, v, allowed)
+            o = sparse_attention(q, k, v, allowed, is_causal=causal)
             o = o.transpose(1, 2).reshape(n, length, e)
             return self.out_proj(o), None
 
