@@ -48,18 +48,66 @@ def block_order_reference(states: np.ndarray) -> np.ndarray:
     return np.argsort(-bins, axis=-1, kind="stable").astype(np.int32)
 
 
-def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
-                        scale: float | None = None) -> np.ndarray:
-    """Masked attention in float64; rows with no set element are zeros."""
+def _attention_operands(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
+                        scale: float | None) -> tuple:
+    """float64 q, k, v with K/V heads repeated to q's (grouped-query attention: query head h
+    reads K/V head h // (H / Hkv)), the mask broadcast to [B, H, Sq, Sk], and the scale."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    group = q.shape[-3] // k.shape[-3] if q.ndim == 4 else 1
+    if group > 1:
+        k, v = (np.repeat(x, group, axis=-3) for x in (k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     m = np.broadcast_to(np.asarray(mask) != 0, q.shape[:-2] + (q.shape[-2], k.shape[-2]))
+    return q, k, v, m, scale, group
+
+
+def attention_probabilities(q: np.ndarray, k: np.ndarray, mask: np.ndarray,
+                            scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(P, lse) in float64: the masked softmax over allowed keys (rows with none are zeros)
+    and the per-row log-sum-exp of the scaled scores (-inf on such rows)."""
+    q, k, _, m, scale, _ = _attention_operands(q, k, k, mask, scale)
     s = np.where(m, np.einsum("bhid,bhjd->bhij", q, k) * scale, -np.inf)
     mx = s.max(axis=-1, keepdims=True)
     p = np.where(m, np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
     denom = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = np.where(denom > 0, np.log(np.where(denom > 0, denom, 1.0)) + mx, -np.inf)[..., 0]
     p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
+    return p, lse
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
+                        scale: float | None = None) -> np.ndarray:
+    """Masked attention in float64; rows with no set element are zeros. k and v may have fewer
+    heads than q (grouped-query attention); the mask broadcasts to [B, H, Sq, Sk]."""
+    _, _, v, _, _, _ = _attention_operands(q, k, v, mask, scale)
+    p, _ = attention_probabilities(q, k, mask, scale)
     return np.einsum("bhij,bhjd->bhid", p, v)
+
+
+def attention_backward_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,
+                                 dout: np.ndarray, scale: float | None = None,
+                                 dlse: np.ndarray | None = None
+                                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) of masked attention in float64, for the output gradient ``dout`` (and
+    ``dlse``, a gradient of the log-sum-exp): dP = dO V^T, dS = P * (dP - rowsum(dO * O) + dlse),
+    dq = scale dS K, dk = scale dS^T Q, dv = P^T dO; K/V gradients of a shared head (GQA)
+    summed over its query heads. Rows with nothing allowed contribute nothing."""
+    q64, k64, v64, _, scale, group = _attention_operands(q, k, v, mask, scale)
+    p, _ = attention_probabilities(q, k, mask, scale)
+    do = np.asarray(dout, np.float64)
+    o = np.einsum("bhij,bhjd->bhid", p, v64)
+    dp = np.einsum("bhid,bhjd->bhij", do, v64)
+    delta = (do * o).sum(-1, keepdims=True)
+    if dlse is not None:
+        delta = delta - np.asarray(dlse, np.float64)[..., None]
+    ds = p * (dp - delta)
+    dq = scale * np.einsum("bhij,bhjd->bhid", ds, k64)
+    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q64)
+    dv = np.einsum("bhij,bhid->bhjd", p, do)
+    if group > 1:
+        dk, dv = (x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(2) for x in (dk, dv))
+    return dq, dk, dv
 
 
 # -- MoE ----------------------------------------------------------------------------------------

@@ -201,8 +201,8 @@ def test_bad_input_is_refused_clearly():
     x = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
     with pytest.raises(pitgen.PlanError, match="need_weights"):
         mod(x, x, x, mask=torch.ones(8, 8, dtype=torch.bool, device="cuda"), need_weights=True)
-    with pytest.raises(pitgen.ShapeError, match="exactly one"):
-        mod(x, x, x)
+    with pytest.raises(pitgen.ShapeError, match="key_padding_mask has shape"):
+        mod(x, x, x, torch.zeros(1, 7, dtype=torch.bool, device="cuda"))
     with pytest.raises(pitgen.ShapeError, match="only bool"):
         mod(x, x, x, attn_mask=torch.zeros(8, 8, device="cuda"))
 

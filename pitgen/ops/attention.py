@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
@@ -50,6 +52,10 @@ INDEX_COLUMNS = 512
 #: within 2% of 3 x 2 with less shared memory).
 STAGES = {64: 2, 128: 2}
 MIN_BLOCKS = {64: 3, 128: 2}
+#: The same for the backward kernels (their accumulators: dQ, or dK and dV, plus S and dP per
+#: block; not tuned yet).
+STAGES_BWD = {64: 2, 128: 2}
+MIN_BLOCKS_BWD = {64: 2, 128: 1}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
 #: Index state bytes.
@@ -65,12 +71,31 @@ MASK_ROW = BN + 16
 ATTENTION = OpSpec(
     "attention", "attention.cu.j2",
     {"pit_attn_index_vec": "PiiiPPPP", "pit_attn_index_byte": "PiiiPPPP",
-     "pit_attention": "PPPPPPPiiiiiif", "pit_attention_vec": "PPPPPPPiiiiiif"},
+     "pit_attention": "PPPPPPPPiiiiiiif", "pit_attention_vec": "PPPPPPPPiiiiiiif"},
     permutes=(
         # a CTA per (batch, head, query block), taken in any order: longest rows first
         Permutation("query blocks", SCORES, "spatial", "Q"),
         # key blocks visited in any order, empty ones dropped (online softmax is order-free)
         Permutation("key blocks", OUTPUT, "reduction", "V")),
+    dtypes=("float16", "bfloat16"))
+
+#: dQ = scale * dS K and dK = scale * dS^T Q with dS = P * (dP - delta), dV = P^T dO.
+GRAD_Q = "G[b,h,i,d] += T[b,h,i,j] * K[b,h,j,d]"
+GRAD_K = "G[b,h,j,d] += T[b,h,i,j] * Q[b,h,i,d]"
+
+ATTENTION_BWD = OpSpec(
+    "attention backward", "attention_bwd.cu.j2",
+    {"pit_attn_bwd_dq": "PPPPPPPPPPiiiiiiiff", "pit_attn_bwd_dq_vec": "PPPPPPPPPPiiiiiiiff",
+     "pit_attn_bwd_dkv": "PPPPPPPPPPiiiiiiiiff", "pit_attn_bwd_dkv_vec": "PPPPPPPPPPiiiiiiiiff"},
+    permutes=(
+        # dQ: a CTA per (batch, head, query block) in the forward's order, walking its key
+        # blocks in any order (j reduces)
+        Permutation("dQ query blocks", GRAD_Q, "spatial", "T"),
+        Permutation("dQ key blocks", GRAD_Q, "reduction", "K"),
+        # dK, dV: a CTA per (batch, head, key block), walking the query blocks of its column of
+        # the index in any order (i reduces)
+        Permutation("dKV key blocks", GRAD_K, "spatial", "T"),
+        Permutation("dKV query blocks", GRAD_K, "reduction", "Q")),
     dtypes=("float16", "bfloat16"))
 
 
@@ -89,12 +114,20 @@ class AttentionPlan:
     bn: int = BN
     stages: int = 0      # 0: STAGES[d]
     min_blocks: int = 0  # 0: MIN_BLOCKS[d]
+    kv_heads: int = 0    # 0: heads (GQA: fewer K/V heads, kv head = h // group)
 
     def __post_init__(self) -> None:
         if not self.stages:
             object.__setattr__(self, "stages", STAGES[self.d])
         if not self.min_blocks:
             object.__setattr__(self, "min_blocks", MIN_BLOCKS[self.d])
+        if not self.kv_heads:
+            object.__setattr__(self, "kv_heads", self.heads)
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head."""
+        return self.heads // self.kv_heads
 
     @property
     def warps(self) -> int:
@@ -141,33 +174,76 @@ class AttentionPlan:
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW}
 
+    # -- backward --
+
+    @property
+    def smem_dq(self) -> int:
+        """Dynamic shared memory of the dQ kernel: K, V and mask-tile stages + the key-block
+        list (the forward's layout)."""
+        st = STAGES_BWD[self.d]
+        return 2 * st * self.bn * self.d * 2 + st * self.bm * MASK_ROW + 4 * self.n_kb
+
+    @property
+    def smem_dkv(self) -> int:
+        """Dynamic shared memory of the dK/dV kernel: its own K and V tiles, Q, dO, lse, delta
+        and mask-tile stages + the query-block list."""
+        st = STAGES_BWD[self.d]
+        return (2 * self.bn * self.d * 2 + st * (2 * self.bm * self.d * 2 + 2 * self.bm * 4
+                                                  + self.bm * MASK_ROW) + 4 * self.n_qb)
+
+    def dkv_grid(self) -> tuple[int, int, int]:
+        """(batch x K/V head, key block)."""
+        return (self.batch * self.kv_heads, self.n_kb, 1)
+
+    def check_backward(self) -> None:
+        """ShapeError where the backward's block lists do not fit shared memory."""
+        for what, n, smem in (("Sk", self.sk, self.smem_dq), ("Sq", self.sq, self.smem_dkv)):
+            if smem > SMEM_LIMIT:
+                raise ShapeError(f"{what}={n} makes a block list that does not fit shared memory "
+                                 f"in the backward pass ({smem} > {SMEM_LIMIT} bytes)")
+
+    def backward_context(self) -> dict[str, Any]:
+        """Template context of the backward kernels."""
+        return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
+                "warps": self.warps, "stages": STAGES_BWD[self.d],
+                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW}
+
 
 @cache.lru("attention.plans")
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
-                   mask_shape: tuple[int, ...]) -> AttentionPlan:
+                   mask_shape: tuple[int, ...], kv_heads: int = 0) -> AttentionPlan:
     """Check the problem against what the kernel runs and fix its tiles; the rule derivation runs
-    here so that a kernel permuting a non-invariant axis could not be planned. Cached per shape
+    here so that a kernel permuting a non-invariant axis could not be planned. The mask's
+    leading dims broadcast (each 1 or the full extent: [Sq, Sk], [H|1, Sq, Sk] or
+    [B|1, H|1, Sq, Sk]); ``kv_heads`` (0: ``heads``) must divide ``heads``. Cached per shape
     (every call plans; a refusal raises again each time)."""
     ATTENTION.derive()
     if d not in HEAD_DIMS:
         raise ShapeError(f"head dim D={d} is not supported; sparse_attention runs D in {HEAD_DIMS}")
     ATTENTION.check_dtype(dtype)
+    kv_heads = kv_heads or heads
+    if kv_heads < 1 or heads % kv_heads:
+        raise ShapeError(f"k/v have {kv_heads} heads, which does not divide q's {heads} heads "
+                         f"(grouped-query attention needs H % Hkv == 0)")
     if len(mask_shape) not in (2, 3, 4):
         raise ShapeError(f"mask has shape {tuple(mask_shape)}; expected [Sq, Sk], [H, Sq, Sk] "
                          f"or [B, H, Sq, Sk]")
     full = (batch, heads, sq, sk)[-len(mask_shape):]
-    if tuple(mask_shape) != full:
+    lead = tuple(mask_shape)[:-2]
+    if (tuple(mask_shape)[-2:] != full[-2:]
+            or any(m not in (1, f) for m, f in zip(lead, full[:-2]))):
         raise ShapeError(f"mask has shape {tuple(mask_shape)}; expected {full} "
-                         f"(trailing dims of [B, H, Sq, Sk] = {(batch, heads, sq, sk)})")
-    mh = heads if len(mask_shape) >= 3 else 1
-    mb = batch if len(mask_shape) == 4 else 1
+                         f"(trailing dims of [B, H, Sq, Sk] = {(batch, heads, sq, sk)}; "
+                         f"B and H may be 1 to broadcast)")
+    mh = mask_shape[-3] if len(mask_shape) >= 3 else 1
+    mb = mask_shape[-4] if len(mask_shape) == 4 else 1
     if batch * heads >= 2 ** 31 or -(-sq // BM) > 65535 or mb * mh > 65535:
         raise ShapeError(f"batch x heads = {batch * heads}, mask slices = {mb * mh} or Sq = {sq} "
                          f"({-(-sq // BM)} query blocks) exceeds the grid limits 2**31 - 1, "
                          f"65535 and 65535")
     if max(batch * heads * max(sq, sk) * d, mb * mh * sq * sk) >= 2 ** 62:
         raise ShapeError("problem too large for 64-bit offsets")
-    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM)
+    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM, kv_heads=kv_heads)
     if plan.smem > SMEM_LIMIT:
         raise ShapeError(f"Sk={sk} keys make a block list of {plan.n_kb} entries that does not fit "
                          f"shared memory; sparse_attention runs Sk up to "
@@ -183,21 +259,54 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
 
 # -- GPU ----------------------------------------------------------------------------------------
 
+def _mask_shape(mask: Any) -> tuple[int, ...]:
+    """The shape the kernels see: a leading dim broadcast by stride 0 (``expand``) counts once."""
+    return tuple(1 if dim < mask.dim() - 2 and mask.stride(dim) == 0 else n
+                 for dim, n in enumerate(mask.shape))
+
+
 def _mask_u8(mask: Any) -> Any:
-    """The mask as uint8 bytes without a copy where possible (bool is stored as one byte)."""
+    """The mask as contiguous uint8 bytes without a copy where possible (bool is stored as one
+    byte); a leading dim broadcast by stride 0 (``expand``) is taken once, not copied."""
     import torch
+    shape = _mask_shape(mask)
+    if shape != tuple(mask.shape):
+        mask = mask[tuple(slice(0, n) for n in shape)]
+    mask = mask.contiguous()
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8)
     return mask
 
 
-def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
+def check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> tuple[int, ...]:
+    """(B, H, Hkv, Sq, Sk, D) of q [B, H, Sq, D], k and v [B, Hkv, Sk, D] (H % Hkv == 0), or
+    ShapeError naming the argument."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x) != 4:
+            raise ShapeError(f"{name} has {len(x)} dims {tuple(x)}; expected 4: "
+                             f"[B, H, S, D] (SDPA's layout)")
+    b, h, sq, d = q
+    if k[0] != b or k[3] != d:
+        raise ShapeError(f"k has shape {tuple(k)}; expected [{b}, Hkv, Sk, {d}] for q "
+                         f"{tuple(q)}")
+    if tuple(v) != tuple(k):
+        raise ShapeError(f"v has shape {tuple(v)}; expected k's shape {tuple(k)}")
+    if k[1] < 1 or h % k[1]:
+        raise ShapeError(f"k/v have {k[1]} heads, which does not divide q's {h} heads "
+                         f"(grouped-query attention needs H % Hkv == 0)")
+    return b, h, k[1], sq, k[2], d
+
+
+def _check(q: Any, k: Any, v: Any, mask: Any) -> tuple[AttentionPlan, Any]:
+    """The plan, and the mask as the kernels read it (``_mask_u8``; None stays None: no mask
+    to read, the index says dense or causal)."""
     check_tensor("q", q, ATTENTION.dtypes, ndim=4)
     dtype = str(q.dtype).replace("torch.", "")
-    b, h, sq, d = q.shape
-    check_tensor("k", k, (dtype,), ndim=4, shape=(b, h, None, d))
-    sk = k.shape[2]
-    check_tensor("v", v, (dtype,), ndim=4, shape=(b, h, sk, d))
+    check_tensor("k", k, (dtype,), ndim=4)
+    check_tensor("v", v, (dtype,), ndim=4)
+    b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    if mask is None:
+        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv), None
     check_tensor("mask", mask, ("bool", "uint8"), contiguous=False)
     for name, x in (("k", k), ("v", v), ("mask", mask)):
         if x.device != q.device:
@@ -206,7 +315,8 @@ def _check(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
         if x.data_ptr() % 16:
             raise ShapeError(f"{name} is not 16-byte aligned (a view at an odd offset); "
                              f"pass {name}.clone()")
-    return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape))
+    mask = _mask_u8(mask)
+    return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape), hkv), mask
 
 
 class BlockIndex(NamedTuple):
@@ -225,13 +335,48 @@ _COUNTERS = cache.memo("attention.counters")
 def _vector_mask(plan: AttentionPlan, mask: Any) -> bool:
     """Whether the kernels may read the mask 16 bytes at a time (rows and base 16-byte aligned);
     else their byte-by-byte variants run."""
-    return plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
+    return mask is not None and plan.sk % 16 == 0 and mask.data_ptr() % 16 == 0
+
+
+def causal_states(sq: int, sk: int, bm: int = BM, bn: int = BN) -> np.ndarray:
+    """The state map (uint8 [1, nQB, nKB]) of the causal mask (key j allowed for query i when
+    j <= i), from block positions: FULL when every in-range element is below the diagonal,
+    EMPTY when none is, else PARTIAL (``block_index_reference`` of the materialised mask)."""
+    r0 = np.arange(0, sq, bm)[:, None]
+    r1 = np.minimum(r0 + bm, sq) - 1
+    c0 = np.arange(0, sk, bn)[None, :]
+    c1 = np.minimum(c0 + bn, sk) - 1
+    return np.where(c0 > r1, EMPTY, np.where(c1 <= r0, FULL, PARTIAL)).astype(np.uint8)[None]
+
+
+#: (Sq, Sk, causal, device index) -> the BlockIndex of a call without a mask (dense: every
+#: block FULL; causal: causal_states), built on the host once per shape
+_STATIC = cache.memo("attention.static_index")
+
+
+def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
+    """The index of a mask-free call; the kernels then read no mask (a null mask with a
+    PARTIAL block is the causal element test)."""
+    import torch
+    from ..reference import block_order_reference
+
+    key = (plan.sq, plan.sk, causal, device.index)
+    hit = _STATIC.get(key)
+    if hit is None:
+        states = (causal_states(plan.sq, plan.sk) if causal
+                  else np.full((1, plan.n_qb, plan.n_kb), FULL, np.uint8))
+        order = block_order_reference(states)
+        hit = _STATIC[key] = BlockIndex(torch.from_numpy(states).to(device),
+                                        torch.from_numpy(order).to(device))
+    return hit
 
 
 def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIndex:
     """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
     fills."""
     import torch
+    if mask is None:
+        raise PlanError("the index of a call without a mask is not built on the GPU")
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
@@ -250,9 +395,11 @@ def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
     query-block order (as ``block_order_reference``)."""
-    plan = _check(q, k, v, mask)
+    if mask is None:
+        raise ShapeError("block_index needs a mask")
+    plan, mask = _check(q, k, v, mask)
     with TorchLaunch() as launch:
-        return _index(ATTENTION.module(plan), plan, _mask_u8(mask.contiguous()), launch)
+        return _index(ATTENTION.module(plan), plan, mask, launch)
 
 
 def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
@@ -276,41 +423,202 @@ def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
     return index
 
 
-def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
-                     index: BlockIndex | None = None) -> Tensor:
-    """out[b,h,i] = sum_j softmax_j(scale * q_i . k_j over {j : mask[.., i, j]}) v_j.
+def _ptr(mask: Any) -> int:
+    """The mask's address for the kernels; 0 (no mask: the index decides, and a PARTIAL block
+    tests the causal condition) for None."""
+    return 0 if mask is None else mask.data_ptr()
 
-    q [B, H, Sq, D], k/v [B, H, Sk, D]: contiguous, 16-byte aligned CUDA tensors, float16 or
-    bfloat16, D in {64, 128}; mask bool or uint8 (non-zero = attend) of shape [Sq, Sk],
-    [H, Sq, Sk] or [B, H, Sq, Sk], broadcast over missing leading dims (a non-contiguous mask is
-    copied). scale defaults to 1/sqrt(D). Rows with no set element are zeros. The index is built
-    on the GPU on every call (nothing waits for the host) unless ``index`` passes the
-    ``BlockIndex`` from ``block_index`` for this same mask (used to time the two stages apart;
-    any contents stay in bounds, but only block_index's give the right answer)."""
-    import torch
 
-    plan = _check(q, k, v, mask)
-    out = torch.empty_like(q)
-    if out.numel() == 0:
-        return out
-    if plan.sk == 0:
-        return out.zero_()
+def _scale(plan: AttentionPlan, scale: float | None) -> float:
     scale = 1.0 / math.sqrt(plan.d) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ShapeError(f"scale must be finite, got {scale}")
-    mask = _mask_u8(mask.contiguous())
+    return scale
+
+
+def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: float,
+             index: BlockIndex | None, want_lse: bool,
+             causal: bool = False) -> tuple[Any, Any, BlockIndex]:
+    """(out, lse or None, the index used): the index pass (unless given, or static where
+    ``mask`` is None: dense, or ``causal``) and the attention kernel, enqueued on torch's
+    stream; ``mask`` as ``_check`` returns it."""
+    import torch
+
+    out = torch.empty_like(q)
+    lse = (torch.empty((plan.batch, plan.heads, plan.sq), dtype=torch.float32, device=q.device)
+           if want_lse else None)
+    if out.numel() == 0 or plan.sk == 0:   # nothing to attend: zeros, lse -inf
+        if lse is not None:
+            lse.fill_(-math.inf)
+        empty = index or BlockIndex(
+            torch.zeros((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8, device=q.device),
+            torch.zeros((plan.slices, plan.n_qb), dtype=torch.int32, device=q.device))
+        return out.zero_(), lse, empty
     kernels = ATTENTION.module(plan)
-    sb, sh = plan.mask_strides
     with TorchLaunch() as launch:
-        idx = (_index(kernels, plan, mask, launch) if index is None
-               else _given_index(plan, index, q.device))
+        if mask is None:
+            idx = _static_index(plan, causal, q.device)
+        else:
+            idx = (_index(kernels, plan, mask, launch) if index is None
+                   else _given_index(plan, index, q.device))
+        sb, sh = plan.mask_strides
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
         kernels.launch(name, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                       mask.data_ptr(), idx.states.data_ptr(), idx.order.data_ptr(), plan.sq,
-                       plan.sk, plan.heads, sb, sh, plan.n_kb, scale * math.log2(math.e),
-                       smem=plan.smem)
-    return out
+                       0 if lse is None else lse.data_ptr(), _ptr(mask),
+                       idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk, plan.heads,
+                       plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e), smem=plan.smem)
+    return out, lse, idx
+
+
+def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any, out: Any,
+              lse: Any, idx: BlockIndex, scale: float, dlse: Any = None) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) over the forward's index: delta = rowsum(dO * O) - dlse (a torch
+    reduction on the stream), then the dQ kernel over query blocks in the forward's order and
+    the dK/dV kernel over key blocks (each walking the column of the state map); no atomics,
+    no host sync."""
+    import torch
+
+    plan.check_backward()
+    dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:   # d lse_i / d s_ij = P_ij: the lse gradient shifts delta
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    kernels = ATTENTION_BWD.module(plan.backward_context())
+    vec = "_vec" if _vector_mask(plan, mask) else ""
+    sb, sh = plan.mask_strides
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+            delta.data_ptr())
+    consts = (scale * math.log2(math.e), scale)
+    with TorchLaunch() as launch:
+        kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
+                       launch.stream, *args, dq.data_ptr(), _ptr(mask),
+                       idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk,
+                       plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
+        kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
+                       launch.stream, *args, dk.data_ptr(), dv.data_ptr(), _ptr(mask),
+                       idx.states.data_ptr(), plan.sq, plan.sk, plan.heads, plan.group, sb, sh,
+                       plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
+    return dq, dk, dv
+
+
+# -- autograd: torch.library custom ops, registered on first use ---------------------------------
+
+_OPS = cache.memo("attention.ops")
+
+
+def _ops() -> Any:
+    """The ``pitgen::sparse_attention`` op (forward: out, lse, states, order) with its fake and
+    autograd (``pitgen::sparse_attention_backward``), registered once per process on first use
+    so that importing pitgen needs no torch."""
+    hit = _OPS.get("forward")
+    if hit is not None:
+        return hit
+    import torch
+    from torch import Tensor
+
+    def fake_plan(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> AttentionPlan:
+        b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        return plan_attention(b, h, sq, sk, d, str(q.dtype).replace("torch.", ""),
+                              (sq, sk) if mask is None else tuple(_mask_shape(mask)), hkv)
+
+    @torch.library.custom_op(
+        "pitgen::sparse_attention", mutates_args=(),
+        schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? states, "
+               "Tensor? order, bool is_causal) -> (Tensor, Tensor, Tensor, Tensor)")
+    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                states: Tensor | None, order: Tensor | None, is_causal: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        plan, m = _check(q, k, v, mask)
+        given = None if states is None or order is None else BlockIndex(states, order)
+        out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal)
+        if m is None:           # the cached static index: outputs may not alias it either
+            idx = BlockIndex(idx.states.clone(), idx.order.clone())
+        if given is not None:   # a custom op's outputs may not alias its inputs
+            idx = BlockIndex(idx.states.clone(), idx.order.clone())
+        return out, lse, idx.states, idx.order
+
+    @forward.register_fake
+    def _(q, k, v, mask, scale, states, order, is_causal):
+        p = fake_plan(q, k, v, mask)
+        return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
+                q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
+                q.new_empty((p.slices, p.n_qb), dtype=torch.int32))
+
+    @torch.library.custom_op(
+        "pitgen::sparse_attention_backward", mutates_args=(),
+        schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
+               "Tensor lse, Tensor states, Tensor order, float scale, Tensor? dlse) "
+               "-> (Tensor, Tensor, Tensor)")
+    def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
+                 lse: Tensor, states: Tensor, order: Tensor, scale: float,
+                 dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        plan, m = _check(q, k, v, mask)
+        return _backward(plan, dout, q, k, v, m, out, lse, BlockIndex(states, order), scale,
+                         dlse)
+
+    @backward.register_fake
+    def _(dout, q, k, v, mask, out, lse, states, order, scale, dlse):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, mask, scale, _, _, _ = inputs
+        out, lse, states, order = output
+        ctx.save_for_backward(q, k, v, mask, out, lse, states, order)
+        ctx.scale = scale
+
+    def grad(ctx: Any, dout: Tensor, dlse: Tensor | None, _s: Any, _o: Any) -> tuple:
+        q, k, v, mask, out, lse, states, order = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = backward(dout, q, k, v, mask, out, lse, states, order, ctx.scale, dlse)
+        return dq, dk, dv, None, None, None, None, None
+
+    forward.register_autograd(grad, setup_context=setup_context)
+    _OPS["forward"] = forward
+    return forward
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                     scale: float | None = None, index: BlockIndex | None = None, *,
+                     is_causal: bool = False, return_lse: bool = False) -> Any:
+    """out[b,h,i] = sum_j softmax_j(scale * q_i . k_j over {j : mask[.., i, j]}) v_j.
+
+    q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (SDPA's layout; Hkv divides H: grouped-query attention,
+    query head h reads K/V head h // (H / Hkv)): contiguous, 16-byte aligned CUDA tensors,
+    float16 or bfloat16, D in {64, 128}; mask bool or uint8 (non-zero = attend) broadcastable
+    to [B, H, Sq, Sk]: [Sq, Sk], [H|1, Sq, Sk] or [B|1, H|1, Sq, Sk] (a broadcast dim, also
+    one expanded with stride 0, is read once, not copied per head; a non-contiguous mask is
+    copied). Without a mask every key is attended, or with ``is_causal=True`` keys j <= i
+    (SDPA's convention); neither reads a mask: their index is computed once per shape. scale
+    defaults to 1/sqrt(D). Rows with no set element are zeros. The index is built on the GPU
+    on every call (nothing waits for the host) unless ``index`` passes the ``BlockIndex`` from
+    ``block_index`` for this same mask (used to time the two stages apart; any contents stay
+    in bounds, but only block_index's give the right answer).
+
+    Differentiable in q, k, v (``torch.library`` op ``pitgen::sparse_attention``): the forward
+    then also saves the per-row log-sum-exp and the index, and the backward computes dQ, dK, dV
+    over the same blocks. ``return_lse=True`` returns ``(out, lse)``, lse float32 [B, H, Sq]
+    (natural log; -inf on rows with nothing to attend), itself differentiable."""
+    import torch
+
+    if is_causal and mask is not None:
+        raise ShapeError("pass a mask or is_causal=True, not both (combine them into the mask)")
+    plan, m = _check(q, k, v, mask)
+    scale = _scale(plan, scale)
+    if index is not None:
+        if m is None:
+            raise ShapeError("index is the block index of a mask; a call without one has none")
+        _given_index(plan, index, q.device)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None, None)), is_causal)
+    else:
+        out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
+    return (out, lse) if return_lse else out
 
 
 # -- nn.MultiheadAttention drop-in (built on first access) --------------------------------------
@@ -322,12 +630,18 @@ def _build_module() -> type:
 
     class SparseAttention(nn.Module):
         """Drop-in for ``nn.MultiheadAttention(embed_dim, num_heads, bias=True,
-        batch_first=True)`` (same parameters and state_dict) running ``sparse_attention``.
+        batch_first=True)`` (same parameters and state_dict) running ``sparse_attention``;
+        trains like it (gradients reach the projections and the inputs through the sparse
+        backward).
 
-        ``attn_mask`` follows nn.MultiheadAttention: bool, **True = NOT allowed**, shape [L, S]
-        or [N * num_heads, L, S]. ``mask=`` takes pitgen's convention instead (True = attend;
-        [L, S], [H, L, S] or [N, H, L, S]). Exactly one of them is required. Rows with nothing
-        allowed give zeros (nn.MultiheadAttention gives NaN). Returns (out, None)."""
+        ``forward`` takes nn.MultiheadAttention's arguments in its order. Its bool masks
+        follow nn.MultiheadAttention (**True = NOT allowed**): ``key_padding_mask`` [N, S],
+        ``attn_mask`` [L, S] or [N * num_heads, L, S]; ``is_causal=True`` adds a causal mask
+        (query i attends keys j <= i). ``mask=`` takes pitgen's convention instead (True =
+        attend; [L, S], [H|1, L, S] or [N|1, H|1, L, S]). Given masks combine; with none,
+        every key is attended. Rows with nothing allowed give zeros (nn.MultiheadAttention
+        gives NaN). Returns (out, None): attention weights are never stored, so
+        ``need_weights=True`` is refused."""
 
         def __init__(self, embed_dim: int, num_heads: int, bias: bool = True,
                      batch_first: bool = True, device: Any = None, dtype: Any = None):
@@ -353,25 +667,17 @@ def _build_module() -> type:
             y = F.linear(x, w, b).view(n, length, self.num_heads, self.head_dim)
             return y.transpose(1, 2).contiguous()
 
-        def forward(self, query: Any, key: Any, value: Any, attn_mask: Any = None,
-                    need_weights: bool = False, *, mask: Any = None) -> tuple[Any, None]:
-            if need_weights:
-                raise PlanError("need_weights=True is not supported (weights are never stored)")
-            if (attn_mask is None) == (mask is None):
-                raise ShapeError("pass exactly one of attn_mask (True = not allowed) or "
-                                 "mask (True = attend)")
-            for name, x in (("query", query), ("key", key), ("value", value)):
-                if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-                    raise ShapeError(f"{name} has shape {tuple(x.shape)}; expected "
-                                     f"[N, L, {self.embed_dim}] (batch_first)")
-            n, length = query.shape[:2]
-            if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
-                raise ShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must "
-                                 f"share [N, S] with N = {n}")
+        def _allowed(self, n: int, length: int, src: int, device: Any, key_padding_mask: Any,
+                     attn_mask: Any, is_causal: bool, mask: Any) -> tuple[Any, bool]:
+            """(pitgen's mask (True = attend), is_causal) for sparse_attention: the given masks
+            combined ([L, S], [N, 1, L, S], [N, H, L, S] or as ``mask`` was given, never
+            copied per head without need); no mask for a dense or plain causal call."""
+            for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+                if m is not None and m.dtype != torch.bool:
+                    raise ShapeError(f"{name} has dtype {m.dtype}; only bool masks (True = not "
+                                     f"allowed) are supported")
+            parts = [] if mask is None else [mask]
             if attn_mask is not None:
-                if attn_mask.dtype != torch.bool:
-                    raise ShapeError(f"attn_mask has dtype {attn_mask.dtype}; only bool masks "
-                                     f"(True = not allowed) are supported")
                 if attn_mask.dim() == 3:
                     if attn_mask.shape[0] != n * self.num_heads:
                         raise ShapeError(f"attn_mask has shape {tuple(attn_mask.shape)}; dim 0 "
@@ -380,13 +686,46 @@ def _build_module() -> type:
                 elif attn_mask.dim() != 2:
                     raise ShapeError(f"attn_mask has shape {tuple(attn_mask.shape)}; expected "
                                      f"[L, S] or [N * num_heads, L, S]")
-                mask = ~attn_mask
+                parts.append(~attn_mask)
+            if key_padding_mask is not None:
+                if tuple(key_padding_mask.shape) != (n, src):
+                    raise ShapeError(f"key_padding_mask has shape "
+                                     f"{tuple(key_padding_mask.shape)}; expected [N, S] = "
+                                     f"{(n, src)}")
+                parts.append(~key_padding_mask.view(n, 1, 1, src))
+            if not parts:
+                return None, is_causal
+            if is_causal:
+                parts.append(torch.ones(length, src, dtype=torch.bool, device=device).tril())
+            allowed = parts[0]
+            for m in parts[1:]:
+                allowed = allowed & m
+            if allowed.shape[-2:] != (length, src):   # key padding alone: [N, 1, 1, S]
+                allowed = allowed.expand(*allowed.shape[:-2], length, src)
+            return allowed, False
+
+        def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None,
+                    need_weights: bool = False, attn_mask: Any = None,
+                    average_attn_weights: bool = True, is_causal: bool = False, *,
+                    mask: Any = None) -> tuple[Any, None]:
+            if need_weights:
+                raise PlanError("need_weights=True is not supported (weights are never stored)")
+            for name, x in (("query", query), ("key", key), ("value", value)):
+                if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                    raise ShapeError(f"{name} has shape {tuple(x.shape)}; expected "
+                                     f"[N, L, {self.embed_dim}] (batch_first)")
+            n, length = query.shape[:2]
+            if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
+                raise ShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                                 f"share [N, S] with N = {n}")
+            allowed, causal = self._allowed(n, length, key.shape[1], query.device,
+                                            key_padding_mask, attn_mask, is_causal, mask)
             e = self.embed_dim
             w, b = self.in_proj_weight, self.in_proj_bias
             q = self._heads(query, w[:e], b[:e])
             k = self._heads(key, w[e:2 * e], b[e:2 * e])
             v = self._heads(value, w[2 * e:], b[2 * e:])
-            o = sparse_attention(q, k, v, mask)
+            o = sparse_attention(q, k, v, allowed, is_causal=causal)
             o = o.transpose(1, 2).reshape(n, length, e)
             return self.out_proj(o), None
 
