@@ -148,10 +148,10 @@ def test_mean_and_sum_aggregation(csr, dtype, aggr, feat, seed):
     dy, dy64 = operand(rng, (n, feat), dtype)
     deg = np.maximum(np.diff(csr.indptr), 1).astype(np.float64)
     w = np.ones(csr.nnz) if aggr == "sum" else 1.0 / deg[csr.row_ids()]
-    a64 = rounded(csr, dtype, w)
     vals = S.aggregation_values(d, aggr, dtype)
     assert S.aggregation_values(d, aggr, dtype) is vals   # once per graph, aggregator, dtype
-    np.testing.assert_array_equal(vals.double().cpu().numpy(), a64.values())
+    T.assert_close(vals, w, dtype, what="edge values")
+    a64 = rounded(csr, dtype, vals.double().cpu().numpy())   # what the SpMM multiplies by
     y = S.aggregate(d, x, aggr)
     T.assert_close(y, R.spmm_csr(a64, x64), dtype)
     y.backward(dy)
@@ -275,10 +275,9 @@ def teacher_task(n_feat: int, classes: int, dtype: str, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(csr.shape[0], n_feat, device="cuda", generator=g)
     t = torch.randn(n_feat, classes, device="cuda", generator=g)
-    x32 = x
     with torch.no_grad():
-        h = S.aggregate(DeviceCSR.from_host(csr, "float32"), x32 @ t, "mean")
-        labels = (h + x32 @ t).argmax(1)
+        h = S.aggregate(DeviceCSR.from_host(csr, "float32"), x @ t, "mean")
+        labels = (h + x @ t).argmax(1)
     return csr, d, x.to(getattr(torch, dtype)), labels
 
 
@@ -296,7 +295,7 @@ def test_training_lowers_the_loss_and_tracks_the_torch_sparse_model(dtype):
         kw = {} if conv is None else {"conv": conv}
         models.append(GraphSAGE(32, 64, 5, layers=2, device="cuda", dtype=tdt, **kw))
     losses = {0: [], 1: []}
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in models]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     for epoch in range(40):
         for i, (m, opt, g) in enumerate(zip(models, opts, (d, peer_graph))):
             opt.zero_grad()
@@ -306,7 +305,7 @@ def test_training_lowers_the_loss_and_tracks_the_torch_sparse_model(dtype):
             losses[i].append(float(loss))
     ours, peer = np.array(losses[0]), np.array(losses[1])
     assert np.isfinite(ours).all()
-    assert ours[-1] < 0.6 * ours[0], ours
+    assert ours[-1] < 0.5 * ours[0], ours   # about 0.13x in float32 on the CPU
     # the same model on cuSPARSE follows the same path (rounding apart) for the first steps
     bound = 1e-3 if dtype == "float32" else 3e-2
     np.testing.assert_allclose(ours[:5], peer[:5], rtol=bound, atol=bound)

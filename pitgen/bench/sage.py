@@ -45,7 +45,7 @@ QUICK_FEAT = 64
 CLASSES = 16
 LAYERS = 2
 EPOCHS = 5
-LR = 0.05
+LR = 0.1
 QUICK_GRAPHS = ("cora", "pubmed", "ogbn-arxiv")
 PEERS = ("torch.sparse.mm", "cuSPARSE cached Aᵀ")
 #: the first step's loss against the float32 torch.sparse.mm model's (relative)

@@ -111,7 +111,8 @@ def _ops() -> Any:
         return x.new_empty((indptr.shape[0] - 1, x.shape[1]))
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        x, values, *graph = inputs   # x only feeds dA: kept only when the values learn
+        ctx.save_for_backward(x if values.requires_grad else None, values, *graph)
 
     def backward(ctx, dy):
         x, values, indptr, indices, rows, t_indptr, t_indices, t_rows, t_perm, inverse = \
