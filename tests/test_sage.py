@@ -110,7 +110,7 @@ def test_operators_fake_kernels_and_autograd_on_meta():
     assert S._ops() is S._ops()   # registered once
     x = torch.empty(5, 3, device="meta", requires_grad=True)
     v = torch.empty(7, device="meta", requires_grad=True)
-    y = torch.ops.pitgen.graph_spmm(x, v, *_meta_graph(torch, 4, 5, 7))
+    y = torch.ops.pitgen.graph_spmm(x, v, *_meta_graph(torch, 4, 5, 7), 0)
     assert y.shape == (4, 3) and y.requires_grad
     y.backward(torch.empty_like(y))
     assert x.grad.shape == (5, 3) and v.grad.shape == (7,)
@@ -120,7 +120,7 @@ def test_operators_fake_kernels_and_autograd_on_meta():
     assert e.shape == (7,)
     x2 = torch.empty(5, 3, device="meta", requires_grad=True)
     dy = torch.empty(4, 3, device="meta", requires_grad=True)
-    y = torch.ops.pitgen.graph_spmm(x2, v.detach(), *_meta_graph(torch, 4, 5, 7))
+    y = torch.ops.pitgen.graph_spmm(x2, v.detach(), *_meta_graph(torch, 4, 5, 7), 3)
     (dx,) = torch.autograd.grad(y, x2, dy, create_graph=True)
     assert dx.shape == (5, 3) and dx.requires_grad   # a function of dy: second order works
     (ddy,) = torch.autograd.grad(dx, dy, torch.empty_like(dx))
@@ -156,6 +156,9 @@ def test_sageconv_validation():
         SAGEConv(4, 4, "lstm")
     with pytest.raises(ShapeError, match="layers must be a positive integer"):
         GraphSAGE(4, 4, 4, layers=0)
+    with pytest.raises(PlanError, match="unknown format 'coo'"):
+        GraphSAGE(4, 4, 4, format="coo")
+    assert SAGEConv(4, 4, format="auto").format == "auto" and SAGEConv(4, 4).format == "hyb"
     with pytest.raises(ShapeError, match=r"x must be \[nodes, 4\], got \(3, 5\)"):
         SAGEConv(4, 2)(None, torch.zeros(3, 5))
     with pytest.raises(ShapeError, match="graph must be a pitgen DeviceCSR"):
@@ -205,10 +208,11 @@ def test_bench_report(tmp_path):
     ok = {"gpu_ms": 1.0, "wall_ms": 1.5, "losses": [2.8, 2.7, 2.6, 2.5, 2.4], "loss_err": 1e-6,
           "ok": True}
     row = {"graph": "cora", "nodes": 2708, "edges": 10556, "dtype": "float16", "feat": 128,
-           "layers": 2, "classes": 16, "flop": 1, "prep_ms": {"pitgen": 0.5},
+           "layers": 2, "classes": 16, "flop": 1, "prep_ms": {"pitgen": 0.5, "pitgen auto": 9.0},
            "ref_loss": 2.8, "ok": True, "best_peer_ms": 2.0, "speedup": 2.0,
            "wall_speedup": 1.0,
-           "systems": {"pitgen": ok, "torch.sparse.mm": {**ok, "gpu_ms": 2.0},
+           "systems": {"pitgen": ok, "pitgen auto": {**ok, "gpu_ms": 0.9},
+                       "torch.sparse.mm": {**ok, "gpu_ms": 2.0},
                        "cuSPARSE cached Aᵀ": {"note": "not run: half refused"}}}
     bad = {**row, "graph": "reddit", "speedup": 0.5, "ok": False,
            "systems": {**row["systems"], "pitgen": {**ok, "ok": False}}}
@@ -218,6 +222,6 @@ def test_bench_report(tmp_path):
     md = (tmp_path / "sage.md").read_text()
     assert "| float16 | 2 | 1.00x | 1.00x | >= 1.1x | **missed** | NO |" in md
     assert "not run: half refused" in md and "**WRONG**" in md
-    assert "| 2.800 -> 2.400 |" in md
+    assert "| 2.800 -> 2.400 | 0.50 | 9.00 |" in md and "pitgen auto ms (wall)" in md
     doc = json.loads((tmp_path / "sage.json").read_text())
     assert doc["summary"][0]["all_correct"] is False and len(doc["rows"]) == 2

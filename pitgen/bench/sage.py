@@ -8,12 +8,14 @@ bias; F_in = hidden = FEAT, CLASSES outputs, ReLU between), cross-entropy on eve
 labels a random linear teacher assigns, SGD with momentum (the same optimizer for every system:
 plain fp16 Adam would underflow). Systems differ only in the aggregation:
 - ``pitgen``: :func:`pitgen.ops.sage.aggregate` (``pitgen::graph_spmm``; Aᵀ built on the GPU
-  once per graph, dX = Aᵀ dY by the same SpMM);
+  once per graph, A and Aᵀ in hyb, dX = Aᵀ dY by the same SpMM), and ``pitgen auto`` (the
+  formats tuned: ``format="auto"``; not in --quick); the speed-up is ``pitgen``'s;
 - ``torch.sparse.mm``: ``torch.sparse.mm(A, X)`` on a sparse CSR tensor with torch's autograd
   (its backward multiplies by A's transpose view, cuSPARSE's transposed SpMM);
 - ``cuSPARSE cached Aᵀ``: ``torch.sparse.mm`` forward and, in backward, ``torch.sparse.mm``
   with Aᵀ converted to CSR once per graph (the peer as strong as torch allows).
-Graph structures (transposes, mean values) are built before the timing. Each system trains
+Graph structures (transposes, layouts, mean values) are built before the timing and their
+time reported ("prep"). Each system trains
 EPOCHS steps first from the same weights; their losses are reported and the first step's loss
 of every system is checked against the float32 ``torch.sparse.mm`` model. Times: GPU (CUDA
 events, median, L2 flushed) and eager wall time per step (``Timer.both``). Writes sage.md and
@@ -47,6 +49,11 @@ LAYERS = 2
 EPOCHS = 5
 LR = 0.1
 QUICK_GRAPHS = ("cora", "pubmed", "ogbn-arxiv")
+#: pitgen's systems and their formats (docs/sage.md): hyb with default parameters, and the
+#: tuned choice ("auto": the tune cache, else a search of pitgen.ops.sage.AUTO_BUDGET_S per
+#: direction and width, counted in its preparation time, not in the step)
+SYSTEMS = {"pitgen": "hyb", "pitgen auto": "auto"}
+QUICK_SYSTEMS = {"pitgen": "hyb"}
 PEERS = ("torch.sparse.mm", "cuSPARSE cached Aᵀ")
 #: the first step's loss against the float32 torch.sparse.mm model's (relative)
 TOL = {"float32": 1e-4, "float16": 2e-2}
@@ -134,12 +141,14 @@ def step_fn(model: Any, opt: Any, graph: Any, x: Any, labels: Any) -> Any:
     return step
 
 
-def run_graph(r: Run, name: str, path: str, feat: int) -> list[dict]:
+def run_graph(r: Run, name: str, path: str, feat: int, mine: dict[str, str]) -> list[dict]:
+    """Both dtypes of one graph: ``mine`` names pitgen's systems and their formats."""
     import torch
 
     from pitgen.graph.device import TRANSPOSE, DeviceCSR
     from pitgen.graph.formats import load_graph
     from pitgen.nn import GraphSAGE
+    from pitgen.ops.sage import aggregation_values, graph_plan
 
     peer_conv = _peer()["TorchSAGEConv"]
     TRANSPOSE.module({})   # compiled before the transpose is timed
@@ -157,11 +166,17 @@ def run_graph(r: Run, name: str, path: str, feat: int) -> list[dict]:
         x = x.to(tdt)
         torch.manual_seed(0)
         base = GraphSAGE(feat, feat, CLASSES, LAYERS, device="cuda", dtype=tdt)
-        graphs = {"pitgen": d}
-        t0 = time.perf_counter()
-        d.transpose()
-        torch.cuda.synchronize()
-        prep = {"pitgen": (time.perf_counter() - t0) * 1e3}
+        graphs: dict[str, Any] = {}
+        prep: dict[str, float] = {}
+        widths = sorted({min(a, b) for a, b in zip([feat] * LAYERS, [feat] * (LAYERS - 1)
+                                                   + [CLASSES])})
+        for system, f in mine.items():   # Aᵀ, then A and Aᵀ in the format, per width
+            t0 = time.perf_counter()
+            d.transpose()
+            for w in widths:
+                graph_plan(d, aggregation_values(d, "mean", dtype), w, f, owned=True)
+            torch.cuda.synchronize()
+            graphs[system], prep[system] = d, (time.perf_counter() - t0) * 1e3
         for peer, cached in zip(PEERS, (False, True)):
             t0 = time.perf_counter()
             graphs[peer] = torch_graph(d, "mean", cached)
@@ -178,9 +193,9 @@ def run_graph(r: Run, name: str, path: str, feat: int) -> list[dict]:
                 "layers": LAYERS, "classes": CLASSES,
                 "flop": flop(nodes, edges, feat, CLASSES, LAYERS), "prep_ms": prep,
                 "ref_loss": ref_loss, "systems": {}}
-        for system in ("pitgen", *PEERS):
-            model = GraphSAGE(feat, feat, CLASSES, LAYERS, device="cuda", dtype=tdt,
-                              **({} if system == "pitgen" else {"conv": peer_conv}))
+        for system in (*mine, *PEERS):
+            kw = {"format": mine[system]} if system in mine else {"conv": peer_conv}
+            model = GraphSAGE(feat, feat, CLASSES, LAYERS, device="cuda", dtype=tdt, **kw)
             model.load_state_dict(copy.deepcopy(base.state_dict()))
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
             step = step_fn(model, opt, graphs[system], x, labels)
@@ -193,23 +208,23 @@ def run_graph(r: Run, name: str, path: str, feat: int) -> list[dict]:
                        "loss_err": err, "ok": err <= TOL[dtype] and all(
                            l == l and abs(l) != float("inf") for l in losses)}
             except RuntimeError as exc:   # a peer torch refuses for this dtype
-                if system == "pitgen":
+                if system in mine:
                     raise
                 res = {"note": f"not run: {str(exc).splitlines()[0][:90]}"}
             case["systems"][system] = res
             del model, opt, step
-        mine = case["systems"]["pitgen"]
+        ours = case["systems"]["pitgen"]
         ok_peers = [p for p in (case["systems"][s] for s in PEERS) if p.get("ok")]
         best = min(ok_peers, key=lambda p: p["gpu_ms"], default=None)
         best_wall = min((p["wall_ms"] for p in ok_peers), default=None)
-        case["ok"] = mine["ok"]
+        case["ok"] = all(case["systems"][m]["ok"] for m in mine)
         case["best_peer_ms"] = best["gpu_ms"] if best else None
-        case["speedup"] = best["gpu_ms"] / mine["gpu_ms"] if best else None
-        case["wall_speedup"] = best_wall / mine["wall_ms"] if best_wall else None
+        case["speedup"] = best["gpu_ms"] / ours["gpu_ms"] if best else None
+        case["wall_speedup"] = best_wall / ours["wall_ms"] if best_wall else None
         out.append(case)
-        print(f"sage {name} {dtype}: pitgen {mine['gpu_ms']:.3f} ms/step, best peer "
-              f"{fmt(case['best_peer_ms'])} ms, loss {mine['losses'][0]:.4f} -> "
-              f"{mine['losses'][-1]:.4f}", file=sys.stderr, flush=True)
+        print(f"sage {name} {dtype}: pitgen {ours['gpu_ms']:.3f} ms/step, best peer "
+              f"{fmt(case['best_peer_ms'])} ms, loss {ours['losses'][0]:.4f} -> "
+              f"{ours['losses'][-1]:.4f}", file=sys.stderr, flush=True)
         del graphs, d, x, labels, base
         torch.cuda.empty_cache()
     return out
@@ -252,14 +267,16 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
                         f"{fmt(s['geomean_wall_speedup'], 2)}x", f">= {s['target']}x",
                         "-" if s["met"] is None else ("**met**" if s["met"] else "**missed**"),
                         "yes" if s["all_correct"] else "NO"] for s in summ])
+    mine = [m for m in SYSTEMS if any(m in x["systems"] for x in rows)]
     lines += ["", "## Cases", ""] + md_table(
-        ["graph", "nodes", "edges", "dtype", "F", "pitgen ms (wall)",
-         *[f"{p} ms (wall)" for p in PEERS], "speed-up", "pitgen loss", "Aᵀ build ms"],
+        ["graph", "nodes", "edges", "dtype", "F", *[f"{m} ms (wall)" for m in mine],
+         *[f"{p} ms (wall)" for p in PEERS], "speed-up", "pitgen loss",
+         *[f"{m} prep ms" for m in mine]],
         [[x["graph"], x["nodes"], x["edges"], x["dtype"], x["feat"],
-          _cell(x["systems"]["pitgen"]), *[_cell(x["systems"][p]) for p in PEERS],
-          f"{fmt(x['speedup'], 2)}x",
+          *[_cell(x["systems"][m]) if m in x["systems"] else "-" for m in mine],
+          *[_cell(x["systems"][p]) for p in PEERS], f"{fmt(x['speedup'], 2)}x",
           " -> ".join(f"{v:.3f}" for v in x["systems"]["pitgen"]["losses"][::EPOCHS - 1]),
-          fmt(x["prep_ms"]["pitgen"], 2)] for x in rows])
+          *[fmt(x["prep_ms"].get(m), 2) for m in mine]] for x in rows])
     (out / "sage.md").write_text("\n".join(lines) + "\n")
 
 
@@ -284,7 +301,8 @@ def run(r: Run) -> int:
         futures = {g: pool.submit(graph_file, g, str(folder))
                    for g in sorted(names, key=lambda g: -GRAPHS[g].edges)}   # longest first
         for name in names:
-            rows += run_graph(r, name, futures[name].result(), feat)
+            rows += run_graph(r, name, futures[name].result(), feat,
+                              QUICK_SYSTEMS if r.args.quick else SYSTEMS)
             meta["elapsed_s"] = time.monotonic() - t0
             write(r.out, rows, meta)
     print((r.out / "sage.md").read_text().split("## Cases")[0])
