@@ -33,15 +33,15 @@ def test_importing_needs_no_torch():
 
 
 def test_transpose_rules_and_template():
-    """Aᵀ is read by dX[j,f] += A[i,j] dY[i,f]: j spatial (transposed rows anywhere), i
-    reduced (a transposed row's entries in any order): the scatter needs no sort."""
-    assert TRANSPOSE.derive() == {"transposed rows": ("j",), "transposed entries": ("i",)}
+    """Aᵀ is read by dX[j,f] += A[i,j] dY[i,f]: j spatial (transposed rows written in any
+    order, each slot to its own place)."""
+    assert TRANSPOSE.derive() == {"transposed rows": ("j",)}
     assert TRANSPOSE_EXPR == "DX[j,f] += A[i,j] * DY[i,f]"
     src = TRANSPOSE.source({})
     assert src == TRANSPOSE.source({})
     for k in TRANSPOSE.kernels:
         assert f"void {k}(" in src
-    assert src.count("atomicAdd(") == 2   # the counts, then one cursor per column
+    assert src.count("atomicAdd(") == 1   # the counts; slots come from the sorted order
 
 
 def nvcc_jobs(pool) -> list[Future]:

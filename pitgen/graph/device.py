@@ -49,15 +49,13 @@ CONVERT = OpSpec("convert", "convert.cu.j2", {
 
 #: SpMM's backward dX = Aᵀ dY, read row by row from the transpose.
 TRANSPOSE_EXPR = "DX[j,f] += A[i,j] * DY[i,f]"
-#: CSR -> CSR of Aᵀ: count per column, scan, scatter through one atomic cursor per column. The
-#: transposed rows (j, spatial) are filled in any order, and a transposed row's entries land in
-#: any order, which the SpMM that reads it may sum in any order (i, reduction): no sort.
+#: CSR -> CSR of Aᵀ: count per column, scan, a stable sort by column (torch), place. The
+#: transposed rows (j, spatial) are written in any order, each slot to its own place.
 TRANSPOSE = OpSpec("graph transpose", "graph_transpose.cu.j2", {
         "pit_transpose_count": "PPiiiP",
-        "pit_transpose_scatter": "PPiiiPPPPP",
+        "pit_transpose_place": "PPPiiiPPPP",
     },
-    (Permutation("transposed rows", TRANSPOSE_EXPR, "spatial", "A"),
-     Permutation("transposed entries", TRANSPOSE_EXPR, "reduction", "A")), VALUE_DTYPES)
+    (Permutation("transposed rows", TRANSPOSE_EXPR, "spatial", "A"),), VALUE_DTYPES)
 
 
 def _torch():
@@ -188,9 +186,10 @@ class DeviceCSR:
         return self._rows
 
     def transpose(self) -> DeviceTranspose:
-        """Aᵀ on the GPU, built once and kept (no host sync): count per column, scan, scatter
-        (templates/graph_transpose.cu.j2). A transposed row's entries are in no fixed order (see
-        TRANSPOSE); its values are ``values[perm]`` as they were when it was built."""
+        """Aᵀ on the GPU, built once and kept (no host sync): count per column, scan, a stable
+        sort of the entries by column, place (templates/graph_transpose.cu.j2). Its rows
+        ascend within each transposed row (canonical CSR, like ``from_host``'s); its values are
+        ``values[perm]`` as they were when it was built."""
         if self._transposed is None:
             torch = _torch()
             n_rows, n_cols = self.shape
@@ -204,12 +203,14 @@ class DeviceCSR:
             t_indptr = torch.zeros(n_cols + 1, **i32)
             if n_cols:
                 torch.cumsum(counts, 0, dtype=torch.int32, out=t_indptr[1:])
-            # slots past the last counted entry (only when an index is out of range) stay 0
+            valid = (self.indices >= 0) & (self.indices < n_cols) & (rows >= 0)
+            key = torch.where(valid, self.indices, n_cols)   # out-of-range entries last
+            order = torch.sort(key, stable=True).indices     # radix sort: rows stay ascending
             t_indices = torch.zeros(self.nnz, **i32)
             perm = torch.zeros(self.nnz, **i32)
             inverse = torch.full((self.nnz,), -1, **i32)
-            _launch(k, "pit_transpose_scatter", self.nnz, rows, self.indices, self.nnz, n_rows,
-                    n_cols, t_indptr, counts.zero_(), t_indices, perm, inverse)
+            _launch(k, "pit_transpose_place", self.nnz, order, rows, self.indices, self.nnz,
+                    n_rows, n_cols, t_indptr, t_indices, perm, inverse)
             t = DeviceCSR((n_cols, n_rows), t_indptr, t_indices, self.values.index_select(0, perm))
             self._transposed = DeviceTranspose(t, perm, inverse)
             t._transposed = DeviceTranspose(self, inverse, perm)

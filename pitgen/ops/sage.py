@@ -5,9 +5,8 @@ nodes whose features node i aggregates) runs pitgen's graph SpMM (templates/spmm
 autograd through one custom operator, ``pitgen::graph_spmm``:
 
 * ``dX = Aᵀ dY``: the same SpMM over Aᵀ, which :meth:`DeviceCSR.transpose` builds on the GPU
-  once per graph (count per column, scan, scatter: no sort, since SpMM's rules let a
-  transposed row's entries be summed in any order; templates/graph_transpose.cu.j2) and keeps
-  with it. Aᵀ's values are gathered from A's (an aggregator's once, learnt ones every call).
+  once per graph (count per column, scan, stable sort by column, place;
+  templates/graph_transpose.cu.j2; no host sync) and keeps with it. Aᵀ's values are gathered from A's (an aggregator's once, learnt ones every call).
 * ``dA`` (edge values, when they require grad) ``= SDDMM(dY, X)`` on A's pattern, in A's CSR
   order (``pitgen::graph_sddmm``, pitgen's graph SDDMM kernel).
 
