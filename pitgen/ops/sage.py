@@ -58,7 +58,8 @@ SPMM_SCHEMA = "(Tensor x, Tensor values, " + ", ".join(f"Tensor {n}" for n in _G
 SDDMM_SCHEMA = "(Tensor u, Tensor v, Tensor indptr, Tensor indices, Tensor rows) -> Tensor"
 #: DeviceCSR -> {(aggregator, dtype): edge values}; dropped with the graph.
 _VALUES: "weakref.WeakKeyDictionary[DeviceCSR, dict]" = weakref.WeakKeyDictionary()
-#: DeviceCSR -> {(values kind, dtype, format, feat): GraphPlan}; dropped with the graph.
+#: DeviceCSR -> {(values kind, dtype): (A, Aᵀ) with those values; (values kind, dtype, format,
+#: feat): GraphPlan}; dropped with the graph.
 _PLANS: "weakref.WeakKeyDictionary[DeviceCSR, dict]" = weakref.WeakKeyDictionary()
 #: plan id -> the plan (weak: the graph's _PLANS entry keeps it alive)
 _BY_ID: "dict[int, weakref.ref]" = {}
@@ -142,14 +143,18 @@ def graph_plan(graph: DeviceCSR, values: Tensor, feat: int, fmt: str = DEFAULT_F
     _check_format(fmt)
     dtype = str(values.dtype).replace("torch.", "")
     per = _PLANS.setdefault(graph, {})
-    key = ((values.data_ptr(), "owned") if owned else "values", dtype, fmt, feat)
+    kind = ((values.data_ptr(), "owned") if owned else "values", dtype)
+    key = (*kind, fmt, feat)
     hit = per.get(key)
     if hit is None:
-        t = graph.transpose()
-        a = DeviceCSR(graph.shape, graph.indptr, graph.indices, values.detach(),
-                      rows=graph.row_ids())
-        at = DeviceCSR(t.csr.shape, t.csr.indptr, t.csr.indices,
-                       values.detach().index_select(0, t.perm), rows=t.csr.row_ids())
+        if kind not in per:   # A and Aᵀ with these values: their conversions serve every width
+            t = graph.transpose()
+            per[kind] = (DeviceCSR(graph.shape, graph.indptr, graph.indices, values.detach(),
+                                   rows=graph.row_ids()),
+                         DeviceCSR(t.csr.shape, t.csr.indptr, t.csr.indices,
+                                   values.detach().index_select(0, t.perm),
+                                   rows=t.csr.row_ids()))
+        a, at = per[kind]
         fwd, fs = _layout(a, fmt, feat)
         bwd, bs = _layout(at, fmt, feat)
         hit = per[key] = GraphPlan(fwd, fs, bwd, bs, owned, next(_IDS))
