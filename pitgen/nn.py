@@ -1,7 +1,8 @@
 """PyTorch modules, drop-ins for their dense counterparts (same parameters and state_dict layout):
 ``SparseLinear`` (nn.Linear with a dynamic weight mask or sparse inputs), ``SparseAttention``
 (nn.MultiheadAttention over a dynamic mask), ``MoE`` (a routed expert FFN block), and
-``RGCNConv`` (a relational graph convolution, inference only).
+``RGCNConv`` (a relational graph convolution, inference only), ``SAGEConv`` and ``GraphSAGE``
+(GraphSAGE, trainable: pitgen's graph SpMM with autograd).
 
 Resolved on first use, so ``import pitgen`` needs no torch."""
 from __future__ import annotations
@@ -10,7 +11,8 @@ import importlib
 from typing import Any
 
 _HOME = {"SparseLinear": "pitgen.ops.linear", "SparseAttention": "pitgen.ops.attention",
-         "MoE": "pitgen.ops.moe", "RGCNConv": "pitgen.ops.rgcn"}
+         "MoE": "pitgen.ops.moe", "RGCNConv": "pitgen.ops.rgcn", "SAGEConv": "pitgen.ops.sage",
+         "GraphSAGE": "pitgen.ops.sage"}
 
 __all__ = sorted(_HOME)
 

@@ -11,7 +11,7 @@
 #   tune-attention, tune-spmm
 #             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
-#   matmul, attention, moe, training, graphs, peers
+#   matmul, attention, moe, training, graphs, rgcn, sage, peers
 #             one part of the benchmark suite (python3 -m pitgen.bench PART, i.e. pitgen bench;
 #             STEP_ARGS adds options), results under $LOGS/bench
 #   bench     every part of the suite in one process (BENCH_ARGS adds options, e.g. --quick)
@@ -92,7 +92,7 @@ for step in "$@"; do
       echo "$step: exit $r"; tail -40 "$LOGS/$step.log" ;;
     profile)
       timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
-    matmul|attention|moe|training|graphs|peers|bench)
+    matmul|attention|moe|training|graphs|rgcn|sage|peers|bench)
       part=$step limit=300; [ $step = peers ] && limit=400; [ $step = bench ] && part= limit=570
       timeout ${STEP_TIMEOUT:-$limit} python3 -m pitgen.bench $part --out "$LOGS/bench" \
         ${STEP_ARGS:-} ${BENCH_ARGS:-} >"$LOGS/bench-$step.log" 2>&1; r=$?

@@ -38,6 +38,8 @@ PARTS = {
               "(graphs.md)",
     "rgcn": "the RGCN inference layer on four relational graphs vs a torch loop over relations "
             "and torch._grouped_mm (rgcn.md)",
+    "sage": "a GraphSAGE training step on the seven GNN graphs vs the same model on "
+            "torch.sparse.mm (sage.md)",
     "peers": "PIT's workloads (micro, seqlen, ffn, moe) vs cuBLAS, cuSPARSE, Triton BSR and stk "
              "(summary.md)",
 }

@@ -8,7 +8,8 @@ unchanged: ``to_format`` caches per (format, params) on its DeviceCSR, and
 ``DeviceMatrix.with_values`` refills a layout from new CSR-order values on the GPU. Every layout
 keeps ``perm`` (slot -> CSR position, -1 for padding), so SDDMM results come back in CSR order.
 The NumPy references of every layout are in pitgen/formats.py; ``DeviceMatrix.to_host`` returns
-the same objects, equal slot for slot.
+the same objects, equal slot for slot. ``DeviceCSR.transpose`` builds Aᵀ on the GPU (no host
+sync) for SpMM's backward, kept with the matrix.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
 from .formats import BSR, BSR_BLOCKS, CSR, ELL, FORMATS, SPMM_EXPR, Hyb, HybBucket
 
-__all__ = ["DeviceCSR", "DeviceMatrix", "to_format", "FORMATS", "VALUE_DTYPES"]
+__all__ = ["DeviceCSR", "DeviceMatrix", "DeviceTranspose", "to_format", "FORMATS",
+           "VALUE_DTYPES", "TRANSPOSE_EXPR"]
 
 VALUE_DTYPES = ("float32", "float16")
 THREADS = 256
@@ -43,6 +45,17 @@ CONVERT = OpSpec("convert", "convert.cu.j2", {
         "pit_hyb_fill": "PPPiiiiiiPPPPiiPPPPP",
     },
     (Permutation("rows", SPMM_EXPR, "spatial", "A"),), VALUE_DTYPES)
+
+
+#: SpMM's backward dX = Aᵀ dY, read row by row from the transpose.
+TRANSPOSE_EXPR = "DX[j,f] += A[i,j] * DY[i,f]"
+#: CSR -> CSR of Aᵀ: count per column, scan, a stable sort by column (torch), place. The
+#: transposed rows (j, spatial) are written in any order, each slot to its own place.
+TRANSPOSE = OpSpec("graph transpose", "graph_transpose.cu.j2", {
+        "pit_transpose_count": "PPiiiP",
+        "pit_transpose_place": "PPPiiiPPPP",
+    },
+    (Permutation("transposed rows", TRANSPOSE_EXPR, "spatial", "A"),), VALUE_DTYPES)
 
 
 def _torch():
@@ -80,11 +93,14 @@ def _check_value_dtype(dtype: str) -> str:
 
 class DeviceCSR:
     """CSR on the GPU: int32 ``indptr`` [rows + 1] and ``indices`` [nnz], ``values`` [nnz]
-    (float32 or float16). Treated as immutable: conversions are cached on it; for new values on
-    the same pattern use ``DeviceMatrix.with_values``. Kernels range-check every index, but only
-    ``from_host`` / ``from_scipy`` validate sortedness and ranges."""
+    (float32 or float16). Treated as immutable: conversions and the transpose are cached on it;
+    for new values on the same pattern use ``DeviceMatrix.with_values``. Kernels range-check
+    every index, but only ``from_host`` / ``from_scipy`` validate sortedness and ranges.
+    ``rows``: the int32 row of every non-zero when the caller has it (``row_ids`` then needs no
+    launch)."""
 
-    def __init__(self, shape: tuple[int, int], indptr: Any, indices: Any, values: Any):
+    def __init__(self, shape: tuple[int, int], indptr: Any, indices: Any, values: Any, *,
+                 rows: Any = None):
         if len(shape) != 2 or min(int(s) for s in shape) < 0:
             raise ShapeError(f"DeviceCSR shape must be two non-negative extents, got {shape}")
         self.shape = (int(shape[0]), int(shape[1]))
@@ -97,7 +113,9 @@ class DeviceCSR:
             raise ShapeError(f"DeviceCSR tensors on different devices: {indptr.device}, "
                              f"{indices.device}, {values.device}")
         self._formats: dict[tuple, DeviceMatrix] = {}
-        self._rows = None
+        self._rows = None if rows is None else \
+            check_tensor("rows", rows, ("int32",), 1, (self.indices.shape[0],))
+        self._transposed: DeviceTranspose | None = None
 
     @property
     def nnz(self) -> int:
@@ -166,6 +184,37 @@ class DeviceCSR:
                     self.shape[0], self.nnz, self._rows)
         return self._rows
 
+    def transpose(self) -> DeviceTranspose:
+        """Aᵀ on the GPU, built once and kept (no host sync): count per column, scan, a stable
+        sort of the entries by column, place (templates/graph_transpose.cu.j2). Its rows
+        ascend within each transposed row (canonical CSR, like ``from_host``'s); its values are
+        ``values[perm]`` as they were when it was built."""
+        if self._transposed is None:
+            torch = _torch()
+            n_rows, n_cols = self.shape
+            dev = self.indices.device
+            i32 = {"dtype": torch.int32, "device": dev}
+            k = TRANSPOSE.module({})
+            rows = self.row_ids()
+            counts = torch.zeros(n_cols, **i32)
+            _launch(k, "pit_transpose_count", self.nnz, rows, self.indices, self.nnz, n_rows,
+                    n_cols, counts)
+            t_indptr = torch.zeros(n_cols + 1, **i32)
+            if n_cols:
+                torch.cumsum(counts, 0, dtype=torch.int32, out=t_indptr[1:])
+            valid = (self.indices >= 0) & (self.indices < n_cols) & (rows >= 0)
+            key = torch.where(valid, self.indices, n_cols)   # out-of-range entries last
+            order = torch.sort(key, stable=True).indices     # radix sort: rows stay ascending
+            t_indices = torch.zeros(self.nnz, **i32)
+            perm = torch.zeros(self.nnz, **i32)
+            inverse = torch.full((self.nnz,), -1, **i32)
+            _launch(k, "pit_transpose_place", self.nnz, order, rows, self.indices, self.nnz,
+                    n_rows, n_cols, t_indptr, t_indices, perm, inverse)
+            t = DeviceCSR((n_cols, n_rows), t_indptr, t_indices, self.values.index_select(0, perm))
+            self._transposed = DeviceTranspose(t, perm, inverse)
+            t._transposed = DeviceTranspose(self, inverse, perm)
+        return self._transposed
+
     def row_stats(self) -> dict[str, float]:
         """Host numbers describing the rows (the tuner's cache key): rows, cols, nnz, mean /
         max / std (population) row length, fraction of empty rows. Synchronises once."""
@@ -184,6 +233,17 @@ class DeviceCSR:
     def to_torch(self) -> Any:
         """The same matrix as a torch.sparse_csr_tensor (shares the buffers)."""
         return _torch().sparse_csr_tensor(self.indptr, self.indices, self.values, size=self.shape)
+
+
+@dataclass(eq=False)
+class DeviceTranspose:
+    """Aᵀ of a DeviceCSR: ``csr`` (shape [cols, rows]), ``perm`` [nnz] int32: the position in
+    A's CSR order of each entry of ``csr`` (so Aᵀ's values are ``A.values[perm]``), and
+    ``inverse`` [nnz]: the position in ``csr`` of each entry of A (-1 for an entry with an
+    out-of-range index, which Aᵀ leaves out)."""
+    csr: DeviceCSR
+    perm: Any
+    inverse: Any
 
 
 @dataclass

@@ -1,0 +1,385 @@
+"""GraphSAGE training: graph SpMM with autograd, and ``SAGEConv``.
+
+``Y = A X`` for a graph A held as a :class:`~pitgen.graph.device.DeviceCSR` (row i lists the
+nodes whose features node i aggregates) runs pitgen's graph SpMM (templates/spmm.cu.j2), with
+autograd through one custom operator, ``pitgen::graph_spmm``:
+
+* ``dX = Aᵀ dY``: the same SpMM over Aᵀ, which :meth:`DeviceCSR.transpose` builds on the GPU
+  once per graph (count per column, scan, stable sort by column, place;
+  templates/graph_transpose.cu.j2; no host sync) and keeps with it. Aᵀ's values are gathered from A's (an aggregator's once, learnt ones every call).
+* ``dA`` (edge values, when they require grad) ``= SDDMM(dY, X)`` on A's pattern, in A's CSR
+  order (``pitgen::graph_sddmm``, pitgen's graph SDDMM kernel).
+
+A and Aᵀ run in a format of pitgen.graph (hyb by default: CSR's one group per row is slow on
+power-law rows; "auto" tunes), each converted on the GPU once per graph and feature width
+(:class:`GraphPlan`, one host sync per conversion); "csr" runs straight from the CSR tensors.
+The backward of ``graph_spmm`` is ``graph_spmm`` on Aᵀ, so gradients of gradients of X work.
+Aggregators: ``sum`` (edge values 1) and ``mean`` (1 / in-degree of the row), computed on the
+GPU from the pattern once per graph and dtype. After the first call per graph and feature
+width, nothing synchronises with the host. The torch operators and ``SAGEConv`` are built on
+first use: importing this module needs no torch.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PlanError, ShapeError
+from ..graph.device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
+from ..graph.formats import FORMATS
+from ..graph.kernels import SPMM, default_schedule, sddmm, spmm
+from ..graph.tune import GraphStats, best, default_params
+from ..operands import check_tensor
+from . import lazy_torch_classes
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["AGGREGATORS", "SAGE_FORMATS", "DEFAULT_FORMAT", "GraphPlan", "aggregation_values",
+           "graph_plan", "graph_spmm", "aggregate", "sage_reference"]
+
+AGGREGATORS = ("mean", "sum")
+#: The layouts the SpMMs of training may run: a format of pitgen.graph (converted on the GPU
+#: once per graph), or "auto" (the tune cache, else a search of AUTO_BUDGET_S, per direction).
+SAGE_FORMATS = (*FORMATS, "auto")
+#: hyb(c=1, k from the mean row) balances power-law rows; CSR's one group per row does not.
+DEFAULT_FORMAT = "hyb"
+AUTO_BUDGET_S = 2.0
+#: The graph tensors every call of ``pitgen::graph_spmm`` takes after (x, values): A's CSR and
+#: row ids, then Aᵀ's, then the two position maps (Aᵀ entry -> A entry, A entry -> Aᵀ entry),
+#: then the plan (0: CSR from these tensors; +k / -k: plan k's layout of A / of Aᵀ).
+_GRAPH_ARGS = ("indptr", "indices", "rows", "t_indptr", "t_indices", "t_rows", "t_perm",
+               "inverse")
+SPMM_SCHEMA = "(Tensor x, Tensor values, " + ", ".join(f"Tensor {n}" for n in _GRAPH_ARGS) + \
+    ", int plan) -> Tensor"
+SDDMM_SCHEMA = "(Tensor u, Tensor v, Tensor indptr, Tensor indices, Tensor rows) -> Tensor"
+#: DeviceCSR -> {(aggregator, dtype): edge values}; dropped with the graph.
+_VALUES: "weakref.WeakKeyDictionary[DeviceCSR, dict]" = weakref.WeakKeyDictionary()
+#: DeviceCSR -> {(values kind, dtype): (A, Aᵀ) with those values; (values kind, dtype, format,
+#: feat): GraphPlan}; dropped with the graph.
+_PLANS: "weakref.WeakKeyDictionary[DeviceCSR, dict]" = weakref.WeakKeyDictionary()
+#: plan id -> the plan (weak: the graph's _PLANS entry keeps it alive)
+_BY_ID: "dict[int, weakref.ref]" = {}
+_IDS = itertools.count(1)
+
+
+def _check_graph(graph: Any) -> DeviceCSR:
+    if not isinstance(graph, DeviceCSR):
+        raise ShapeError(f"graph must be a pitgen DeviceCSR (DeviceCSR.from_host / from_scipy), "
+                         f"got {type(graph).__name__}")
+    return graph
+
+
+def _check_aggr(aggr: Any) -> str:
+    if aggr not in AGGREGATORS:
+        raise PlanError(f"unknown aggregator {aggr!r}; choose {' or '.join(AGGREGATORS)}")
+    return aggr
+
+
+def _check_format(fmt: Any) -> str:
+    if fmt not in SAGE_FORMATS:
+        raise PlanError(f"unknown format {fmt!r}; choose one of {', '.join(SAGE_FORMATS)}")
+    return fmt
+
+
+def aggregation_values(graph: DeviceCSR, aggr: str, dtype: str) -> Tensor:
+    """Edge values [nnz] of an aggregator, in ``graph``'s CSR order and ``dtype``: ``sum``
+    gives 1, ``mean`` 1 / (entries in the row). Built on the GPU (no sync) once per graph,
+    aggregator and dtype."""
+    import torch
+    _check_graph(graph)
+    _check_aggr(aggr)
+    if dtype not in VALUE_DTYPES:
+        raise ShapeError(f"dtype {dtype!r} is not supported; use one of {VALUE_DTYPES}")
+    per = _VALUES.setdefault(graph, {})
+    hit = per.get((aggr, dtype))
+    if hit is None:
+        tdt = getattr(torch, dtype)
+        if aggr == "sum":
+            hit = torch.ones(graph.nnz, dtype=tdt, device=graph.indices.device)
+        else:
+            deg = (graph.indptr[1:] - graph.indptr[:-1]).clamp(min=1).to(torch.float32)
+            hit = deg.reciprocal().index_select(0, graph.row_ids().clamp(min=0)).to(tdt)
+        per[(aggr, dtype)] = hit
+    return hit
+
+
+@dataclass(eq=False)
+class GraphPlan:
+    """What one graph's SpMMs run at one feature width: the layout of A (``fwd``) and of Aᵀ
+    (``bwd``), each a DeviceMatrix converted on the GPU with its schedule. ``owned``: the edge
+    values are pitgen's (an aggregator's, never changed), so the layouts' own values are used;
+    otherwise every call refills them from the values it is given (a gather, no sync)."""
+    fwd: DeviceMatrix
+    fwd_schedule: dict
+    bwd: DeviceMatrix
+    bwd_schedule: dict
+    owned: bool
+    ident: int = 0
+
+
+def _layout(csr: DeviceCSR, fmt: str, feat: int) -> tuple[DeviceMatrix, dict]:
+    """``csr`` in ``fmt`` (conversion cached on it) with the schedule for ``feat``: defaults,
+    or with "auto" the tune cache / a search. Conversions other than CSR sync the host once."""
+    if fmt == "auto":
+        r = best(csr, "spmm", feat, csr.dtype, AUTO_BUDGET_S)
+        fmt, params, sched = r.fmt, dict(r.params), dict(r.schedule)
+    else:
+        stats = GraphStats.from_dict(csr.row_stats()) if fmt in ("ell", "hyb") else None
+        params, sched = default_params(fmt, stats), default_schedule("spmm", fmt, feat, csr.dtype)
+    return to_format(csr, fmt, **params), sched
+
+
+def graph_plan(graph: DeviceCSR, values: Tensor, feat: int, fmt: str = DEFAULT_FORMAT,
+               owned: bool = False) -> GraphPlan:
+    """The plan of ``graph`` with edge ``values`` (the aggregator's when ``owned``) at ``feat``
+    features in format ``fmt``: A and Aᵀ converted on the GPU (Aᵀ from
+    :meth:`DeviceCSR.transpose`), built on first use and kept with the graph. The first call
+    synchronises with the host (conversions; with "auto", tuning); later calls do not."""
+    _check_graph(graph)
+    _check_format(fmt)
+    dtype = str(values.dtype).replace("torch.", "")
+    per = _PLANS.setdefault(graph, {})
+    kind = ((values.data_ptr(), "owned") if owned else "values", dtype)
+    key = (*kind, fmt, feat)
+    hit = per.get(key)
+    if hit is None:
+        if kind not in per:   # A and Aᵀ with these values: their conversions serve every width
+            t = graph.transpose()
+            per[kind] = (DeviceCSR(graph.shape, graph.indptr, graph.indices, values.detach(),
+                                   rows=graph.row_ids()),
+                         DeviceCSR(t.csr.shape, t.csr.indptr, t.csr.indices,
+                                   values.detach().index_select(0, t.perm),
+                                   rows=t.csr.row_ids()))
+        a, at = per[kind]
+        fwd, fs = _layout(a, fmt, feat)
+        bwd, bs = _layout(at, fmt, feat)
+        hit = per[key] = GraphPlan(fwd, fs, bwd, bs, owned, next(_IDS))
+        for dead in [k for k, ref in _BY_ID.items() if ref() is None]:
+            del _BY_ID[dead]
+        _BY_ID[hit.ident] = weakref.ref(hit)
+    return hit
+
+
+def _csr(indptr: Any, indices: Any, values: Any, rows: Any, n_cols: int) -> DeviceCSR:
+    return DeviceCSR((int(indptr.shape[0]) - 1, n_cols), indptr, indices, values, rows=rows)
+
+
+def _plan(plan: int) -> GraphPlan | None:
+    ref = _BY_ID.get(abs(plan)) if plan else None
+    return None if ref is None else ref()
+
+
+def _run_spmm(x: Any, values: Any, indptr: Any, indices: Any, rows: Any, plan: int) -> Any:
+    """Y = A X through plan ``plan``'s layout of A (+) or Aᵀ (-), else CSR from the tensors."""
+    p = _plan(plan)
+    if p is not None:
+        m, sched = (p.fwd, p.fwd_schedule) if plan > 0 else (p.bwd, p.bwd_schedule)
+        if m.shape == (int(indptr.shape[0]) - 1, int(x.shape[0])) and \
+                m.nnz == int(indices.shape[0]):
+            return spmm(m if p.owned else m.with_values(values), x, schedule=sched)
+    return spmm(_csr(indptr, indices, values, rows, int(x.shape[0])), x)
+
+
+@functools.lru_cache(maxsize=1)
+def _ops() -> Any:
+    """Register ``pitgen::graph_spmm`` (with autograd) and ``pitgen::graph_sddmm`` once."""
+    import torch
+
+    @torch.library.custom_op("pitgen::graph_sddmm", mutates_args=(), schema=SDDMM_SCHEMA)
+    def graph_sddmm_op(u, v, indptr, indices, rows):
+        """E[p] = U[row(p)] . V[col(p)] over the pattern (indptr, indices) in CSR order."""
+        a = _csr(indptr, indices, u.new_empty(indices.shape[0]), rows, int(v.shape[0]))
+        return sddmm(a, u.contiguous(), v.contiguous())
+
+    @graph_sddmm_op.register_fake
+    def _(u, v, indptr, indices, rows):
+        return u.new_empty(indices.shape[0])
+
+    @torch.library.custom_op("pitgen::graph_spmm", mutates_args=(), schema=SPMM_SCHEMA)
+    def graph_spmm_op(x, values, indptr, indices, rows, t_indptr, t_indices, t_rows, t_perm,
+                      inverse, plan):
+        """Y = A X for A = (indptr, indices, values) with x.shape[0] columns."""
+        return _run_spmm(x.contiguous(), values, indptr, indices, rows, plan)
+
+    @graph_spmm_op.register_fake
+    def _(x, values, indptr, indices, rows, t_indptr, t_indices, t_rows, t_perm, inverse, plan):
+        return x.new_empty((indptr.shape[0] - 1, x.shape[1]))
+
+    def setup_context(ctx, inputs, output):
+        x, values, *graph, plan = inputs   # x only feeds dA: kept only when the values learn
+        ctx.save_for_backward(x if values.requires_grad else None, values, *graph)
+        ctx.plan = plan
+
+    def backward(ctx, dy):
+        x, values, indptr, indices, rows, t_indptr, t_indices, t_rows, t_perm, inverse = \
+            ctx.saved_tensors
+        dx = dv = None
+        if ctx.needs_input_grad[0]:   # dX = Aᵀ dY: the same operator on the transpose
+            p = _plan(ctx.plan)   # an aggregator's plan holds Aᵀ's values: no gather
+            vt = (p.bwd if ctx.plan > 0 else p.fwd).source.values if p is not None and \
+                p.owned else values.index_select(0, t_perm)
+            dx = graph_spmm_op(dy, vt, t_indptr, t_indices, t_rows, indptr, indices, rows,
+                               inverse, t_perm, -ctx.plan)
+        if ctx.needs_input_grad[1]:   # dA = dY Xᵀ sampled on A's pattern
+            dv = graph_sddmm_op(dy, x, indptr, indices, rows)
+        return (dx, dv) + (None,) * (len(_GRAPH_ARGS) + 1)
+
+    graph_spmm_op.register_autograd(backward, setup_context=setup_context)
+    return graph_spmm_op
+
+
+def _graph_tensors(graph: DeviceCSR) -> tuple:
+    t = graph.transpose()
+    return (graph.indptr, graph.indices, graph.row_ids(), t.csr.indptr, t.csr.indices,
+            t.csr.row_ids(), t.perm, t.inverse)
+
+
+def graph_spmm(graph: DeviceCSR, x: Tensor, values: Tensor | None = None,
+               format: str = DEFAULT_FORMAT) -> Tensor:
+    """Y = A X [rows, F] with gradients to ``x`` and to ``values`` (edge values [nnz] in A's
+    CSR order, ``graph.values`` when None), float32 or float16 with fp32 accumulation, A and Aᵀ
+    in ``format`` (SAGE_FORMATS). The first call per graph and feature width builds Aᵀ and the
+    layouts on the GPU (conversions sync the host once); later calls do not sync."""
+    return _graph_spmm(graph, x, values, format, owned=False)
+
+
+def _graph_spmm(graph: DeviceCSR, x: Any, values: Any, fmt: str, owned: bool) -> Any:
+    _check_graph(graph)
+    _check_format(fmt)
+    SPMM.derive()
+    dtype = graph.dtype if values is None else str(values.dtype).replace("torch.", "")
+    check_tensor("x", x, VALUE_DTYPES, 2, (graph.shape[1], None), contiguous=False)
+    xdt = str(x.dtype).replace("torch.", "")
+    if values is None:
+        values = graph.values
+    check_tensor("values", values, VALUE_DTYPES, 1, (graph.nnz,), contiguous=False)
+    if xdt != dtype:
+        raise ShapeError(f"x is {xdt} but the edge values are {dtype}: pass values of x's dtype "
+                         f"(or x.to(torch.{dtype}))")
+    feat = int(x.shape[1])
+    if graph.shape[0] * feat > 2**31 - 1 or graph.shape[1] * feat > 2**31 - 1:
+        raise ShapeError(f"graph_spmm operands of {max(graph.shape)} x {feat} exceed int32 "
+                         f"indexing")
+    values = values.contiguous()
+    plan = 0
+    if fmt != "csr" and feat > 0:
+        plan = graph_plan(graph, values, feat, fmt, owned).ident
+    return _ops()(x, values, *_graph_tensors(graph), plan)
+
+
+def aggregate(graph: DeviceCSR, x: Tensor, aggr: str = "mean",
+              format: str = DEFAULT_FORMAT) -> Tensor:
+    """The ``aggr`` ("mean" or "sum") of every node's neighbours' rows of ``x`` (the graph's
+    own values are not used), with autograd to ``x``; A and Aᵀ in ``format``."""
+    _check_graph(graph)
+    _check_aggr(aggr)
+    check_tensor("x", x, VALUE_DTYPES, 2, (graph.shape[1], None), contiguous=False)
+    vals = aggregation_values(graph, aggr, str(x.dtype).replace("torch.", ""))
+    return _graph_spmm(graph, x, vals, format, owned=True)
+
+
+def sage_reference(indptr: Any, indices: Any, x: Any, w_neigh: Any, w_root: Any, bias: Any,
+                   aggr: str = "mean") -> Any:
+    """SAGEConv in float64 NumPy: ``aggr_j x_j @ w_neighᵀ + x @ w_rootᵀ + bias`` (w_root and
+    bias may be None), for a square CSR pattern (indptr, indices)."""
+    import numpy as np
+    _check_aggr(aggr)
+    indptr, indices = np.asarray(indptr, np.int64), np.asarray(indices, np.int64)
+    x = np.asarray(x, np.float64)
+    n = indptr.shape[0] - 1
+    rows = np.repeat(np.arange(n), np.diff(indptr))
+    h = np.zeros((n, x.shape[1]))
+    np.add.at(h, rows, x[indices])
+    if aggr == "mean":
+        h /= np.maximum(np.diff(indptr), 1)[:, None]
+    y = h @ np.asarray(w_neigh, np.float64).T
+    if w_root is not None:
+        y += x @ np.asarray(w_root, np.float64).T
+    if bias is not None:
+        y += np.asarray(bias, np.float64)
+    return y
+
+
+# -- torch module (built lazily: importing pitgen.ops.sage needs no torch) --------------------
+
+def _build_module_classes() -> dict[str, type]:
+    import torch
+    from torch import nn
+
+    class SAGEConv(nn.Module):
+        """GraphSAGE convolution (Hamilton et al.) as PyG writes it:
+        ``Y = lin_l(aggr_{j in N(i)} x_j) + lin_r(x_i)``, ``aggr`` "mean" or "sum".
+
+        state_dict: ``lin_l.weight [out, in]``, ``lin_l.bias [out]`` (``bias=True``),
+        ``lin_r.weight [out, in]`` (``root_weight=True``), PyG's names. ``forward(graph, x)``
+        takes a DeviceCSR (row i: the nodes node i aggregates from) and x [nodes, in]; trains
+        (gradients to x and every parameter). With ``in > out`` the neighbour weight is applied
+        before the aggregation (fewer features to gather; the same result: it is linear).
+        ``format``: the layout of A and Aᵀ (SAGE_FORMATS; hyb by default, "auto" tunes)."""
+
+        def __init__(self, in_channels: int, out_channels: int, aggr: str = "mean",
+                     root_weight: bool = True, bias: bool = True, device: Any = None,
+                     dtype: Any = None, format: str = DEFAULT_FORMAT) -> None:
+            super().__init__()
+            for name, v in (("in_channels", in_channels), ("out_channels", out_channels)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ShapeError(f"{name} must be a positive integer, got {v!r}")
+            self.in_channels, self.out_channels = in_channels, out_channels
+            self.aggr = _check_aggr(aggr)
+            self.format = _check_format(format)
+            kw = {"device": device, "dtype": dtype}
+            self.lin_l = nn.Linear(in_channels, out_channels, bias=bias, **kw)
+            self.lin_r = nn.Linear(in_channels, out_channels, bias=False, **kw) \
+                if root_weight else None
+
+        def propagate(self, graph: Any, x: Any) -> Any:
+            """The neighbour aggregation (pitgen's SpMM; the benchmark's peer overrides it)."""
+            return aggregate(graph, x, self.aggr, self.format)
+
+        def forward(self, graph: Any, x: Any) -> Any:
+            if x.dim() != 2 or x.shape[1] != self.in_channels:
+                raise ShapeError(f"x must be [nodes, {self.in_channels}], got {tuple(x.shape)}")
+            if self.in_channels > self.out_channels:
+                y = self.propagate(graph, torch.nn.functional.linear(x, self.lin_l.weight))
+                if self.lin_l.bias is not None:
+                    y = y + self.lin_l.bias
+            else:
+                y = self.lin_l(self.propagate(graph, x))
+            if self.lin_r is not None:
+                y = y + self.lin_r(x)
+            return y
+
+        def extra_repr(self) -> str:
+            return (f"{self.in_channels}, {self.out_channels}, aggr={self.aggr!r}, "
+                    f"root_weight={self.lin_r is not None}, format={self.format!r}")
+
+    class GraphSAGE(nn.Module):
+        """``layers`` SAGEConv layers (in -> hidden ... -> out), ReLU between them; ``conv``
+        another SAGEConv class (the benchmark's peers)."""
+
+        def __init__(self, in_channels: int, hidden: int, out_channels: int, layers: int = 2,
+                     aggr: str = "mean", conv: type = SAGEConv, device: Any = None,
+                     dtype: Any = None, format: str = DEFAULT_FORMAT) -> None:
+            super().__init__()
+            if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+                raise ShapeError(f"layers must be a positive integer, got {layers!r}")
+            sizes = [in_channels] + [hidden] * (layers - 1) + [out_channels]
+            self.convs = nn.ModuleList(conv(a, b, aggr, device=device, dtype=dtype,
+                                            format=format)
+                                       for a, b in zip(sizes, sizes[1:]))
+
+        def forward(self, graph: Any, x: Any) -> Any:
+            for i, conv in enumerate(self.convs):
+                x = conv(graph, x)
+                if i + 1 < len(self.convs):
+                    x = torch.relu(x)
+            return x
+
+    return {"SAGEConv": SAGEConv, "GraphSAGE": GraphSAGE}
+
+
+__getattr__ = lazy_torch_classes(__name__, ("SAGEConv", "GraphSAGE"), _build_module_classes)
