@@ -209,6 +209,7 @@ def test_index_from_a_byte_mask(micro):
 
 
 def test_pycuda_gpuarrays():
+    import pycuda.autoprimaryctx  # noqa: F401  (a GPUArray user makes PyCUDA's context current)
     import pycuda.gpuarray as ga
 
     rng = np.random.default_rng(5)
