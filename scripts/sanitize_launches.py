@@ -81,6 +81,16 @@ for fmt, params in (("csr", {}), ("ell", {}), ("bsr", {"block": 16}), ("hyb", {"
 torch.cuda.synchronize()
 print("formats csr/ell/bsr/hyb spmm+sddmm: ok")
 
+from pitgen.ops.sage import aggregate, graph_spmm
+
+csr.transpose()   # count + place kernels
+xs = torch.randn(280, 32, device="cuda", requires_grad=True)
+vs = csr.values.clone().requires_grad_()
+for fmt in ("csr", "hyb"):   # forward, dX over Aᵀ, edge values by SDDMM
+    (graph_spmm(csr, xs, vs, format=fmt).sum() + aggregate(csr, xs, "mean", fmt).sum()).backward()
+torch.cuda.synchronize()
+print("graph transpose, graph_spmm fwd+bwd: ok")
+
 from pitgen.ops.linear import sparse_weight_linear
 
 w = torch.randn(96, 128, device="cuda", dtype=torch.float16, requires_grad=True)

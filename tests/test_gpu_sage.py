@@ -47,9 +47,12 @@ def rounded(csr: fm.CSR, dtype: str, values: np.ndarray | None = None) -> fm.CSR
 
 
 def operand(rng, shape, dtype, grad=False):
+    """A fresh CUDA operand of dtype (a leaf requiring grad when ``grad``) and its float64
+    copy (what the device holds, exactly)."""
     t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to("cuda",
                                                                            getattr(torch, dtype))
-    return t.requires_grad_(grad), t.double().cpu().numpy()
+    t64 = t.double().cpu().numpy()   # before requires_grad: numpy() refuses a graph tensor
+    return t.requires_grad_(grad), t64
 
 
 def poison_pool(*shapes, dtype=torch.float32) -> None:
@@ -321,7 +324,6 @@ def teacher_task(n_feat: int, classes: int, dtype: str, seed: int = 0):
     return csr, d, x.to(getattr(torch, dtype)), labels
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 def torch_csr(c: fm.CSR, dtype: str):
     """A host CSR as a torch sparse CSR tensor on the GPU (int64 indices)."""
     return torch.sparse_csr_tensor(torch.from_numpy(c.indptr.astype(np.int64)),
@@ -330,6 +332,7 @@ def torch_csr(c: fm.CSR, dtype: str):
                                    size=c.shape).cuda()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_training_lowers_the_loss_and_tracks_the_torch_sparse_model(dtype):
     from pitgen.bench.sage import TorchGraph, TorchSAGEConv
     from pitgen.nn import GraphSAGE
