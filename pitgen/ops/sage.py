@@ -89,11 +89,11 @@ def aggregation_values(graph: DeviceCSR, aggr: str, dtype: str) -> Tensor:
     """Edge values [nnz] of an aggregator, in ``graph``'s CSR order and ``dtype``: ``sum``
     gives 1, ``mean`` 1 / (entries in the row). Built on the GPU (no sync) once per graph,
     aggregator and dtype."""
-    import torch
     _check_graph(graph)
     _check_aggr(aggr)
     if dtype not in VALUE_DTYPES:
         raise ShapeError(f"dtype {dtype!r} is not supported; use one of {VALUE_DTYPES}")
+    import torch
     per = _VALUES.setdefault(graph, {})
     hit = per.get((aggr, dtype))
     if hit is None:
