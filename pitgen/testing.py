@@ -9,8 +9,10 @@
   ImportError that names the package.
 - The float64 NumPy references every kernel is held to: :mod:`pitgen.reference` (also reachable
   as ``pitgen.testing.reference``).
-- :func:`assert_close`, the dtype-aware comparison the GPU tests make, and :func:`poison`, which
-  fills an output before a launch so that elements a kernel never writes fail it.
+- :func:`assert_close`, the dtype-aware comparison the GPU tests make (element-wise, scaled by
+  the root-sum-square of each output's terms: :func:`term_scale`, :func:`attention_term_scale`,
+  :func:`moe_term_scale`; docs/testing.md), and :func:`poison`, which fills an output before a
+  launch so that elements a kernel never writes fail it.
 """
 from __future__ import annotations
 

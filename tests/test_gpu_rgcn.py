@@ -54,7 +54,8 @@ def check(g: Relational, y, x64, w64, dtype: str, roundings: int, extra=None) ->
 
 
 def roundings(d: R.DeviceRelational, f_in: int, f_out: int, order: str) -> int:
-    """The intermediates the order ``d`` runs for ``order`` stores in its dtype."""
+    """The intermediates stored in the dtype by the order the next ``rgcn(d, ..., order)``
+    runs (ask before the call: "auto" plans again once an order is composed)."""
     return ROUNDINGS[d.plan(f_in, f_out, order).order]
 
 
@@ -88,10 +89,11 @@ def test_rgcn_matches_the_reference(graph, dtype, order, feats, seed):
     x, x64 = operand(rng, (g.shape[2], f_in), dtype)
     w, w64 = operand(rng, (g.shape[0], f_in, f_out), dtype, f_in ** -0.5)
     out = T.poison(torch.empty((g.shape[1], f_out), dtype=x.dtype, device="cuda"))
+    n = roundings(d, f_in, f_out, order)
     y = R.rgcn(d, x, w, order=order, out=out)
     assert y is out
-    n = roundings(d, f_in, f_out, order)
     check(g, y, x64, w64, dtype, n)
+    n = roundings(d, f_in, f_out, order)
     check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype, n)   # composed once, reused
 
 
@@ -120,7 +122,8 @@ def test_generated_graph_both_orders_and_auto(dtype):
     x, x64 = operand(rng, (g.shape[2], 32), dtype)
     w, w64 = operand(rng, (g.shape[0], 32, 32), dtype, 0.2)
     for order in ("auto", *R.ORDERS):
-        check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype, roundings(d, 32, 32, order))
+        n = roundings(d, 32, 32, order)
+        check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype, n)
     assert d.plan(32, 32).compact == {o: d.composed(o).compact for o in R.ORDERS}
 
 
@@ -135,12 +138,13 @@ def test_rgcn_conv(dtype):
     with torch.no_grad():
         layer.bias.uniform_(-1, 1)
     x, x64 = operand(rng, (g.shape[2], 16), dtype)
+    n = roundings(d, 16, 8, layer.order)
     with torch.no_grad():
         y = layer(d, x)
     w64, root, bias = (p.detach().double().cpu().numpy() for p in
                        (layer.weight, layer.root, layer.bias))
     # the layer stores rgcn's output, then y + x root, in dtype before adding the bias
-    check(g, y, x64, w64, dtype, roundings(d, 16, 8, layer.order) + 2,
+    check(g, y, x64, w64, dtype, n + 2,
           extra=(x64 @ root + bias, x64 ** 2 @ root ** 2 + bias ** 2))
     assert set(layer.state_dict()) == {"weight", "root", "bias"}
     with pytest.raises(PlanError, match="inference only"):

@@ -127,7 +127,11 @@ def test_sparse_input_linear_forward_and_gradients(dtype, batch, in_f, out_f, ze
         check(b.grad, db64, dtype, db_s)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+#: the relative error of one step's loss (a scalar mean: no element-wise bound applies)
+LOSS_TOL = {"float16": 1e-1, "float32": 1e-2}
+
+
+@pytest.mark.parametrize("dtype", sorted(LOSS_TOL))
 def test_training_steps_with_a_new_mask_every_step(dtype):
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
@@ -155,7 +159,7 @@ def test_training_steps_with_a_new_mask_every_step(dtype):
         ref_opt.zero_grad()
         ref_loss.backward()
         ref_opt.step()
-        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 0.1
+        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < LOSS_TOL[dtype]
         # the step's terms: the stored weight, and lr times the gradient and its terms dy x
         dy = 2 * (y_ref.detach() - target.double()) / y_ref.numel()
         g_terms = ((dy ** 2).t() @ x.double() ** 2) * mask.double()
