@@ -52,10 +52,11 @@ INDEX_COLUMNS = 512
 #: within 2% of 3 x 2 with less shared memory).
 STAGES = {64: 2, 128: 2}
 MIN_BLOCKS = {64: 3, 128: 2}
-#: The same for the backward kernels (their accumulators: dQ, or dK and dV, plus S and dP per
-#: block). At D=64, 3 CTAs per SM (168 registers, a few spilled) beat 2 by 20% on the micro
-#: mask and 8% on Longformer (H100); at D=128, 1 and 2 are level.
+#: Per head dim: pipeline stages of the backward kernels (K/V for dQ, Q/dO for dK/dV).
 STAGES_BWD = {64: 2, 128: 2}
+#: Per head dim: CTAs per SM of the backward kernels (accumulators dQ, or dK and dV, plus S and
+#: dP per block). At D=64, 3 (168 registers, a few spilled) beat 2 by 20% on the micro mask and
+#: 8% on Longformer (H100, docs/attention.md); at D=128, 1 and 2 are level.
 MIN_BLOCKS_BWD = {64: 3, 128: 1}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
@@ -359,14 +360,14 @@ def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
     """The index of a mask-free call; the kernels then read no mask (a null mask with a
     PARTIAL block is the causal element test)."""
     import torch
-    from ..reference import block_order_reference
 
     key = (plan.sq, plan.sk, causal, device.index)
     hit = _STATIC.get(key)
     if hit is None:
         states = (causal_states(plan.sq, plan.sk) if causal
                   else np.full((1, plan.n_qb, plan.n_kb), FULL, np.uint8))
-        order = block_order_reference(states)
+        # longest rows first, ties in block order (exact counts: the GPU's order bins them)
+        order = np.argsort(-(states != EMPTY).sum(-1), axis=-1, kind="stable").astype(np.int32)
         hit = _STATIC[key] = BlockIndex(torch.from_numpy(states).to(device),
                                         torch.from_numpy(order).to(device))
     return hit
