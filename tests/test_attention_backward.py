@@ -326,7 +326,8 @@ def test_importing_pitgen_imports_no_torch():
 
 # -- rendering and nvcc --------------------------------------------------------------------------
 
-VARIANTS = [(d, dt) for d in A.HEAD_DIMS for dt in A.ATTENTION_BWD.dtypes]
+#: Two compiles keep the suite fast, yet each D, each dtype and each arch is built once.
+VARIANTS = {"sm_80": (64, "float16"), "sm_90": (128, "bfloat16")}
 
 
 def _source(d: int, dtype: str) -> str:
@@ -344,14 +345,9 @@ def test_render_names_the_backward_kernels():
 
 
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
-    """Each backward variant on one arch, a checkerboard so that both archs meet every D and
-    every dtype (submitted at collection by conftest)."""
-    jobs = []
-    for d, dt in VARIANTS:
-        arch = ARCHS[(A.HEAD_DIMS.index(d) + A.ATTENTION_BWD.dtypes.index(dt)) % 2]
-        if arch in archs:
-            jobs.append(pool.submit(compiler.compile_source, _source(d, dt), arch))
-    return jobs
+    """The backward variants' compiles (submitted at collection by conftest)."""
+    return [pool.submit(compiler.compile_source, _source(*VARIANTS[arch]), arch)
+            for arch in archs]
 
 
 @pytest.mark.nvcc
@@ -359,3 +355,45 @@ def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
 def test_every_backward_variant_compiles(arch, nvcc):
     cubins = [job.result() for job in nvcc_jobs(nvcc, [arch])]
     assert cubins and all(c[:4] == b"\x7fELF" for c in cubins)
+
+
+# -- SparseAttention's masks in nn.MultiheadAttention's terms (CPU tensors) -----------------------
+
+def test_module_combines_masks_like_multihead_attention():
+    import pitgen.nn
+
+    mod = pitgen.nn.SparseAttention(128, 2)
+    n, length, src = 3, 5, 7
+    rng = np.random.default_rng(0)
+    attn = torch.from_numpy(rng.random((length, src)) < 0.3)          # True = not allowed
+    per_head = torch.from_numpy(rng.random((n * 2, length, src)) < 0.3)
+    pad = torch.from_numpy(rng.random((n, src)) < 0.3)
+    mine = torch.from_numpy(rng.random((2, length, src)) < 0.7)       # True = attend
+    causal = torch.ones(length, src, dtype=torch.bool).tril()
+
+    def allowed(*a, **k):
+        args = dict(key_padding_mask=None, attn_mask=None, is_causal=False, mask=None)
+        args.update(k)
+        return mod._allowed(n, length, src, "cpu", *a, **args)
+
+    assert allowed() == (None, False)                                  # dense: no mask
+    assert allowed(is_causal=True) == (None, True)                     # causal: no mask either
+    m, c = allowed(attn_mask=attn)
+    assert not c and torch.equal(m, ~attn)
+    m, _ = allowed(attn_mask=per_head)
+    assert torch.equal(m, ~per_head.view(n, 2, length, src))
+    m, _ = allowed(key_padding_mask=pad)                               # [N, 1, L, S], not per head
+    assert m.shape == (n, 1, length, src)
+    assert torch.equal(m, (~pad)[:, None, None, :].expand(n, 1, length, src))
+    m, c = allowed(key_padding_mask=pad, attn_mask=attn, is_causal=True, mask=mine)
+    assert not c
+    assert torch.equal(m, mine & ~attn & (~pad)[:, None, None, :] & causal)
+    with pytest.raises(pitgen.ShapeError, match="key_padding_mask has shape"):
+        allowed(key_padding_mask=pad[:, :3])
+    with pytest.raises(pitgen.ShapeError, match="only bool"):
+        allowed(attn_mask=attn.float())
+    with pytest.raises(pitgen.ShapeError, match="N \\* num_heads"):
+        allowed(attn_mask=per_head[:2])
+    x = torch.zeros(n, length, 128)
+    with pytest.raises(pitgen.PlanError, match="need_weights"):
+        mod(x, x, x, need_weights=True)

@@ -3,7 +3,9 @@ against dense SDPA, SDPA with the boolean mask and FlexAttention (its BlockMask 
 same mask). fp16, B=1, 12 heads, sequence 4096, head dim 64; masks: random 128x128 blocks at 90%
 sparsity, Longformer (window 256 + 16 global tokens drawn anew), random 1x64 micro-tiles at 90%
 sparsity. pitgen's total includes the index build; index and compute are also timed apart.
-FlexAttention's BlockMask build is host wall clock per build."""
+FlexAttention's BlockMask build is host wall clock per build. Training: the backward alone
+(delta, dQ, dK/dV over the forward's index) and forward + backward (index included), against
+dense SDPA's (flash) backward and forward + backward in the same run."""
 from __future__ import annotations
 
 import sys
@@ -66,6 +68,17 @@ def _flex_columns(row: dict, flex: tuple[Any, Any], q: Any, k: Any, v: Any, m: A
         row["flex_error"] = f"{type(e).__name__}: {e}"[:200]
 
 
+def _train_ms(timer: Any, forward: Any, inputs: tuple, dout: Any) -> tuple[float, float]:
+    """(backward ms, forward + backward ms) of ``forward()`` for the output gradient ``dout``:
+    the backward timed on one retained graph, then the whole step."""
+    import torch
+
+    out = forward()
+    bwd = timer(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+    step = timer(lambda: torch.autograd.grad(forward(), inputs, dout))
+    return bwd, step
+
+
 def run(r: Run) -> int:
     import torch
     import torch.nn.functional as F
@@ -78,6 +91,10 @@ def run(r: Run) -> int:
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
     dense_flop = 4.0 * B * H * S * S * D
     dense_ms = timer(lambda: F.scaled_dot_product_attention(q, k, v))
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    dense_train = _train_ms(timer, lambda: F.scaled_dot_product_attention(qg, kg, vg),
+                            (qg, kg, vg), dout)
     flex = _flex()
     rows = []
     for name, mask_np in masks(np.random.default_rng(0)).items():
@@ -86,7 +103,9 @@ def run(r: Run) -> int:
         block_density = float((R.block_index_reference(mask_np) != A.EMPTY).mean())
         density = float(mask_np.mean())
         row: dict[str, Any] = {"pattern": name, "density": density,
-                               "block_density_64": block_density, "dense_sdpa_ms": dense_ms}
+                               "block_density_64": block_density, "dense_sdpa_ms": dense_ms,
+                               "dense_sdpa_bwd_ms": dense_train[0],
+                               "dense_sdpa_fwd_bwd_ms": dense_train[1]}
         out = A.sparse_attention(q, k, v, m)
         total = timer.both(lambda: A.sparse_attention(q, k, v, m))
         row["pitgen_ms"], row["pitgen_host_ms"] = total.gpu_ms, total.wall_ms
@@ -98,6 +117,10 @@ def run(r: Run) -> int:
         live = m.any(-1)  # SDPA gives NaN on rows that attend to nothing
         row["rel_err_vs_sdpa_mask"] = rel_err(out[..., live, :], ref[..., live, :])
         row["fully_masked_rows_zero"] = bool((out[..., ~live, :] == 0).all())
+        row["pitgen_bwd_ms"], row["pitgen_fwd_bwd_ms"] = _train_ms(
+            timer, lambda: A.sparse_attention(qg, kg, vg, m), (qg, kg, vg), dout)
+        row["pitgen_bwd_vs_dense"] = row["pitgen_bwd_ms"] / dense_train[0]
+        row["pitgen_fwd_bwd_vs_dense"] = row["pitgen_fwd_bwd_ms"] / dense_train[1]
         if flex:
             _flex_columns(row, flex, q, k, v, m, timer, ref, live)
         row["flop"] = dense_flop * block_density
@@ -127,6 +150,14 @@ def run(r: Run) -> int:
           fmt(x["pitgen_host_ms"]), fmt_x(x["pitgen_vs_dense"]), fmt(x["sdpa_mask_ms"]),
           fmt(x.get("flex_ms")), fmt(x.get("flex_build_ms")), fmt_x(x["pitgen_vs_flex"]),
           fmt_e(x["rel_err_vs_sdpa_mask"])] for x in rows])
+    lines += ["", f"Training: dense SDPA (flash) backward {dense_train[0]:.3f} ms, forward + "
+              f"backward {dense_train[1]:.3f} ms. pitgen's backward reuses the forward's index "
+              "and lse; its forward + backward includes the index build.", ""]
+    lines += md_table(
+        ["pattern", "pitgen bwd ms", "pitgen bwd / dense bwd", "pitgen fwd+bwd ms",
+         "pitgen fwd+bwd / dense fwd+bwd"],
+        [[x["pattern"], fmt(x["pitgen_bwd_ms"]), fmt_x(x["pitgen_bwd_vs_dense"]),
+          fmt(x["pitgen_fwd_bwd_ms"]), fmt_x(x["pitgen_fwd_bwd_vs_dense"])] for x in rows])
     lines += ["", f"Target (90% sparsity, index included, <= {TARGET}x dense SDPA): " + "; ".join(
         f"{x['pattern']}: {x['pitgen_vs_dense']:.2f}x "
         f"({'met' if x['pitgen_vs_dense'] <= TARGET else 'missed'})"

@@ -52,10 +52,12 @@ INDEX_COLUMNS = 512
 #: within 2% of 3 x 2 with less shared memory).
 STAGES = {64: 2, 128: 2}
 MIN_BLOCKS = {64: 3, 128: 2}
-#: The same for the backward kernels (their accumulators: dQ, or dK and dV, plus S and dP per
-#: block; not tuned yet).
+#: Per head dim: pipeline stages of the backward kernels (K/V for dQ, Q/dO for dK/dV).
 STAGES_BWD = {64: 2, 128: 2}
-MIN_BLOCKS_BWD = {64: 2, 128: 1}
+#: Per head dim: CTAs per SM of the backward kernels (accumulators dQ, or dK and dV, plus S and
+#: dP per block). At D=64, 3 (168 registers, a few spilled) beat 2 by 20% on the micro mask and
+#: 8% on Longformer (H100, docs/attention.md); at D=128, 1 and 2 are level.
+MIN_BLOCKS_BWD = {64: 3, 128: 1}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
 #: Index state bytes.
@@ -86,7 +88,7 @@ GRAD_K = "G[b,h,j,d] += T[b,h,i,j] * Q[b,h,i,d]"
 ATTENTION_BWD = OpSpec(
     "attention backward", "attention_bwd.cu.j2",
     {"pit_attn_bwd_dq": "PPPPPPPPPPiiiiiiiff", "pit_attn_bwd_dq_vec": "PPPPPPPPPPiiiiiiiff",
-     "pit_attn_bwd_dkv": "PPPPPPPPPPiiiiiiiiff", "pit_attn_bwd_dkv_vec": "PPPPPPPPPPiiiiiiiiff"},
+     "pit_attn_bwd_dkv": "PPPPPPPPPPPiiiiiiiiff", "pit_attn_bwd_dkv_vec": "PPPPPPPPPPPiiiiiiiiff"},
     permutes=(
         # dQ: a CTA per (batch, head, query block) in the forward's order, walking its key
         # blocks in any order (j reduces)
@@ -358,14 +360,14 @@ def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
     """The index of a mask-free call; the kernels then read no mask (a null mask with a
     PARTIAL block is the causal element test)."""
     import torch
-    from ..reference import block_order_reference
 
     key = (plan.sq, plan.sk, causal, device.index)
     hit = _STATIC.get(key)
     if hit is None:
         states = (causal_states(plan.sq, plan.sk) if causal
                   else np.full((1, plan.n_qb, plan.n_kb), FULL, np.uint8))
-        order = block_order_reference(states)
+        # longest rows first, ties in block order (exact counts: the GPU's order bins them)
+        order = np.argsort(-(states != EMPTY).sum(-1), axis=-1, kind="stable").astype(np.int32)
         hit = _STATIC[key] = BlockIndex(torch.from_numpy(states).to(device),
                                         torch.from_numpy(order).to(device))
     return hit
@@ -473,10 +475,11 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
 
 def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any, out: Any,
               lse: Any, idx: BlockIndex, scale: float, dlse: Any = None) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) over the forward's index: delta = rowsum(dO * O) - dlse (a torch
-    reduction on the stream), then the dQ kernel over query blocks in the forward's order and
-    the dK/dV kernel over key blocks (each walking the column of the state map); no atomics,
-    no host sync."""
+    """(dq, dk, dv) over the forward's index: delta = rowsum(dO * O) - dlse and the key-block
+    order (most non-empty blocks over all slices first, so the longest columns do not finish
+    last) as torch reductions on the stream, then the dQ kernel over query blocks in the
+    forward's order and the dK/dV kernel over key blocks (each walking the column of the state
+    map); no atomics, no host sync."""
     import torch
 
     plan.check_backward()
@@ -488,6 +491,8 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     if dlse is not None:   # d lse_i / d s_ij = P_ij: the lse gradient shifts delta
         delta = delta - dlse.float()
     delta = delta.contiguous()
+    columns = (idx.states != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
+    kv_order = torch.argsort(columns, descending=True, stable=True).to(torch.int32)
     kernels = ATTENTION_BWD.module(plan.backward_context())
     vec = "_vec" if _vector_mask(plan, mask) else ""
     sb, sh = plan.mask_strides
@@ -501,8 +506,8 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
                        plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
         kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, *args, dk.data_ptr(), dv.data_ptr(), _ptr(mask),
-                       idx.states.data_ptr(), plan.sq, plan.sk, plan.heads, plan.group, sb, sh,
-                       plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
+                       idx.states.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
+                       plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
     return dq, dk, dv
 
 
