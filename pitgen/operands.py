@@ -50,7 +50,10 @@ def check_device(name: str, x: Any) -> None:
     if not x.is_cuda:
         raise DeviceError(f"{name} is on {x.device}; pitgen kernels need CUDA tensors "
                           f"(move it with .cuda())")
-    current = torch.cuda.current_device()
+    # torch.cuda.current_device() without its wrappers; under torch.compile the public call,
+    # which dynamo folds to a constant (it puts torch._C's into the graph: a break)
+    current = (torch.cuda.current_device() if torch.compiler.is_compiling()
+               else torch._C._cuda_getDevice())
     if x.device.index != current:
         raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:{current} "
                           f"(the current device)")
@@ -79,21 +82,17 @@ def as_operand(name: str, x: Any) -> Operand:
 
 class Workspace:
     """Device buffers for one call, from torch's caching allocator when the operands are torch
-    tensors (stream-ordered reuse), else from PyCUDA."""
+    tensors (stream-ordered reuse on the stream the call launches on), else from PyCUDA."""
 
-    def __init__(self, like: Operand):
-        self.torch = like.is_torch
-        self.keep: list[Any] = []
+    def __init__(self, is_torch: bool):
+        self.torch = is_torch
 
     def alloc(self, shape: tuple[int, ...], dtype: str) -> Any:
         if self.torch:
             import torch
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-        else:
-            import pycuda.gpuarray as ga
-            t = ga.empty(shape, dtype=np.dtype(dtype))
-        self.keep.append(t)
-        return t
+            return torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+        import pycuda.gpuarray as ga
+        return ga.empty(shape, dtype=np.dtype(dtype))
 
     @staticmethod
     def ptr(x: Any) -> int:

@@ -53,6 +53,8 @@ class Permutation:
 
 _DERIVED = cache.memo("opspec.derived")
 _MODULES = cache.memo("opspec.modules")
+#: (operator, plan) -> module, for operators whose plans are hashable (frozen dataclasses)
+_PLAN_MODULES = cache.memo("opspec.plan_modules")
 #: Every OpSpec by name, as its module declares it (the manifest of GPU operators).
 OPERATORS: dict[str, "OpSpec"] = {}
 
@@ -92,11 +94,21 @@ class OpSpec:
         self.derive()
         return render_template(self.template, **ctx)
 
-    def module(self, ctx: Mapping[str, Any]) -> Module:
-        """The loaded module for ``ctx``: a context seen before returns at once (no rendering:
+    def module(self, ctx: Mapping[str, Any] | Any) -> Module:
+        """The loaded module for ``ctx``: a template context, or a hashable plan whose
+        ``context()`` gives it. A plan seen before returns at once (one dictionary lookup:
         operators call this on every launch); contexts that render alike share one module."""
-        config = (self.name, repr(sorted(ctx.items())))
-        mod = _MODULES.get(config)
+        if not isinstance(ctx, Mapping):
+            mod = _PLAN_MODULES.get((self.name, ctx))
+            if mod is None:
+                mod = _PLAN_MODULES[(self.name, ctx)] = self.module(ctx.context())
+            return mod
+        try:  # scalar contexts key by their items; nested ones (lists, dicts) by their repr
+            config: tuple = (self.name, tuple(sorted(ctx.items())))
+            mod = _MODULES.get(config)
+        except TypeError:
+            config = (self.name, repr(sorted(ctx.items())))
+            mod = _MODULES.get(config)
         if mod is None:
             mod = _MODULES[config] = load(self.source(ctx), self.kernels)
         return mod

@@ -1,11 +1,12 @@
 """Runtime: load compiled modules and launch their kernels, nothing else.
 
-Kernels launch on PyTorch tensors or PyCUDA GPUArrays, in the caller's stream, with no host
+Kernels launch on PyTorch tensors or PyCUDA GPUArrays, on torch's current stream, with no host
 synchronisation. PyCUDA shares PyTorch's (primary) context: ``pycuda.autoprimaryctx`` keeps it
 current in the main thread, and any other thread pushes it for the length of a call
 (``bound_context``), so operators run from autograd's backward thread or a worker pool alike.
-When the current torch stream is not the legacy default stream, launches go to a PyCUDA stream
-that is ordered after the torch stream and before its later work with stream waits (GPU-side).
+Modules load and kernels launch through the driver API itself (``cuLaunchKernel`` on torch's
+CUstream handle, arguments packed once per call): a steady-state launch costs a few
+microseconds of host time, and no stream or event is created or waited on per call.
 
 What to load comes from :mod:`pitgen.opspec` (rendered source -> :func:`load`); the module
 cache here is keyed by the cubin's source, so configurations that render alike share a module.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import threading
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from . import cache
@@ -71,6 +72,13 @@ def _primary_context(drv: Any) -> Any:
             dev = 0
         _PRIMARY.append(drv.Device(dev).retain_primary_context())
     return _PRIMARY[0]
+
+
+def _context_is_current() -> bool:
+    """True when the shared context is current in this thread for good (the main thread, once
+    ``pycuda.autoprimaryctx`` made it so): a launch there needs no push."""
+    return bool(_DRV) and "pycuda.autoprimaryctx" in sys.modules \
+        and threading.current_thread() is threading.main_thread()
 
 
 @contextmanager
@@ -139,73 +147,32 @@ _LIBCUDA: list[Any] = []
 
 
 def _libcuda() -> Any:
-    """The driver library PyCUDA runs on, for the one entry point it does not wrap."""
+    """The driver library PyCUDA runs on: modules are loaded and kernels launched through it
+    directly (PyCUDA cannot launch on torch's streams, nor pass a TMA descriptor)."""
     if not _LIBCUDA:
         import ctypes
         _drv()
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        u32, vp = ctypes.c_uint, ctypes.c_void_p
+        lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp,
+                                       ctypes.POINTER(vp), vp]
+        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, u32, ctypes.c_size_t, vp]
+        lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
         _LIBCUDA.append(lib)
     return _LIBCUDA[0]
 
 
 class Module:
-    """One loaded cubin: its kernels, each prepared with its PyCUDA argument signature ("PPii":
-    two pointers, two ints) on first use, and its dynamic shared-memory limit raised as needed.
-
-    Signature letter ``M`` is a 128-byte by-value TMA descriptor (``__grid_constant__
-    CUtensorMap``). Such a parameter is 64-byte aligned, and PyCUDA's packed parameter buffer
-    cannot express that alignment, so those kernels launch through the driver's per-parameter
-    interface (:class:`_DriverKernel`) on the same context and stream."""
+    """One loaded cubin and its kernels, each resolved on first use and launched through the
+    driver's per-parameter interface (:class:`_Kernel`), with its dynamic shared-memory limit
+    raised as needed. ``signatures`` give each kernel's argument kinds ("PPii": two pointers,
+    two ints; ``f`` float32, ``q`` int64, ``M`` a 128-byte by-value TMA descriptor)."""
 
     def __init__(self, cubin: bytes, signatures: Mapping[str, str]):
-        self.signatures = dict(signatures)
-        self._functions: dict[str, Any] = {}
-        self._smem_limit: dict[str, int] = {}
-        self._cubin = cubin
-        self._raw: _DriverModule | None = None
-        with bound_context() as drv:
-            self.module = drv.module_from_buffer(cubin)
-
-    def function(self, name: str) -> Any:
-        """The prepared kernel ``name`` (a PyCUDA Function, or a _DriverKernel)."""
-        f = self._functions.get(name)
-        if f is None:
-            sig = self.signatures[name]
-            if "M" in sig:
-                if self._raw is None:
-                    self._raw = _DriverModule(self._cubin)
-                f = _DriverKernel(self._raw, name, sig)
-            else:
-                f = self.module.get_function(name)
-                f.prepare(sig)
-            self._functions[name] = f
-        return f
-
-    def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: Any,
-               *args: Any, smem: int = 0) -> None:
-        """Enqueue ``name`` on ``stream`` (None: the legacy default stream) with ``smem`` bytes
-        of dynamic shared memory; an empty grid launches nothing. Nothing waits."""
-        if 0 in grid:
-            return
-        f = self.function(name)
-        if smem > max(48 * 1024, self._smem_limit.get(name, 0)):
-            f.set_attribute(_drv().function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-            self._smem_limit[name] = smem
-        f.prepared_async_call(grid, block, stream, *args, shared_size=smem)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise DeviceError(f"{what} failed (CUresult {rc})")
-
-
-class _DriverModule:
-    """The cubin loaded a second time through the driver API itself (for kernels PyCUDA cannot
-    pass arguments to); unloaded with the Module that owns it."""
-
-    def __init__(self, cubin: bytes):
         import ctypes
+        self.signatures = dict(signatures)
+        self._kernels: dict[str, _Kernel] = {}
         self._lib = _libcuda()
         self._keep = ctypes.create_string_buffer(cubin, len(cubin))
         handle = ctypes.c_void_p()
@@ -214,38 +181,86 @@ class _DriverModule:
         self.handle = handle
 
     def __del__(self) -> None:
-        if self.handle:
+        if getattr(self, "handle", None):
             self._lib.cuModuleUnload(self.handle)
 
+    def function(self, name: str) -> _Kernel:
+        """The kernel ``name``, resolved once."""
+        f = self._kernels.get(name)
+        if f is None:
+            f = self._kernels[name] = _Kernel(self, name, self.signatures[name])
+        return f
 
-class _DriverKernel:
-    """One kernel of a _DriverModule, launched with cuLaunchKernel's per-parameter array: the
-    driver places each argument at the offset the cubin declares (``M``: 128 bytes, ``P``:
-    pointer, ``i``: int32)."""
+    def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
+               *args: Any, smem: int = 0) -> None:
+        """Enqueue ``name`` on ``stream`` (a CUstream handle, 0: the legacy default stream) with
+        ``smem`` bytes of dynamic shared memory; an empty grid launches nothing. Nothing waits."""
+        if 0 in grid:
+            return
+        f = self._kernels.get(name) or self.function(name)
+        if smem > f.smem_limit:
+            f.set_smem_limit(smem)
+        f.launch(grid, block, stream, args, smem)
 
-    def __init__(self, module: _DriverModule, name: str, signature: str):
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise DeviceError(f"{what} failed (CUresult {rc})")
+
+
+#: struct codes, sizes and host alignments of the signature letters
+_PARAMS = {"P": ("Q", 8), "i": ("i", 4), "f": ("f", 4), "q": ("q", 8), "M": ("128s", 8)}
+
+
+class _Kernel:
+    """One kernel, launched with cuLaunchKernel's per-parameter array: the driver copies each
+    argument from its own host address to the offset the cubin declares (so a 64-byte-aligned
+    ``CUtensorMap`` parameter arrives intact, which PyCUDA's packed buffer cannot place).
+    Arguments are packed into a per-thread buffer whose parameter array is built once: a
+    launch is one ``struct.pack_into`` and one driver call."""
+
+    def __init__(self, module: Module, name: str, signature: str):
         import ctypes
-        self._module, self._lib = module, module._lib
-        self._types = [{"P": ctypes.c_uint64, "i": ctypes.c_int32}.get(code) for code in signature]
+        import struct
+        self._lib = module._lib
+        fmt, offsets, at = "=", [], 0
+        for code in signature:
+            c, size = _PARAMS[code]
+            pad = -at % size
+            fmt += "x" * pad + c
+            offsets.append(at + pad)
+            at += pad + (128 if code == "M" else size)
+        self._struct, self._offsets = struct.Struct(fmt), offsets
+        self._local = threading.local()
+        self.smem_limit = 48 * 1024
         self.handle = ctypes.c_void_p()
         _check(self._lib.cuModuleGetFunction(ctypes.byref(self.handle), module.handle,
                                              name.encode()), f"cuModuleGetFunction({name})")
 
-    def set_attribute(self, attribute: Any, value: int) -> None:
-        _check(self._lib.cuFuncSetAttribute(self.handle, int(attribute), value),
+    def set_smem_limit(self, smem: int) -> None:
+        _check(self._lib.cuFuncSetAttribute(self.handle, _MAX_DYNAMIC_SMEM, smem),
                "cuFuncSetAttribute")
+        self.smem_limit = smem
 
-    def prepared_async_call(self, grid: tuple[int, ...], block: tuple[int, ...], stream: Any,
-                            *args: Any, shared_size: int = 0) -> None:
+    def _buffers(self) -> tuple[Any, Any]:
         import ctypes
-        values = [kind(a) if kind else ctypes.create_string_buffer(a, 128)  # M: 128 bytes
-                  for kind, a in zip(self._types, args)]
-        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        g, b = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
-        _check(self._lib.cuLaunchKernel(
-            self.handle, *g, *b, shared_size,
-            ctypes.c_void_p(stream.handle if stream is not None else 0), params, None),
-            "cuLaunchKernel")
+        buf = ctypes.create_string_buffer(max(self._struct.size, 1))
+        base = ctypes.addressof(buf)
+        params = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
+        self._local.bufs = buf, params
+        return buf, params
+
+    def launch(self, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
+               args: tuple, smem: int) -> None:
+        buf, params = getattr(self._local, "bufs", None) or self._buffers()
+        self._struct.pack_into(buf, 0, *args)
+        g, b = (*grid, 1, 1), (*block, 1, 1)
+        _check(self._lib.cuLaunchKernel(self.handle, g[0], g[1], g[2], b[0], b[1], b[2], smem,
+                                        stream, params, None), "cuLaunchKernel")
+
+
+#: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SMEM = 8
 
 
 def _finish_work() -> None:
@@ -270,94 +285,52 @@ def load(source: str, signatures: Mapping[str, str]) -> Module:
     return mod
 
 
-def memset_d32(ptr: int, value: int, count: int, stream: Any) -> None:
-    """Enqueue a fill of ``count`` 32-bit words at ``ptr`` with ``value``."""
-    _drv().memset_d32_async(ptr, value, count, stream)
-
-
-class _Streams:
-    """The stream to launch on: torch's current one (via a PyCUDA twin ordered by stream waits).
-    Callers hold ``bound_context()`` from enter to leave."""
-
-    def __init__(self):
-        #: torch stream handle -> (PyCUDA stream, torch ExternalStream of it). Not a cache:
-        #: tensors are recorded on the twins, so they live as long as the process.
-        self._twins: dict[int, tuple[Any, Any]] = {}
-
-    def enter(self, use_torch: bool, cur: Any = None):
-        """(PyCUDA stream, token for leave) for torch's current stream (``cur`` when the caller
-        has already asked torch for it)."""
-        if not use_torch:
-            return None, None
-        import torch
-        cur = torch.cuda.current_stream() if cur is None else cur
-        if cur.cuda_stream == 0:
-            return None, None
-        if cur.cuda_stream not in self._twins:
-            drv = _drv()
-            ps = drv.Stream()
-            self._twins[cur.cuda_stream] = (ps, torch.cuda.ExternalStream(ps.handle))
-        ps, ext = self._twins[cur.cuda_stream]
-        ext.wait_stream(cur)
-        return ps, (cur, ext)
-
-    @staticmethod
-    def leave(token) -> None:
-        if token is not None:
-            cur, ext = token
-            cur.wait_stream(ext)
-
-
-_STREAMS = _Streams()
+def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
+    """Enqueue a fill of ``count`` 32-bit words at ``ptr`` with ``value`` on ``stream``."""
+    _check(_libcuda().cuMemsetD32Async(ptr, value, count, stream), "cuMemsetD32Async")
 
 
 class TorchLaunch:
-    """Launch context on torch's current stream: ``stream`` for PyCUDA launches (a twin ordered
-    after torch's stream, and torch's stream after it on exit, GPU-side), ``keep(t)`` for
-    tensors the launches use so the caching allocator does not recycle them too early. Works
-    from any thread (``bound_context``). ``use_torch=False`` (PyCUDA GPUArray operands): the
-    legacy default stream, nothing to order or keep."""
+    """Launch context: ``stream`` is the CUstream handle of torch's current stream on the
+    current device (``use_torch=False``, PyCUDA GPUArray operands: the legacy default stream),
+    and PyCUDA's shared primary context is current for the length of the block, from any thread
+    (``bound_context``). Launches go straight onto torch's stream, so they are ordered with the
+    caller's torch work as torch's own kernels are, and buffers from torch's caching allocator
+    are reused in stream order with nothing to record."""
+
+    __slots__ = ("stream", "_bound", "_use_torch")
 
     def __init__(self, use_torch: bool = True) -> None:
-        self._bound = ExitStack()
-        self._bound.enter_context(bound_context())
-        try:
-            #: torch's current stream, which the launches are ordered with (None: no torch)
-            self.torch_stream = None
-            if use_torch:
-                import torch
-                self.torch_stream = torch.cuda.current_stream()
-            self.stream, self._token = _STREAMS.enter(use_torch, self.torch_stream)
-        except BaseException:
-            self._bound.close()
-            raise
-        self._keep: list[Any] = []
-
-    def keep(self, *tensors: Any) -> None:
-        self._keep.extend(tensors)
+        self._use_torch = use_torch
+        self._bound = None if _context_is_current() else bound_context()
+        self.stream = 0
 
     def __enter__(self) -> TorchLaunch:
+        if self._bound is not None:
+            self._bound.__enter__()
+        if self._use_torch:
+            self.stream = current_stream()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            _STREAMS.leave(self._token)
-            if self._token is not None:
-                for t in self._keep:
-                    t.record_stream(self._token[1])
-        finally:
-            self._bound.close()
+        if self._bound is not None:
+            self._bound.__exit__(*exc)
 
 
-def stream_counters(by_stream: dict[int, Any], stream: Any, size: int, device: Any) -> Any:
-    """At least ``size`` int32 counters for launches on torch ``stream`` whose kernels leave them
-    zero again: zeroed once per stream in ``by_stream`` (and again when a launch needs more), so
-    launches on one stream, which run in order, share them and none has to clear them first."""
+def current_stream(device: int | None = None) -> int:
+    """The CUstream handle of torch's current stream on ``device`` (default: the current one)."""
     import torch
-    buf = by_stream.get(stream.cuda_stream)
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice() if device is None
+                                              else device)
+
+
+def stream_counters(by_stream: dict[int, Any], stream: int, size: int, device: Any) -> Any:
+    """At least ``size`` int32 counters for launches on ``stream`` (a CUstream handle, as
+    :class:`TorchLaunch` gives) whose kernels leave them zero again: zeroed once per stream in
+    ``by_stream`` (and again when a launch needs more), so launches on one stream, which run in
+    order, share them and none has to clear them first."""
+    import torch
+    buf = by_stream.get(stream)
     if buf is None or buf.numel() < size:
-        buf = by_stream[stream.cuda_stream] = torch.zeros(max(size, 1), dtype=torch.int32,
-                                                          device=device)
+        buf = by_stream[stream] = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
     return buf
-
-

@@ -65,7 +65,7 @@ def main():
             except Exception as e:  # e.g. more shared memory than the device has
                 print(f"  skip {sch}: {type(e).__name__}: {str(e)[:80]}")
                 continue
-            call = GemmCall(L, ops, None)
+            call = GemmCall(L, A, B, None)
             call.build_index(None)
             t = timer(lambda: call.compute(None))
             results.append((t, sch))

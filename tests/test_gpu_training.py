@@ -230,10 +230,10 @@ def test_bad_inputs_raise_pitgen_errors():
     mask = torch.ones(16, 32, device="cuda", dtype=torch.bool)
     with pytest.raises(pitgen.ShapeError, match="mask"):
         sparse_weight_linear(x, w, mask.t())
-    with pytest.raises(pitgen.ShapeError, match="weight"):
-        sparse_weight_linear(x, w.float(), mask)
-    with pytest.raises(pitgen.ShapeError, match="weight"):
-        sparse_input_linear(x, w[:, :16])
+    with pytest.raises(pitgen.ShapeError, match="x has dtype float16; expected float32"):
+        sparse_weight_linear(x, w.float(), mask)  # the weight's dtype is the layer's
+    with pytest.raises(pitgen.ShapeError, match="x has shape"):
+        sparse_input_linear(x, w[:, :16])  # the layer's in_features are the weight's
     with pytest.raises(pitgen.ShapeError, match="bias"):
         sparse_weight_linear(x, w, mask, torch.zeros(15, device="cuda", dtype=torch.float16))
     with pytest.raises(pitgen.DeviceError):

@@ -365,8 +365,7 @@ class _PitgenShared:
     """PIT's MoE scheme: one pitgen index build over a token x (expert, 16) indicator matrix
     lists every expert's tokens (micro-tile 1x16 along tokens: one row list per expert, no
     sort, no host sync); each expert's two GEMMs then gather their rows through that list.
-    Uses GemmCall's ``counts``/``ids`` attributes to hand the routing index to the expert
-    calls: beyond the documented API (prepare/build_index/compute)."""
+    Hands the routing index to the expert calls with GemmCall.use_index."""
 
     WIDTH = 16
 
@@ -400,11 +399,11 @@ class _PitgenShared:
         self.h.zero_()
         self.y.zero_()
         for e, c in enumerate(self.c1):
-            c.counts, c.ids = counts[e:e + 1], ids[e:e + 1]
+            c.use_index(counts[e:e + 1], ids[e:e + 1])
             c.compute(None)
         self.h.relu_()
         for e, c in enumerate(self.c2):
-            c.counts, c.ids = counts[e:e + 1], ids[e:e + 1]
+            c.use_index(counts[e:e + 1], ids[e:e + 1])
             c.compute(None)
         return self.y
 

@@ -64,7 +64,6 @@ def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREAD
     if n <= 0:
         return
     with TorchLaunch() as tl:
-        tl.keep(*(a for a in args if hasattr(a, "data_ptr")))
         kernels.launch(name, _grid(n, per_block), (THREADS, 1, 1), tl.stream,
                        *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import PlanError, ShapeError
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, stream_counters
+from ..runtime import TorchLaunch, current_stream, stream_counters
 from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
 
@@ -221,7 +221,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
     vec = _vec_for(sched["vec"], feat, m.dtype, x, out)
     ctx = spmm_context(m, sched, vec, feat)
     b, threads = m.buffers, sched["threads"]
-    if m.fmt == "hyb":  # allocated on torch's stream, before the launches' twin starts
+    if m.fmt == "hyb":  # workspace from torch's caching allocator, on the launches' stream
         info = m.info
         pieces = any(bk["mode"] == "pieces" for bk in ctx["buckets"])
         n_ws = 0 if pieces else info["ws_rows"]
@@ -232,7 +232,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
         partials = torch.empty((n_partials, feat), dtype=torch.float32, device=x.device) \
             if n_partials else out
         # cut-row counters, reset by each row's last piece
-        counters = (stream_counters(m.counters, torch.cuda.current_stream(x.device),
+        counters = (stream_counters(m.counters, current_stream(x.device.index),
                                     info["cut_rows"], x.device) if pieces else out)
     with TorchLaunch() as tl:
         if m.fmt == "hyb":
@@ -263,7 +263,6 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
                 args = (b["indptr"], b["bcols"], b["blocks"], 0, x, out,
                         n_rows, n_cols, m.info["slots"], m.info["blocks"], feat)
             finish = None
-        tl.keep(*(t for t in args if hasattr(t, "data_ptr")))
         kern.launch("pit_spmm", (grid, 1, 1), (threads, 1, 1), tl.stream,
                     *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in args))
         if finish is not None:
@@ -310,7 +309,6 @@ def sddmm(a: DeviceMatrix | DeviceCSR, u: Tensor, v: Tensor,
     kern = GRAPH_SDDMM.module(ctx)
     args = (*args, u, v, e, n_rows, n_cols, m.nnz, feat)
     with TorchLaunch() as tl:
-        tl.keep(*(t for t in args if hasattr(t, "data_ptr")))
         kern.launch("pit_sddmm", (-(-slots // (threads // group)), 1, 1), (threads, 1, 1),
                     tl.stream, *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in args))
     return e

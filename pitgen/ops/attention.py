@@ -235,12 +235,11 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
                          device=mask.device)
     order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
-    counters = stream_counters(_COUNTERS.setdefault(mask.device.index, {}), launch.torch_stream,
+    counters = stream_counters(_COUNTERS.setdefault(mask.device.index, {}), launch.stream,
                                plan.slices * (plan.n_qb + 1), mask.device)
     rowcount = counters.data_ptr()
     done = rowcount + 4 * plan.slices * plan.n_qb
     vec = _vector_mask(plan, mask)
-    launch.keep(mask, states, order, counters)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
                    plan.n_kb, states.data_ptr(), rowcount, done, order.data_ptr())
@@ -253,7 +252,7 @@ def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     query-block order (as ``block_order_reference``)."""
     plan = _check(q, k, v, mask)
     with TorchLaunch() as launch:
-        return _index(ATTENTION.module(plan.context()), plan, _mask_u8(mask.contiguous()), launch)
+        return _index(ATTENTION.module(plan), plan, _mask_u8(mask.contiguous()), launch)
 
 
 def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
@@ -300,12 +299,11 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     if not math.isfinite(scale):
         raise ShapeError(f"scale must be finite, got {scale}")
     mask = _mask_u8(mask.contiguous())
-    kernels = ATTENTION.module(plan.context())
+    kernels = ATTENTION.module(plan)
     sb, sh = plan.mask_strides
     with TorchLaunch() as launch:
         idx = (_index(kernels, plan, mask, launch) if index is None
                else _given_index(plan, index, q.device))
-        launch.keep(q, k, v, out, mask, *idx)
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
         kernels.launch(name, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),

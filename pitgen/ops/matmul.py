@@ -3,6 +3,7 @@ returns a :class:`SparseKernel`; calling it on device arrays builds the micro-ti
 GPU and runs the tile kernel over it, every call, with no host round-trip."""
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -17,7 +18,7 @@ from ..operands import (Operand, Workspace, align, as_operand, bind_operands, co
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
 from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_map
-from .library import jit_config, jit_matmul, no_backward
+from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
 
 #: The GEMM module (index build, tile kernel, SWrite passes). Its permutations depend on the
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
@@ -94,6 +95,26 @@ class Launcher:
         if mask is not None:  # the mask's strides along the index's (long, id) dims
             md = (mask.strides[form.a_dims[0]], mask.strides[form.a_dims[1]])
             self.mask_strides = md[::-1] if self.spec.gemm.a_mode == "rows" else md
+        lay, g = self.layout, self.spec.gemm
+        #: the tile kernel's size arguments
+        self.sizes = (M, N, K, *lay.sa, *lay.sb, *lay.sc, self.geo.tk)
+        #: int32 words of the index (counts, ids, and the wgmma kernel's m-tile order)
+        n = self.geo.groups
+        self.index_words = n + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
+        #: per stream handle: index buffers that calls on that stream reuse (stream order
+        #: keeps one call's index build behind the previous call's tile kernel)
+        self._scratch: dict[tuple[int, str], Any] = {}
+        #: held while a reusing call enqueues its index build and tile kernel, so that two
+        #: threads on one stream cannot interleave their launches over one index buffer
+        self.lock = threading.Lock()
+
+    def scratch(self, stream: int | None, words: int, dtype: str) -> Any:
+        """This launcher's reusable buffer of ``words`` elements for launches on ``stream``."""
+        key = (stream or 0, dtype)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = Workspace(self.is_torch).alloc((words,), dtype)
+        return buf
 
 
     def tensor_maps(self, a_ptr: int, b_ptr: int) -> tuple[bytes, bytes]:
@@ -110,44 +131,72 @@ class Launcher:
 
 
 class GemmCall:
-    """One call: the launcher's plan applied to this call's arrays and fresh buffers.
+    """One call: the launcher's plan applied to this call's arrays.
 
-    ``build_index()`` then ``compute()``: both only enqueue work on the stream; nothing waits.
+    ``build_index()`` then ``compute()``: both only enqueue work on the stream (a CUstream
+    handle; None or 0: the legacy default stream); nothing waits. ``a`` and ``b`` are the
+    sparse and the dense operand (torch tensors or GPUArrays, as the launcher was built for).
+    The index goes to fresh buffers (``counts``/``ids`` stay the caller's), or with
+    ``reuse=True`` to the launcher's per-stream buffers (``__call__``: nothing allocated for it).
     """
 
-    def __init__(self, launcher: Launcher, ops: dict[str, Operand], out: Any | None,
-                 mask: Operand | None = None):
+    def __init__(self, launcher: Launcher, a: Any, b: Any, out: Any | None, mask_ptr: int = 0,
+                 reuse: bool = False):
         self.L = L = launcher
-        self.mask_ptr = mask.ptr if mask is not None else 0
-        self.A, self.B = ops[L.form.sparse], ops[L.form.dense]
-        self.ws = Workspace(self.A)
-        self.out = out if out is not None else self.ws.alloc(L.out_shape, L.dtype)
+        self.a, self.b, self.mask_ptr, self.reuse = a, b, mask_ptr, reuse
+        self.a_ptr, self.b_ptr = Workspace.ptr(a), Workspace.ptr(b)
+        self.out = out if out is not None else Workspace(L.is_torch).alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
-        self.counts = self.ids = self.pack = self.order = None
+        self._ints = self.pack = None
+        self.counts_ptr = self.ids_ptr = self.order_ptr = 0
 
-    def build_index(self, stream) -> None:
-        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block)."""
+    @property
+    def counts(self) -> Any:
+        """The index's per-group counts (None before build_index, or without an index)."""
+        return None if self._ints is None else self._ints[:self.L.geo.groups]
+
+    @property
+    def ids(self) -> Any:
+        """The index's [groups, cap] id lists (rows padded past ``counts``)."""
+        if self._ints is None:
+            return None
+        n, cap = self.L.geo.groups, self.L.geo.cap
+        return self._ints[n:n + n * cap].reshape(n, cap)
+
+    def use_index(self, counts: Any, ids: Any) -> None:
+        """Compute over an index built elsewhere (device arrays shaped as ``counts``/``ids``)."""
+        self.counts_ptr, self.ids_ptr = Workspace.ptr(counts), Workspace.ptr(ids)
+
+    def build_index(self, stream: int | None) -> None:
+        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block).
+        counts, ids (and the wgmma kernel's m-tile order) share one int32 buffer."""
         L = self.L
         ix = L.spec.index
         if ix is None or L.vendor or L.M * L.N * L.K == 0:
             return
         geo = L.geo
-        self.counts = self.ws.alloc((geo.groups,), "int32")
-        self.ids = self.ws.alloc((geo.groups, geo.cap), "int32")
+        n, cap = geo.groups, geo.groups * geo.cap
+        words = L.index_words
+        ints = (L.scratch(stream, words, "int32") if self.reuse
+                else Workspace(L.is_torch).alloc((words,), "int32"))
+        self._ints = ints
+        self.counts_ptr = base = Workspace.ptr(ints)
+        self.ids_ptr = base + 4 * n
+        pack = 0
         if ix.pack:
-            self.pack = self.ws.alloc((geo.groups * geo.cap * ix.long_extent,), L.dtype)
-        memset_d32(Workspace.ptr(self.counts), 0, geo.groups, stream)
-        L.mod.launch(
-            "pit_build_index", geo.index_grid, (256, 1, 1), stream, self.A.ptr, *geo.index_args,
-            Workspace.ptr(self.counts), Workspace.ptr(self.ids),
-            Workspace.ptr(self.pack) if self.pack is not None else 0,
-            self.mask_ptr, *L.mask_strides)
-        if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for the persistent CTAs
-            self.order = self.ws.alloc((geo.groups,), "int32")
-            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream,
-                         Workspace.ptr(self.counts), Workspace.ptr(self.order), geo.groups)
+            size = cap * ix.long_extent
+            self.pack = (L.scratch(stream, size, L.dtype) if self.reuse
+                         else Workspace(L.is_torch).alloc((size,), L.dtype))
+            pack = Workspace.ptr(self.pack)
+        memset_d32(base, 0, n, stream)
+        L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
+                     *geo.index_args, base, self.ids_ptr, pack, self.mask_ptr, *L.mask_strides)
+        if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
+            self.order_ptr = base + 4 * (n + cap)
+            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream, base,
+                         self.order_ptr, n)
 
-    def compute(self, stream) -> None:
+    def compute(self, stream: int | None) -> None:
         """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
         L = self.L
         M, N, K, g, mod, sc = L.M, L.N, L.K, L.spec.gemm, L.mod, L.layout.sc
@@ -159,34 +208,35 @@ class GemmCall:
             if not L.accumulate:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
             return
-        f32 = None
+        f32 = 0
         if g.a_mode == "rows":
             if g.c_mode == "atomic":
-                f32 = self.ws.alloc((M * N,), "float32")
-                memset_d32(Workspace.ptr(f32), 0, M * N, stream)
+                f32 = Workspace.ptr(self._f32(M * N))
+                memset_d32(f32, 0, M * N, stream)
             elif not L.accumulate:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
-        ptr = lambda x: Workspace.ptr(x) if x is not None else 0  # noqa: E731
-        lay = L.layout
-        buffers = (ptr(self.pack) if self.pack is not None else self.A.ptr, self.B.ptr,
-                   self.c_ptr, ptr(f32), ptr(self.counts), ptr(self.ids))
-        sizes = (M, N, K, lay.sa[0], lay.sa[1], lay.sb[0], lay.sb[1], sc[0], sc[1], L.geo.tk)
+        a = Workspace.ptr(self.pack) if self.pack is not None else self.a_ptr
         if g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
-                       *L.tensor_maps(self.A.ptr, self.B.ptr), *buffers, ptr(self.order),
-                       *sizes, smem=L.smem)
+                       *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr, f32,
+                       self.counts_ptr, self.ids_ptr, self.order_ptr, *L.sizes, smem=L.smem)
         else:
-            mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, *buffers, *sizes,
-                       smem=L.smem)
-        if f32 is not None:
-            mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr,
-                       Workspace.ptr(f32), M, N, *sc, int(L.accumulate))
+            mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, a, self.b_ptr,
+                       self.c_ptr, f32, self.counts_ptr, self.ids_ptr, *L.sizes, smem=L.smem)
+        if f32:
+            mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr, f32,
+                       M, N, *sc, int(L.accumulate))
+
+    def _f32(self, size: int) -> Any:
+        """The rows mode's fp32 accumulator, kept with the call until its kernels are queued."""
+        self.f32 = Workspace(self.L.is_torch).alloc((size,), "float32")
+        return self.f32
 
     def _vendor(self) -> None:
         """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""
         f = self.L.form
-        a = self.A.obj.permute(*f.a_dims)
-        b = self.B.obj.permute(*f.b_dims)
+        a = self.a.permute(*f.a_dims)
+        b = self.b.permute(*f.b_dims)
         c = self.out.permute(*f.c_dims)
         if self.L.accumulate:
             c.addmm_(a, b)
@@ -201,18 +251,44 @@ class GemmCall:
         if self.L.vendor:
             self.compute(None)
             return self.out
-        with TorchLaunch(self.A.is_torch) as launch:
-            try:
-                self.build_index(launch.stream)
-                self.compute(launch.stream)
-            finally:
-                launch.keep(*self.ws.keep)
+        with TorchLaunch(self.L.is_torch) as launch, self.L.lock:
+            self.build_index(launch.stream)
+            self.compute(launch.stream)
         return self.out
 
 
 def _is_tensor(x: Any) -> bool:
     """A torch tensor (checked by its type's module, like :func:`as_operand`: no torch import)."""
     return type(x).__module__.startswith("torch")
+
+
+_TENSOR: list[Any] = []
+
+
+def _torch_key(args: tuple, out: Any, mask: Any, accumulate: bool) -> tuple | None:
+    """What a launcher depends on, read straight off torch tensors (shape, strides, dtype,
+    device, pointer alignment; the current device; out/mask/accumulate), or None when an
+    operand is not a plain torch tensor. A key seen before maps to a launcher the full path
+    validated for exactly these attributes."""
+    if not _TENSOR:
+        try:
+            import torch
+            usable = torch.cuda.is_available()
+        except ImportError:
+            usable = False
+        _TENSOR[:] = [torch.Tensor, torch._C._cuda_getDevice] if usable else [None, None]
+    tensor, device = _TENSOR
+    if tensor is None:
+        return None
+    key: list[Any] = [accumulate, device()]
+    for x in (*args, out, mask):
+        if x is None:
+            key.append(None)
+        elif type(x) is tensor:
+            key.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15))
+        else:
+            return None
+    return tuple(key)
 
 
 class SparseKernel:
@@ -237,6 +313,10 @@ class SparseKernel:
         self.micro_tile = micro_tile
         self._plan: Plan | None = None
         self._launchers: dict[tuple, Launcher] = {}
+        #: the same launchers keyed by a torch call's raw tensor attributes (see _torch_key)
+        self._fast: dict[tuple, Launcher] = {}
+        names = self.operator.input_names
+        self._ab = names.index(self.form.sparse), names.index(self.form.dense)
         if not (isinstance(micro_tile, str) and micro_tile == "auto"):
             self._plan = make_plan(self.operator, sparse, micro_tile=micro_tile, tile=tile)
         #: the ``pitgen::matmul`` argument that rebuilds this kernel
@@ -252,6 +332,7 @@ class SparseKernel:
         if isinstance(self.micro_tile, str) and self.micro_tile == "auto":
             self._plan = None
             self._launchers.clear()
+            self._fast.clear()
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         names = self.operator.input_names
@@ -269,7 +350,19 @@ class SparseKernel:
                 **kwargs: Any) -> GemmCall:
         """Validate the operands and compile (or load) the module for them; launches nothing.
         Everything but buffer allocation is cached per call signature (shapes, strides, dtypes,
-        alignment), so repeated calls cost only their launches."""
+        alignment), so repeated calls cost only their launches: a call on torch tensors given
+        positionally finds its launcher from the tensors' raw attributes, before any Operand is
+        built. The call builds its index into fresh buffers, which stay the caller's."""
+        return self._prepare(args, kwargs, out, accumulate, mask, reuse=False)
+
+    def _prepare(self, args: tuple, kwargs: dict, out: Any, accumulate: bool, mask: Any,
+                 reuse: bool) -> GemmCall:
+        fast = _torch_key(args, out, mask, accumulate) if not kwargs else None
+        launcher = self._fast.get(fast) if fast is not None else None
+        if launcher is not None:
+            ia, ib = self._ab
+            return GemmCall(launcher, args[ia], args[ib], out,
+                            mask.data_ptr() if mask is not None else 0, reuse)
         ops = self._bind(args, kwargs)
         m_op = as_operand("mask", mask) if mask is not None else None
         if m_op is not None and m_op.shape != ops[self.sparse].shape:
@@ -292,7 +385,10 @@ class SparseKernel:
             if launcher.choice:
                 self._plan = replace(plan, choice=order[launcher.choice])
             self._launchers[key] = launcher
-        return GemmCall(launcher, ops, out, m_op)
+        if fast is not None:
+            self._fast[fast] = launcher
+        return GemmCall(launcher, ops[self.sparse].obj, ops[self.form.dense].obj, out,
+                        m_op.ptr if m_op is not None else 0, reuse)
 
     def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
                  **kwargs: Any) -> Any:
@@ -302,15 +398,18 @@ class SparseKernel:
         non-zero: the index is built from it instead of from the values. Values outside the mask
         must be zero (they are computed only where they share a micro-tile with a masked one).
 
-        On torch tensors without ``out`` the call runs as the ``torch.library`` op
-        ``pitgen::matmul`` (torch.compile and CUDA graphs see one op). It has no backward:
-        operands that require grad (grad mode on) raise :class:`pitgen.errors.BackwardError`."""
+        Eager calls on plain torch tensors launch directly; under torch.compile or
+        torch.export (or on tensor subclasses such as fake tensors) the call is the
+        ``torch.library`` op ``pitgen::matmul``, which the graph holds as one op. There is no
+        backward: operands that require grad (grad mode on) raise
+        :class:`pitgen.errors.BackwardError`."""
         tensors = self._torch_operands(args, kwargs)
         if tensors is not None:
-            if out is None and not accumulate and (mask is None or _is_tensor(mask)):
+            no_backward("pitgen::matmul (a compiled SparseKernel)", *tensors)
+            if (out is None and not accumulate and (mask is None or _is_tensor(mask))
+                    and (tracing() or not plain_tensors(*tensors))):
                 return jit_matmul(self, *tensors, mask)
-            no_backward("a compiled SparseKernel called with out=", *tensors)
-        return self.prepare(*args, out=out, accumulate=accumulate, mask=mask, **kwargs).run()
+        return self._prepare(args, kwargs, out, accumulate, mask, reuse=True).run()
 
     def _torch_operands(self, args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
         """The two operands in the expression's input order when both are torch tensors, else
@@ -329,11 +428,8 @@ class SparseKernel:
         call = self.prepare(*args, **kwargs)
         if call.L.vendor:
             return None, None
-        with TorchLaunch(call.A.is_torch) as launch:
-            try:
-                call.build_index(launch.stream)
-            finally:
-                launch.keep(*call.ws.keep)
+        with TorchLaunch(call.L.is_torch) as launch:
+            call.build_index(launch.stream)
         return call.counts, call.ids
 
     def source(self, *args: Any, **kwargs: Any) -> str:

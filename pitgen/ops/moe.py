@@ -23,7 +23,7 @@ from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch
+from ..runtime import TorchLaunch, memset_d32
 from . import lazy_torch_classes
 from .library import ops, tracing
 
@@ -163,19 +163,18 @@ def _aligned(name: str, t: Any) -> None:
                          f"pass {name}.clone()")
 
 
-def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: Any, keep: Any) -> tuple[Routing, Any]:
-    """Enqueue the GPU index build; returns its device buffers (nothing is synchronised)."""
+def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: int) -> tuple[Routing, Any]:
+    """Enqueue the GPU index build; returns its device buffers (nothing is synchronised). The
+    buffers are views of one int32 allocation, cleared by two driver memsets (counts to 0, the
+    pair slots to -1) rather than by torch fill kernels."""
     import torch
-    dev = ids.device
     P, E = plan.pairs, plan.experts
-    counts = torch.zeros(E, dtype=torch.int32, device=dev)
-    rank = torch.empty(max(P, 1), dtype=torch.int32, device=dev)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    row_pair = torch.full((max(P, 1),), -1, dtype=torch.int32, device=dev)
-    tile_e = torch.empty(plan.max_tiles, dtype=torch.int32, device=dev)
-    tile_r = torch.empty(plan.max_tiles, dtype=torch.int32, device=dev)
-    ntiles = torch.empty(1, dtype=torch.int32, device=dev)
-    keep(counts, rank, offsets, row_pair, tile_e, tile_r, ntiles)
+    p1, t = max(P, 1), plan.max_tiles
+    sizes = (E, p1, E + 1, p1, t, t, 1)  # counts, rank, offsets, row_pair, tile_e, tile_r, ntiles
+    ints = torch.empty(sum(sizes), dtype=torch.int32, device=ids.device)
+    counts, rank, offsets, row_pair, tile_e, tile_r, ntiles = torch.split(ints, sizes)
+    memset_d32(counts.data_ptr(), 0, E, stream)
+    memset_d32(row_pair.data_ptr(), 0xFFFFFFFF, p1, stream)
     grid, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
     kernels.launch("moe_count", grid, block, stream, ids.data_ptr(), P, E, counts.data_ptr(),
                    rank.data_ptr())
@@ -197,10 +196,9 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
     T, topk = expert_ids.shape
     plan = plan_moe(T, topk, num_experts, 8, 8, "float16", "identity", _name(expert_ids))
     plan = MoEPlan(**{**plan.__dict__, "bm": block_m})
-    kernels = MOE.module(plan.context())
+    kernels = MOE.module(plan)
     with TorchLaunch() as launch:
-        launch.keep(expert_ids)
-        return _route(kernels, plan, expert_ids, launch.stream, launch.keep)
+        return _route(kernels, plan, expert_ids, launch.stream)
 
 
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
@@ -267,17 +265,18 @@ def launch(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
             _aligned(name, t)
     g = gates.to(torch.float32).contiguous()
     direct = topk == 1
-    y = torch.zeros_like(x) if direct else torch.empty_like(x)
+    y = torch.empty_like(x)
     if T == 0:
         return y
-    kernels = MOE.module(plan.context())
+    kernels = MOE.module(plan)
     inter = torch.empty((plan.pairs, F), dtype=x.dtype, device=x.device)
-    ws = y if direct else torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    ws = y if direct else torch.empty((T, H), dtype=torch.float32, device=x.device)
     with TorchLaunch() as launch:
-        launch.keep(x, expert_ids, g, w1, w2, inter, ws, y,
-                    *(b for b in (b1, b2) if b is not None))
         s = launch.stream
-        (r, ntiles) = _route(kernels, plan, expert_ids, s, launch.keep)
+        # zeros where no valid pair adds (direct: y itself; else the fp32 sums), cleared by a
+        # driver memset (H is even, so y is whole 32-bit words)
+        memset_d32(ws.data_ptr(), 0, T * H // (2 if direct and x.element_size() == 2 else 1), s)
+        (r, ntiles) = _route(kernels, plan, expert_ids, s)
         idx = (r.row_pair.data_ptr(), r.tile_e.data_ptr(), r.tile_r.data_ptr(),
                r.offsets.data_ptr(), ntiles.data_ptr())
         block = (plan.threads, 1, 1)

@@ -271,9 +271,8 @@ def launch(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int], out: Tenso
         out.zero_()  # elements of tiles the mask leaves empty
         vptr = rptr = cptr = tptr = 0
         optr, o_str = out.data_ptr(), out.stride()[::-1] if cfg.transposed else out.stride()
-    kern = SDDMM.module(cfg.context())
+    kern = SDDMM.module(cfg)
     with TorchLaunch() as L:
-        L.keep(q, k, m8, counts, ids)
         kern.launch("pit_sddmm_index", grids["index"], (INDEX_THREADS, 1, 1), L.stream,
                     m8.data_ptr(), m_str[0], m_str[1], Mv, Nv, items, counts.data_ptr(),
                     ids.data_ptr())
@@ -283,7 +282,5 @@ def launch(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int], out: Tenso
                     np.float32(scale), counts.data_ptr(), ids.data_ptr(), optr, o_str[0],
                     o_str[1], vptr, rptr, cptr, tptr)
         if out is not None:
-            L.keep(out)
             return out
-        L.keep(values, tile_rows, tile_cols, total)
     return SparseTiles(values, tile_rows, tile_cols, total, (M, N), (th, tw))

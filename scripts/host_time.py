@@ -1,0 +1,102 @@
+"""Host time per steady-state call of each public op on a tiny problem (issue 16's measure):
+wall time over back-to-back calls minus the GPU time of one call, beside torch's own op on the
+same problem, then a cProfile of the JIT matmul call (where the microseconds go).
+
+    python3 scripts/host_time.py [--calls 1000] [--profile 300] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+
+import numpy as np
+import torch
+
+import pitgen
+from pitgen.bench.timing import Timer, host_ms
+
+
+def cases() -> dict:
+    """name -> (pitgen callable, torch peer callable) on tiny problems."""
+    from pitgen.graph import kernels as graph_ops
+    from pitgen.graph.device import DeviceCSR
+    from pitgen.ops.attention import sparse_attention
+    from pitgen.ops.moe import moe_ffn
+
+    rng = np.random.default_rng(0)
+    h = torch.float16
+    a = torch.randn(128, 128, device="cuda", dtype=h)
+    a[:, torch.rand(128, device="cuda") < 0.5] = 0
+    b = torch.randn(128, 128, device="cuda", dtype=h)
+    mm = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype="float16", micro_tile="32x1")
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=h) for _ in range(3))
+    mask = torch.from_numpy(rng.random((128, 128)) < 0.5).cuda()
+    x = torch.randn(64, 128, device="cuda", dtype=h)
+    ids = torch.randint(0, 4, (64, 1), device="cuda", dtype=torch.int32)
+    gates = torch.rand(64, 1, device="cuda")
+    w1 = torch.randn(4, 128, 256, device="cuda", dtype=h) * 0.05
+    w2 = torch.randn(4, 256, 128, device="cuda", dtype=h) * 0.05
+    dense = rng.random((256, 256)) < 0.05
+    ip = np.concatenate([[0], np.cumsum(dense.sum(1))]).astype(np.int32)
+    ix = np.nonzero(dense)[1].astype(np.int32)
+    csr = DeviceCSR((256, 256), torch.from_numpy(ip).cuda(), torch.from_numpy(ix).cuda(),
+                    torch.rand(len(ix), device="cuda"))
+    feat = torch.randn(256, 64, device="cuda")
+    y = torch.empty(256, 64, device="cuda")
+    a_t = torch.sparse_csr_tensor(csr.indptr, csr.indices, csr.values, size=(256, 256))
+    return {
+        "matmul 128^3 32x1": (lambda: mm(a, b), lambda: torch.mm(a, b)),
+        "attention 1x2x128x64": (lambda: sparse_attention(q, k, v, mask),
+                                 lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)),
+        "moe T64 E4": (lambda: moe_ffn(x, ids, gates, w1, w2, check=False),
+                       lambda: torch.mm(x, w1[0])),
+        "spmm 256 nodes f64": (lambda: graph_ops.spmm(csr, feat, out=y),
+                               lambda: torch.sparse.mm(a_t, feat)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--profile", type=int, default=300, help="profiled matmul calls (0: none)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    timer = Timer(repeats=50, flush=False)
+    rows = []
+    print(f"{torch.cuda.get_device_name()}: host us per call = wall/call - GPU/call "
+          f"({args.calls} calls back to back)")
+    print(f"{'op':24s} {'wall us':>9s} {'gpu us':>8s} {'host us':>8s} | {'torch wall':>10s} "
+          f"{'torch gpu':>9s} {'torch host':>10s}")
+    for name, (fn, peer) in cases().items():
+        r = {"op": name}
+        for who, f in (("pitgen", fn), ("torch", peer)):
+            f()
+            wall = host_ms(f, args.calls) * 1e3
+            gpu = timer(f, hide_ms=2.0) * 1e3
+            r[who] = {"wall_us": wall, "gpu_us": gpu, "host_us": max(wall - gpu, 0.0)}
+        rows.append(r)
+        p, t = r["pitgen"], r["torch"]
+        print(f"{name:24s} {p['wall_us']:9.1f} {p['gpu_us']:8.1f} {p['host_us']:8.1f} | "
+              f"{t['wall_us']:10.1f} {t['gpu_us']:9.1f} {t['host_us']:10.1f}")
+    if args.profile:
+        fn = cases()["matmul 128^3 32x1"][0]
+        fn()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.profile):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        print(s.getvalue())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

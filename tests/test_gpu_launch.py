@@ -1,0 +1,93 @@
+"""The lean launch path (issue 16): launches go straight onto torch's current stream through the
+driver, and a repeated torch call finds its launcher from the tensors' raw attributes. Checked
+here: reuse and its key (a new alignment or layout is a new launcher, never a stale one), stream
+ordering with work queued just before on a side stream, and CUDA-graph capture and replay."""
+import numpy as np
+import pytest
+
+from pitgen.testing import assert_close
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+import pitgen  # noqa: E402
+
+EXPR = "C[m,n] += A[m,k] * B[k,n]"
+
+
+def sparse_a(m: int, k: int, density: float, seed: int) -> "torch.Tensor":
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
+    return a * (torch.rand(m, k, device="cuda", generator=g) < density).half()
+
+
+def reference(a, b):
+    return a.double().cpu().numpy() @ b.double().cpu().numpy()
+
+
+def poisoned(m: int, n: int):
+    return torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+
+
+def check(out, a, b):
+    assert_close(out.double().cpu().numpy(), reference(a, b), "float16",
+                 scale=np.abs(a.double().cpu().numpy()) @ np.abs(b.double().cpu().numpy()))
+
+
+def test_a_repeated_call_reuses_its_launcher_and_a_new_layout_gets_its_own():
+    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile="32x1")
+    base = sparse_a(130, 200, 0.2, 0)
+    b = torch.randn(200, 72, device="cuda", dtype=torch.float16)
+    for seed in range(3):  # new values every call, one launcher
+        a = sparse_a(130, 200, 0.2, seed)
+        out = poisoned(130, 72)
+        kern(a, b, out=out)
+        check(out, a, b)
+    assert len(kern._fast) == 1
+    # a view 2 bytes off 16-byte alignment and a transposed layout: launchers of their own
+    big = torch.zeros(130 * 200 + 1, device="cuda", dtype=torch.float16)
+    shifted = big[1:].view(130, 200)
+    shifted.copy_(base)
+    check(kern(shifted, b), shifted, b)
+    at = base.t().contiguous().t()
+    check(kern(at, b), at, b)
+    assert len(kern._fast) == 3
+    # keyword operands take the full path and still agree
+    check(kern(A=base, B=b), base, b)
+
+
+def test_operands_written_just_before_on_a_side_stream_are_read_in_order():
+    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile="32x1")
+    a0 = sparse_a(256, 256, 0.1, 1)
+    b = torch.randn(256, 128, device="cuda", dtype=torch.float16)
+    kern(a0, b)  # plans and compiles
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the launch is queued long before a is written
+        a = a0 * 2
+        out = kern(a, b)
+    torch.cuda.current_stream().wait_stream(s)
+    check(out, a0 * 2, b)
+
+
+def test_a_captured_call_replays_on_new_values():
+    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile="32x1")
+    a = sparse_a(192, 256, 0.15, 2)
+    b = torch.randn(256, 64, device="cuda", dtype=torch.float16)
+    out = poisoned(192, 64)
+    kern(a, b, out=out)  # plan, compile and load outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kern(a, b, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern(a, b, out=out)
+    for seed in (3, 4):
+        a.copy_(sparse_a(192, 256, 0.15, seed))  # another sparsity pattern, same buffer
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, a, b)
