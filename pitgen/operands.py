@@ -50,7 +50,10 @@ def check_device(name: str, x: Any) -> None:
     if not x.is_cuda:
         raise DeviceError(f"{name} is on {x.device}; pitgen kernels need CUDA tensors "
                           f"(move it with .cuda())")
-    current = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its wrappers
+    # torch.cuda.current_device() without its wrappers; under torch.compile the public call,
+    # which dynamo folds to a constant (it puts torch._C's into the graph: a break)
+    current = (torch.cuda.current_device() if torch.compiler.is_compiling()
+               else torch._C._cuda_getDevice())
     if x.device.index != current:
         raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:{current} "
                           f"(the current device)")

@@ -136,7 +136,7 @@ def _moe_inputs(T, topk, E, H, F, dtype, bias, routing, seed):
     if routing == "one":  # every pair to the last expert: the others are empty
         ids = torch.full((T, topk), E - 1, device="cuda", dtype=torch.int64)
     else:  # distinct experts per token (as top-k gives)
-        ids = torch.rand(T, E, generator=g, device="cuda").argsort(1)[:, :topk]
+        ids = torch.rand(T, E, generator=g, device="cuda").argsort(1)[:, :topk].contiguous()
     leaves = [x, gates, w1, w2, b1, b2]
     for t in leaves:
         if t is not None:

@@ -37,7 +37,7 @@ def _cases():
     kern = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype="float32",
                           micro_tile=(32, 1))
     a = cuda(96, 70) * mask
-    ids = torch.rand(37, 4, device="cuda").argsort(1)[:, :2]
+    ids = torch.rand(37, 4, device="cuda").argsort(1)[:, :2].contiguous()
     return [
         ("matmul", (a, cuda(70, 24), mask, kern.config), None),
         ("gemm", (a, cuda(70, 24), mask, sd.GRAD_EXPR, "A", "auto"), None),

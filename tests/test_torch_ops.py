@@ -143,3 +143,59 @@ def test_torch_compile_traces_a_model_into_one_graph_forward_and_backward(monkey
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape, name
     torch._dynamo.reset()
+
+
+class _ReferenceRoute:
+    """``ops()`` stand-in whose ``moe_route`` is the NumPy routing reference, laid out as the
+    GPU's buffers (tile list padded to its upper bound with garbage past ``ntiles``, row_pair
+    -1 past the routed rows)."""
+
+    @staticmethod
+    def moe_route(expert_ids, experts, bm):
+        from pitgen.reference import route_reference
+        r = route_reference(expert_ids.numpy(), experts, bm)
+        pairs = expert_ids.numel()
+        tiles = -(-pairs // bm) + experts
+        i32 = lambda a: torch.tensor(np.asarray(a), dtype=torch.int32)  # noqa: E731
+        row_pair = torch.full((max(pairs, 1),), -1, dtype=torch.int32)
+        row_pair[:len(r.row_pair)] = i32(r.row_pair)
+        tile_e = torch.full((tiles,), 12345, dtype=torch.int32)  # past ntiles: undefined
+        tile_r = torch.full((tiles,), -777, dtype=torch.int32)
+        tile_e[:len(r.tile_e)] = i32(r.tile_e)
+        tile_r[:len(r.tile_r)] = i32(r.tile_r)
+        return row_pair, tile_e, tile_r, i32(r.offsets), i32([len(r.tile_e)])
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu", "identity"])
+@pytest.mark.parametrize("T,topk,E,chunk_bytes", [(37, 2, 4, 256 << 20), (130, 2, 8, 1),
+                                                  (1, 1, 3, 256 << 20), (70, 1, 5, 1)])
+def test_moe_backward_math_matches_float64_autograd(monkeypatch, activation, T, topk, E,
+                                                    chunk_bytes):
+    """moe_backward's tile walk (every chunk size, ids out of range skipped, empty experts) on
+    the CPU over the reference routing, against float64 autograd of the layer."""
+    from pitgen.ops import moe
+
+    monkeypatch.setattr(moe, "ops", lambda: _ReferenceRoute)
+    monkeypatch.setattr(moe, "BACKWARD_CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(T * 7 + E)
+    H, F = 24, 40
+    x = torch.randn(T, H, generator=g)
+    w1, w2 = torch.randn(E, H, F, generator=g) / 5, torch.randn(E, F, H, generator=g) / 6
+    b1, b2 = torch.randn(E, F, generator=g), torch.randn(E, H, generator=g)
+    gates = torch.rand(T, topk, generator=g) + 0.1
+    ids = torch.randint(0, E - 1, (T, topk), generator=g)  # expert E-1 stays empty
+    ids[0, 0] = E + 3 if T > 1 else ids[0, 0]  # out of range: skipped, no gradient
+    dy = torch.randn(T, H, generator=g)
+    got = moe.moe_backward(x, ids, gates, w1, w2, b1, b2, activation, dy)
+
+    leaves = [t.double().requires_grad_() for t in (x, gates, w1, w2, b1, b2)]
+    x64, g64, w164, w264, b164, b264 = leaves
+    y = torch.zeros_like(x64)
+    for e in range(E):
+        ge = (g64 * (ids == e).double()).sum(1, keepdim=True)
+        y = y + ge * (moe._act(activation, x64 @ w164[e] + b164[e]) @ w264[e] + b264[e])
+    y.backward(dy.double())
+    for name, mine, ref in zip(("dx", "dgates", "dw1", "dw2", "db1", "db2"), got, leaves):
+        assert mine.dtype == torch.float32 and mine.shape == ref.shape, name
+        torch.testing.assert_close(mine.double(), ref.grad, rtol=1e-4, atol=1e-4, msg=name)
+    assert torch.count_nonzero(got[2][E - 1]) == 0 and torch.count_nonzero(got[4][E - 1]) == 0

@@ -43,6 +43,13 @@ def tracing() -> bool:
     return torch is not None and bool(torch.compiler.is_compiling())
 
 
+def plain_tensors(*tensors: Any) -> bool:
+    """Whether every one of ``tensors`` is a plain ``torch.Tensor`` (not a fake, functional or
+    other subclass, which only the ops' fake implementations can take)."""
+    import torch
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
 def no_backward(op: str, *tensors: Any, hint: str = "") -> None:
     """BackwardError naming ``op`` when grad mode is on and one of ``tensors`` requires grad:
     ``op`` has no backward, so its result would silently have no grad path."""
@@ -95,7 +102,6 @@ def _jit_kernel(config: str) -> Any:
 
 def jit_matmul(kernel: Any, a: Any, b: Any, mask: Any) -> Any:
     """``kernel(a, b, mask=mask)`` on torch tensors through ``pitgen::matmul``."""
-    no_backward("pitgen::matmul (a compiled SparseKernel)", a, b)
     _JIT[kernel.config] = kernel
     return ops().matmul(a, b, mask, kernel.config)
 
@@ -310,7 +316,8 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
     def moe_route(expert_ids: torch.Tensor, num_experts: int,
                   block_m: int) -> tuple[torch.Tensor, ...]:
         r, ntiles = moe.moe_route(expert_ids, num_experts, block_m)
-        return r.row_pair, r.tile_e, r.tile_r, r.offsets, ntiles
+        # views of one buffer: an op's outputs must not alias each other
+        return tuple(t.clone() for t in (r.row_pair, r.tile_e, r.tile_r, r.offsets, ntiles))
 
     @moe_route.register_fake
     def _(expert_ids, num_experts, block_m):

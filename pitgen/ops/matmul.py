@@ -18,7 +18,7 @@ from ..operands import (Operand, Workspace, align, as_operand, bind_operands, co
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
 from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_map
-from .library import jit_config, jit_matmul, no_backward, tracing
+from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
 
 #: The GEMM module (index build, tile kernel, SWrite passes). Its permutations depend on the
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
@@ -257,6 +257,11 @@ class GemmCall:
         return self.out
 
 
+def _is_tensor(x: Any) -> bool:
+    """A torch tensor (checked by its type's module, like :func:`as_operand`: no torch import)."""
+    return type(x).__module__.startswith("torch")
+
+
 _TENSOR: list[Any] = []
 
 
@@ -284,11 +289,6 @@ def _torch_key(args: tuple, out: Any, mask: Any, accumulate: bool) -> tuple | No
         else:
             return None
     return tuple(key)
-
-
-def _is_tensor(x: Any) -> bool:
-    """A torch tensor (checked by its type's module, like :func:`as_operand`: no torch import)."""
-    return type(x).__module__.startswith("torch")
 
 
 class SparseKernel:
@@ -398,19 +398,17 @@ class SparseKernel:
         non-zero: the index is built from it instead of from the values. Values outside the mask
         must be zero (they are computed only where they share a micro-tile with a masked one).
 
-        On torch tensors without ``out``, a call that torch traces (torch.compile, torch.export)
-        runs as the ``torch.library`` op ``pitgen::matmul`` (the graph sees one op); an eager
-        call launches directly, as that op's implementation does, without the dispatcher's
-        cost. There is no backward: operands that require grad (grad mode on) raise
+        Eager calls on plain torch tensors launch directly; under torch.compile or
+        torch.export (or on tensor subclasses such as fake tensors) the call is the
+        ``torch.library`` op ``pitgen::matmul``, which the graph holds as one op. There is no
+        backward: operands that require grad (grad mode on) raise
         :class:`pitgen.errors.BackwardError`."""
-        if tracing():
-            tensors = self._torch_operands(args, kwargs)
-            if tensors is not None:
-                if out is None and not accumulate and (mask is None or _is_tensor(mask)):
-                    return jit_matmul(self, *tensors, mask)
-                no_backward("a compiled SparseKernel called with out=", *tensors)
-        elif any(getattr(x, "requires_grad", False) for x in (*args, *kwargs.values())):
-            no_backward("pitgen::matmul (a compiled SparseKernel)", *args, *kwargs.values())
+        tensors = self._torch_operands(args, kwargs)
+        if tensors is not None:
+            no_backward("pitgen::matmul (a compiled SparseKernel)", *tensors)
+            if (out is None and not accumulate and (mask is None or _is_tensor(mask))
+                    and (tracing() or not plain_tensors(*tensors))):
+                return jit_matmul(self, *tensors, mask)
         return self._prepare(args, kwargs, out, accumulate, mask, reuse=True).run()
 
     def _torch_operands(self, args: tuple, kwargs: dict) -> tuple[Any, Any] | None:

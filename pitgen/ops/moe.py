@@ -218,7 +218,8 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     skipped (they add nothing, and get no gradient), NaN gates propagate.
 
     Runs as the ``torch.library`` op ``pitgen::moe_ffn``, differentiable in x, gates, w1, w2,
-    b1 and b2 (:func:`moe_backward`)."""
+    b1 and b2 (:func:`moe_backward`), when torch traces or an input requires grad; otherwise
+    it launches the op's body directly (the same kernels, less host time)."""
     import torch
 
     check_tensor("x", x, MOE.dtypes, ndim=2)
@@ -248,6 +249,10 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
             raise ShapeError(f"expert_ids: {int(bad[0])} ids outside [0, {E})")
         if bad[1]:
             raise ShapeError(f"gates: {int(bad[1])} values are NaN or infinite")
+    if not (torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (x, gates, w1, w2, b1, b2))):
+        # nothing to differentiate: the op's body, without the dispatcher's host cost
+        return launch(x, expert_ids, gates, w1, w2, b1, b2, activation)
     return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
 
 
