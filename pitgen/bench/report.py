@@ -45,6 +45,21 @@ def geomean(xs: Iterable[float | None]) -> float | None:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
+def speedup_summary(rows: Sequence[dict], dtypes: Sequence[str], target: float) -> list[dict]:
+    """Per dtype: the geometric means of the rows' ``speedup`` and ``wall_speedup`` (pitgen
+    against its best peer, GPU and eager wall time) and whether the GPU one meets ``target``."""
+    out = []
+    for dt in dtypes:
+        rs = [x for x in rows if x["dtype"] == dt]
+        if rs:
+            gm = geomean([x["speedup"] for x in rs])
+            out.append({"dtype": dt, "cases": len(rs), "geomean_speedup": gm,
+                        "geomean_wall_speedup": geomean([x["wall_speedup"] for x in rs]),
+                        "target": target, "met": None if gm is None else gm >= target,
+                        "all_correct": all(x["ok"] for x in rs)})
+    return out
+
+
 def md_table(head: Sequence[str], body: Iterable[Sequence[Any]]) -> list[str]:
     """A Markdown table as lines; cells are str()-ed and pipes escaped."""
     def cell(c: Any) -> str:

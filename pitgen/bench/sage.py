@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pitgen.graphs import GNN_GRAPHS, GRAPHS
 
 from ..ops import lazy_torch_classes
-from .report import fmt, geomean, md_table, write_json
+from .report import fmt, md_table, speedup_summary, write_json
 
 if TYPE_CHECKING:
     from .suite import Run
@@ -239,16 +239,8 @@ def run_graph(r: Run, name: str, path: str, feat: int, mine: dict[str, str]) -> 
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    out = []
-    for dt in DTYPES:
-        rs = [x for x in rows if x["dtype"] == dt]
-        if rs:
-            gm = geomean([x["speedup"] for x in rs])
-            out.append({"dtype": dt, "cases": len(rs), "geomean_speedup": gm,
-                        "geomean_wall_speedup": geomean([x["wall_speedup"] for x in rs]),
-                        "target": TARGET, "met": None if gm is None else gm >= TARGET,
-                        "all_correct": all(x["ok"] for x in rs)})
-    return out
+    """Geometric-mean speed-ups per dtype against the target."""
+    return speedup_summary(rows, DTYPES, TARGET)
 
 
 def _cell(s: dict) -> str:
