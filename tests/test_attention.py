@@ -155,7 +155,7 @@ def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
     """Every variant's compile for its archs (submitted at collection by conftest)."""
     sources = {v: _source(*v) for v in VARIANTS}
     return [pool.submit(compiler.compile_source, src, arch) for v, src in sources.items()
-            for arch in _archs(*v, src) if arch in archs]
+            for arch in _archs(*v, src) if arch in archs] + _backward_jobs(pool, archs)
 
 
 @pytest.mark.nvcc
@@ -163,3 +163,35 @@ def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
 def test_every_variant_compiles(arch, nvcc):
     cubins = [job.result() for job in nvcc_jobs(nvcc, [arch])]
     assert all(c[:4] == b"\x7fELF" for c in cubins)
+
+
+# -- the backward kernels (pitgen/ops/attention.py ATTENTION_BWD) ------------------------------
+
+BACKWARD_VARIANTS = {"sm_80": (64, "float16"), "sm_90": (128, "bfloat16")}
+
+
+def _backward_source(d: int, dtype: str) -> str:
+    plan = A.plan_attention(1, 4, 100, 130, d, dtype, (100, 130), 2)
+    return A.ATTENTION_BWD.source(plan.backward_context())
+
+
+def test_render_names_the_backward_kernels():
+    src = _backward_source(64, "float16")
+    for name, sig in A.ATTENTION_BWD.kernels.items():
+        assert f"\n{name}(" in src, name
+        params = src.split(f"\n{name}(")[1].split(")\n{")[0]
+        assert params.count(",") + 1 == len(sig), name
+    assert "constexpr int D = 64;" in src and "__half" in src
+
+
+def _backward_jobs(pool, archs=ARCHS) -> list[Future]:
+    """The backward variants' compiles: one per arch (the template has no layout variants)."""
+    return [pool.submit(compiler.compile_source, _backward_source(*BACKWARD_VARIANTS[arch]), arch)
+            for arch in archs]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_backward_variant_compiles(arch, nvcc):
+    cubins = [job.result() for job in _backward_jobs(nvcc, [arch])]
+    assert cubins and all(c[:4] == b"\x7fELF" for c in cubins)
