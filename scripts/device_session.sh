@@ -12,6 +12,8 @@
 #   tune-attention, tune-spmm
 #             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
+#   host      host time per steady-state call of each public op beside torch's
+#             (scripts/host_time.py; results in $LOGS/host.json)
 #   matmul, attention, moe, training, graphs, rgcn, sage, peers
 #             one part of the benchmark suite (python3 -m pitgen.bench PART, i.e. pitgen bench;
 #             STEP_ARGS adds options), results under $LOGS/bench
@@ -81,6 +83,9 @@ for step in "$@"; do
       echo "$step: exit $r"; tail -40 "$LOGS/$step.log" ;;
     profile)
       timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
+    host)
+      timeout 150 python3 scripts/host_time.py --json "$LOGS/host.json" >"$LOGS/host.log" 2>&1; r=$?
+      echo "host: exit $r"; grep -v Warning "$LOGS/host.log" | head -8; rc=$((rc | r)) ;;
     matmul|attention|moe|training|graphs|rgcn|sage|peers|bench)
       part=$step limit=300; [ $step = peers ] && limit=400; [ $step = bench ] && part= limit=570
       timeout ${STEP_TIMEOUT:-$limit} python3 -m pitgen.bench $part --out "$LOGS/bench" \
