@@ -11,6 +11,7 @@ import cProfile
 import io
 import json
 import pstats
+import warnings
 
 import numpy as np
 import torch
@@ -46,7 +47,9 @@ def cases() -> dict:
                     torch.rand(len(ix), device="cuda"))
     feat = torch.randn(256, 64, device="cuda")
     y = torch.empty(256, 64, device="cuda")
-    a_t = torch.sparse_csr_tensor(csr.indptr, csr.indices, csr.values, size=(256, 256))
+    with warnings.catch_warnings():  # torch's "sparse CSR is beta" notices
+        warnings.simplefilter("ignore", UserWarning)
+        a_t = torch.sparse_csr_tensor(csr.indptr, csr.indices, csr.values, size=(256, 256))
     return {
         "matmul 128^3 32x1": (lambda: mm(a, b), lambda: torch.mm(a, b)),
         "attention 1x2x128x64": (lambda: sparse_attention(q, k, v, mask),
