@@ -355,14 +355,19 @@ class SparseKernel:
         built. The call builds its index into fresh buffers, which stay the caller's."""
         return self._prepare(args, kwargs, out, accumulate, mask, reuse=False)
 
+    def _call(self, launcher: Launcher, args: tuple, out: Any, mask: Any,
+              reuse: bool) -> GemmCall:
+        """A call of a launcher found by _torch_key (positional plain tensors)."""
+        ia, ib = self._ab
+        return GemmCall(launcher, args[ia], args[ib], out,
+                        mask.data_ptr() if mask is not None else 0, reuse)
+
     def _prepare(self, args: tuple, kwargs: dict, out: Any, accumulate: bool, mask: Any,
                  reuse: bool) -> GemmCall:
         fast = _torch_key(args, out, mask, accumulate) if not kwargs else None
         launcher = self._fast.get(fast) if fast is not None else None
         if launcher is not None:
-            ia, ib = self._ab
-            return GemmCall(launcher, args[ia], args[ib], out,
-                            mask.data_ptr() if mask is not None else 0, reuse)
+            return self._call(launcher, args, out, mask, reuse)
         ops = self._bind(args, kwargs)
         m_op = as_operand("mask", mask) if mask is not None else None
         if m_op is not None and m_op.shape != ops[self.sparse].shape:
@@ -403,6 +408,13 @@ class SparseKernel:
         ``torch.library`` op ``pitgen::matmul``, which the graph holds as one op. There is no
         backward: operands that require grad (grad mode on) raise
         :class:`pitgen.errors.BackwardError`."""
+        if not kwargs and not tracing():  # plain tensors seen before: straight to the launch
+            fast = _torch_key(args, out, mask, accumulate)
+            launcher = self._fast.get(fast) if fast is not None else None
+            if launcher is not None:
+                if any(x.requires_grad for x in args):
+                    no_backward("pitgen::matmul (a compiled SparseKernel)", *args)
+                return self._call(launcher, args, out, mask, reuse=True).run()
         tensors = self._torch_operands(args, kwargs)
         if tensors is not None:
             no_backward("pitgen::matmul (a compiled SparseKernel)", *tensors)
