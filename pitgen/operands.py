@@ -59,6 +59,36 @@ def check_device(name: str, x: Any) -> None:
                           f"(the current device)")
 
 
+_PLAIN: list[Any] = []
+
+
+def raw_key(*xs: Any) -> tuple | None:
+    """What validation of torch operands depends on, read straight off the tensors: the current
+    device and each one's shape, strides, dtype, device and pointer alignment (None entries stay
+    None). None when one is not a plain CUDA-capable torch tensor, or while torch traces. A call
+    whose key was validated before needs no validation again: operators memoise their plan by it."""
+    if not _PLAIN:
+        try:
+            import torch
+            usable = torch.cuda.is_available()
+        except ImportError:
+            usable = False
+        _PLAIN[:] = [torch.Tensor, torch._C._cuda_getDevice, torch.compiler.is_compiling] \
+            if usable else [None, None, None]
+    tensor, device, compiling = _PLAIN
+    if tensor is None or compiling():
+        return None
+    key: list[Any] = [device()]
+    for x in xs:
+        if x is None:
+            key.append(None)
+        elif type(x) is tensor:
+            key.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15))
+        else:
+            return None
+    return tuple(key)
+
+
 def as_operand(name: str, x: Any) -> Operand:
     """Accept a CUDA torch tensor or a PyCUDA GPUArray; refuse anything else with the reason."""
     mod = type(x).__module__

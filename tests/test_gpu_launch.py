@@ -91,3 +91,21 @@ def test_a_captured_call_replays_on_new_values():
         graph.replay()
         torch.cuda.synchronize()
         check(out, a, b)
+
+
+def test_attention_checks_are_memoised_per_layout_and_still_refuse_bad_calls():
+    from pitgen.ops import attention as A
+    q, k, v = (torch.randn(1, 2, 130, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    mask = torch.rand(130, 130, device="cuda") < 0.3
+    first = A.sparse_attention(q, k, v, mask)
+    again = A.sparse_attention(q, k, v, mask)  # the memoised plan: same answer
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert A._CHECKED
+    odd = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)
+    odd.copy_(q)
+    with pytest.raises(pitgen.ShapeError, match="q is not 16-byte aligned"):
+        A.sparse_attention(odd, k, v, mask)
+    with pytest.raises(pitgen.ShapeError, match="mask has dtype"):
+        A.sparse_attention(q, k, v, mask.float())
+    with pytest.raises(pitgen.ShapeError, match="k has dtype"):
+        A.sparse_attention(q, k.bfloat16(), v, mask)

@@ -31,7 +31,7 @@ import numpy as np
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import check_tensor
+from ..operands import check_tensor, raw_key
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
@@ -299,16 +299,35 @@ def check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> 
     return b, h, k[1], sq, k[2], d
 
 
+#: raw_key of (q, k, v, mask) -> the plan their validation gave (a steady-state call skips
+#: the checks; emptied when it grows past CHECKED_KEYS)
+_CHECKED = cache.memo("attention.checked")
+CHECKED_KEYS = 4096
+
+
 def _check(q: Any, k: Any, v: Any, mask: Any) -> tuple[AttentionPlan, Any]:
     """The plan, and the mask as the kernels read it (``_mask_u8``; None stays None: no mask
     to read, the index says dense or causal)."""
+    key = raw_key(q, k, v, mask)
+    plan = _CHECKED.get(key) if key is not None else None
+    if plan is None:
+        plan = _validate(q, k, v, mask)
+        if key is not None:
+            if len(_CHECKED) >= CHECKED_KEYS:
+                _CHECKED.clear()
+            _CHECKED[key] = plan
+    return plan, (None if mask is None else _mask_u8(mask))
+
+
+def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
+    """Every check of q, k, v and mask (a pitgen error naming the argument), then the plan."""
     check_tensor("q", q, ATTENTION.dtypes, ndim=4)
     dtype = str(q.dtype).replace("torch.", "")
     check_tensor("k", k, (dtype,), ndim=4)
     check_tensor("v", v, (dtype,), ndim=4)
     b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
     if mask is None:
-        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv), None
+        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv)
     check_tensor("mask", mask, ("bool", "uint8"), contiguous=False)
     for name, x in (("k", k), ("v", v), ("mask", mask)):
         if x.device != q.device:
@@ -317,8 +336,7 @@ def _check(q: Any, k: Any, v: Any, mask: Any) -> tuple[AttentionPlan, Any]:
         if x.data_ptr() % 16:
             raise ShapeError(f"{name} is not 16-byte aligned (a view at an odd offset); "
                              f"pass {name}.clone()")
-    mask = _mask_u8(mask)
-    return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape), hkv), mask
+    return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape), hkv)
 
 
 class BlockIndex(NamedTuple):

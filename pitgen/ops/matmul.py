@@ -14,7 +14,7 @@ from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
 from ..lower import DTYPES, GemmForm, Layout, Schedule, gemm_form, geometry, lower_first
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
-                        distinct_strides, signature)
+                        distinct_strides, raw_key, signature)
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
 from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_map
@@ -262,33 +262,12 @@ def _is_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-_TENSOR: list[Any] = []
-
-
 def _torch_key(args: tuple, out: Any, mask: Any, accumulate: bool) -> tuple | None:
-    """What a launcher depends on, read straight off torch tensors (shape, strides, dtype,
-    device, pointer alignment; the current device; out/mask/accumulate), or None when an
-    operand is not a plain torch tensor. A key seen before maps to a launcher the full path
-    validated for exactly these attributes."""
-    if not _TENSOR:
-        try:
-            import torch
-            usable = torch.cuda.is_available()
-        except ImportError:
-            usable = False
-        _TENSOR[:] = [torch.Tensor, torch._C._cuda_getDevice] if usable else [None, None]
-    tensor, device = _TENSOR
-    if tensor is None:
-        return None
-    key: list[Any] = [accumulate, device()]
-    for x in (*args, out, mask):
-        if x is None:
-            key.append(None)
-        elif type(x) is tensor:
-            key.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15))
-        else:
-            return None
-    return tuple(key)
+    """What a launcher depends on, read straight off torch tensors (:func:`raw_key` of the
+    operands, out and mask, and accumulate), or None when an operand is not a plain tensor. A
+    key seen before maps to a launcher the full path validated for exactly these attributes."""
+    key = raw_key(*args, out, mask)
+    return None if key is None else (accumulate, *key)
 
 
 class SparseKernel:
