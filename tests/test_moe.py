@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from pitgen import reference as R
 import pitgen
 import pitgen.ops.moe as moe
+from pitgen import opspec
 from pitgen.opspec import Permutation
 from pitgen import compiler
 from pitgen.errors import PlanError, RuleError, ShapeError
@@ -96,6 +97,7 @@ def test_plan_decisions():
 def test_plan_uses_the_rules(monkeypatch):
     """The plan asks the rule engine about t; an expression where t is not invariant is refused."""
     bad = Permutation("tokens in", "I[t,f] += X[t+f,h] * W1[h,f]", "spatial", "X")
+    monkeypatch.setattr(opspec, "OPERATORS", dict(opspec.OPERATORS))  # the copy registers it
     monkeypatch.setattr(moe, "MOE", dataclasses.replace(moe.MOE, name="moe (t+f)",
                                                         permutes=(bad,)))
     moe.plan_moe.cache_clear()

@@ -21,7 +21,7 @@ import numpy as np
 from .. import cache
 from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import check_tensor
+from ..operands import check_tensor, raw_key
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, memset_d32
 from . import lazy_torch_classes
@@ -201,6 +201,35 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
         return _route(kernels, plan, expert_ids, launch.stream)
 
 
+#: (raw_key of moe_ffn's tensors, activation) pairs validated before: a steady-state call
+#: skips the checks; emptied when it grows past CHECKED_KEYS
+_CHECKED = cache.memo("moe.checked")
+CHECKED_KEYS = 4096
+
+
+def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
+              activation: str) -> None:
+    """Every check of moe_ffn's operands (a pitgen error naming the argument) and its plan."""
+    check_tensor("x", x, MOE.dtypes, ndim=2)
+    dt = _name(x)
+    T, H = x.shape
+    check_tensor("w1", w1, (dt,), ndim=3, shape=(None, H, None))
+    E, _, F = w1.shape
+    check_tensor("w2", w2, (dt,), ndim=3, shape=(E, F, H))
+    check_tensor("expert_ids", expert_ids, ("int32", "int64"), ndim=2, shape=(T, None))
+    topk = expert_ids.shape[1]
+    check_tensor("gates", gates, ("float32", dt), ndim=2, shape=(T, topk))
+    if b1 is not None:
+        check_tensor("b1", b1, (dt,), ndim=2, shape=(E, F))
+    if b2 is not None:
+        check_tensor("b2", b2, (dt,), ndim=2, shape=(E, H))
+    for name, t in (("w1", w1), ("w2", w2), ("expert_ids", expert_ids), ("gates", gates),
+                    ("b1", b1), ("b2", b2)):
+        if t is not None and t.device != x.device:
+            raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
+    plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
+
+
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
             b1: Tensor | None = None, b2: Tensor | None = None,
             activation: str = "gelu", check: bool = True) -> Tensor:
@@ -222,26 +251,16 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     it launches the op's body directly (the same kernels, less host time)."""
     import torch
 
-    check_tensor("x", x, MOE.dtypes, ndim=2)
-    dt = _name(x)
-    T, H = x.shape
-    check_tensor("w1", w1, (dt,), ndim=3, shape=(None, H, None))
-    E, _, F = w1.shape
-    check_tensor("w2", w2, (dt,), ndim=3, shape=(E, F, H))
-    check_tensor("expert_ids", expert_ids, ("int32", "int64"), ndim=2, shape=(T, None))
-    topk = expert_ids.shape[1]
-    check_tensor("gates", gates, ("float32", dt), ndim=2, shape=(T, topk))
-    if b1 is not None:
-        check_tensor("b1", b1, (dt,), ndim=2, shape=(E, F))
-    if b2 is not None:
-        check_tensor("b2", b2, (dt,), ndim=2, shape=(E, H))
-    for name, t in (("w1", w1), ("w2", w2), ("expert_ids", expert_ids), ("gates", gates),
-                    ("b1", b1), ("b2", b2)):
-        if t is not None and t.device != x.device:
-            raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
+    key = raw_key(x, expert_ids, gates, w1, w2, b1, b2) if isinstance(activation, str) else None
+    if key is None or (key, activation) not in _CHECKED:
+        _validate(x, expert_ids, gates, w1, w2, b1, b2, activation)
+        if key is not None:
+            if len(_CHECKED) >= CHECKED_KEYS:
+                _CHECKED.clear()
+            _CHECKED[(key, activation)] = True
     if tracing():  # the op's launch plans (and validates) at run time
         return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
-    plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
+    T, E, topk = x.shape[0], w1.shape[0], expert_ids.shape[1]
     if check and T * topk:
         bad = torch.stack([((expert_ids < 0) | (expert_ids >= E)).sum(),
                            (~torch.isfinite(gates)).sum()]).cpu()  # the one host sync
