@@ -109,3 +109,24 @@ def test_attention_checks_are_memoised_per_layout_and_still_refuse_bad_calls():
         A.sparse_attention(q, k, v, mask.float())
     with pytest.raises(pitgen.ShapeError, match="k has dtype"):
         A.sparse_attention(q, k.bfloat16(), v, mask)
+
+
+def test_moe_checks_are_memoised_per_layout_and_still_refuse_bad_calls():
+    from pitgen.ops.moe import moe_ffn
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(70, 64, device="cuda", dtype=torch.float16, generator=g)
+    w1 = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16, generator=g) / 8
+    w2 = torch.randn(4, 128, 64, device="cuda", dtype=torch.float16, generator=g) / 11
+    ids = torch.randint(0, 4, (70, 1), device="cuda", dtype=torch.int32, generator=g)
+    gates = torch.rand(70, 1, device="cuda", generator=g)
+    first = moe_ffn(x, ids, gates, w1, w2, check=False)
+    again = moe_ffn(x, ids, gates, w1, w2, check=False)  # memoised checks: same answer
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    with pytest.raises(pitgen.errors.PlanError, match="tanh"):
+        moe_ffn(x, ids, gates, w1, w2, activation="tanh", check=False)
+    with pytest.raises(pitgen.ShapeError, match="gates"):
+        moe_ffn(x, ids, gates[:69], w1, w2, check=False)
+    with pytest.raises(pitgen.ShapeError, match="expert_ids: 1 ids outside"):
+        bad = ids.clone()
+        bad[3] = 9
+        moe_ffn(x, bad, gates, w1, w2)  # check=True still reads the verdict every call
