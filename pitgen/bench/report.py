@@ -60,6 +60,16 @@ def speedup_summary(rows: Sequence[dict], dtypes: Sequence[str], target: float) 
     return out
 
 
+def speedup_table(summ: Sequence[dict]) -> list[str]:
+    """The markdown table of :func:`speedup_summary`'s rows."""
+    return md_table(["dtype", "cases", "GPU speed-up", "wall speed-up", "target", "met",
+                     "all correct"],
+                    [[s["dtype"], s["cases"], f"{fmt(s['geomean_speedup'], 2)}x",
+                      f"{fmt(s['geomean_wall_speedup'], 2)}x", f">= {s['target']}x",
+                      "-" if s["met"] is None else ("**met**" if s["met"] else "**missed**"),
+                      "yes" if s["all_correct"] else "NO"] for s in summ])
+
+
 def md_table(head: Sequence[str], body: Iterable[Sequence[Any]]) -> list[str]:
     """A Markdown table as lines; cells are str()-ed and pipes escaped."""
     def cell(c: Any) -> str:

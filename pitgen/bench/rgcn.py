@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pitgen.graphs import GRAPHS, RGCN_GRAPHS, make_relational
 
-from .report import fmt, md_table, rel_err, speedup_summary, write_json
+from .report import fmt, md_table, rel_err, speedup_summary, speedup_table, write_json
 
 if TYPE_CHECKING:
     from .suite import Run
@@ -145,12 +145,7 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
              f"{meta['repeats']} runs (CUDA events, L2 flushed); wall ms: eager, per call. "
              "Speed-up = faster correct peer / pitgen `auto`.", "",
              "## Geometric means", ""]
-    lines += md_table(["dtype", "cases", "GPU speed-up", "wall speed-up", "target", "met",
-                       "all correct"],
-                      [[s["dtype"], s["cases"], f"{fmt(s['geomean_speedup'], 2)}x",
-                        f"{fmt(s['geomean_wall_speedup'], 2)}x", f">= {s['target']}x",
-                        "-" if s["met"] is None else ("**met**" if s["met"] else "**missed**"),
-                        "yes" if s["all_correct"] else "NO"] for s in summ])
+    lines += speedup_table(summ)
     lines += ["", "## Cases", ""] + md_table(
         ["graph", "edges", "R", "dtype", "F", "pitgen auto ms (wall)", "choice", "transform-first",
          "aggregate-first", "torch loop ms (wall)", "torch typed ms (wall)", "speed-up",

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pitgen.graphs import GNN_GRAPHS, GRAPHS
 
 from ..ops import lazy_torch_classes
-from .report import fmt, md_table, speedup_summary, write_json
+from .report import fmt, md_table, speedup_summary, speedup_table, write_json
 
 if TYPE_CHECKING:
     from .suite import Run
@@ -261,12 +261,7 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
              "flushed); wall ms: eager, per step. Speed-up = faster correct peer / pitgen. "
              f"Losses: {EPOCHS} steps from the same weights.", "",
              "## Geometric means", ""]
-    lines += md_table(["dtype", "cases", "GPU speed-up", "wall speed-up", "target", "met",
-                       "all correct"],
-                      [[s["dtype"], s["cases"], f"{fmt(s['geomean_speedup'], 2)}x",
-                        f"{fmt(s['geomean_wall_speedup'], 2)}x", f">= {s['target']}x",
-                        "-" if s["met"] is None else ("**met**" if s["met"] else "**missed**"),
-                        "yes" if s["all_correct"] else "NO"] for s in summ])
+    lines += speedup_table(summ)
     mine = [m for m in SYSTEMS if any(m in x["systems"] for x in rows)]
     lines += ["", "## Cases", ""] + md_table(
         ["graph", "nodes", "edges", "dtype", "F", *[f"{m} ms (wall)" for m in mine],
