@@ -4,7 +4,7 @@ wrong, and the per-call device buffers the launches use."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -87,6 +87,25 @@ def raw_key(*xs: Any) -> tuple | None:
         else:
             return None
     return tuple(key)
+
+
+#: entries a validation memo (:func:`validated`) holds before it starts over
+VALIDATED_KEYS = 4096
+
+
+def validated(memo: dict, key: Any, check: Callable[[], Any]) -> Any:
+    """``check()`` (an operator's validation: a pitgen error, or its plan), memoised in ``memo``
+    by ``key`` (a :func:`raw_key`, possibly with more hashable parts; None: not memoised), so
+    that a steady-state call skips its checks. The memo empties when it holds VALIDATED_KEYS."""
+    if key is None:
+        return check()
+    hit = memo.get(key)
+    if hit is None:
+        hit = check()
+        if len(memo) >= VALIDATED_KEYS:
+            memo.clear()
+        memo[key] = hit
+    return hit
 
 
 def as_operand(name: str, x: Any) -> Operand:

@@ -31,7 +31,7 @@ import numpy as np
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import check_tensor, raw_key
+from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
@@ -299,23 +299,14 @@ def check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> 
     return b, h, k[1], sq, k[2], d
 
 
-#: raw_key of (q, k, v, mask) -> the plan their validation gave (a steady-state call skips
-#: the checks; emptied when it grows past CHECKED_KEYS)
+#: raw_key of (q, k, v, mask) -> the plan their validation gave (operands.validated)
 _CHECKED = cache.memo("attention.checked")
-CHECKED_KEYS = 4096
 
 
 def _check(q: Any, k: Any, v: Any, mask: Any) -> tuple[AttentionPlan, Any]:
     """The plan, and the mask as the kernels read it (``_mask_u8``; None stays None: no mask
     to read, the index says dense or causal)."""
-    key = raw_key(q, k, v, mask)
-    plan = _CHECKED.get(key) if key is not None else None
-    if plan is None:
-        plan = _validate(q, k, v, mask)
-        if key is not None:
-            if len(_CHECKED) >= CHECKED_KEYS:
-                _CHECKED.clear()
-            _CHECKED[key] = plan
+    plan = validated(_CHECKED, raw_key(q, k, v, mask), lambda: _validate(q, k, v, mask))
     return plan, (None if mask is None else _mask_u8(mask))
 
 

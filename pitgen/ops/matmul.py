@@ -167,6 +167,12 @@ class GemmCall:
         """Compute over an index built elsewhere (device arrays shaped as ``counts``/``ids``)."""
         self.counts_ptr, self.ids_ptr = Workspace.ptr(counts), Workspace.ptr(ids)
 
+    def _buffer(self, stream: int | None, size: int, dtype: str) -> Any:
+        """An index buffer: the launcher's for ``stream`` when reusing, else a fresh one."""
+        if self.reuse:
+            return self.L.scratch(stream, size, dtype)
+        return Workspace(self.L.is_torch).alloc((size,), dtype)
+
     def build_index(self, stream: int | None) -> None:
         """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block).
         counts, ids (and the wgmma kernel's m-tile order) share one int32 buffer."""
@@ -177,16 +183,12 @@ class GemmCall:
         geo = L.geo
         n, cap = geo.groups, geo.groups * geo.cap
         words = L.index_words
-        ints = (L.scratch(stream, words, "int32") if self.reuse
-                else Workspace(L.is_torch).alloc((words,), "int32"))
-        self._ints = ints
+        self._ints = ints = self._buffer(stream, words, "int32")
         self.counts_ptr = base = Workspace.ptr(ints)
         self.ids_ptr = base + 4 * n
         pack = 0
         if ix.pack:
-            size = cap * ix.long_extent
-            self.pack = (L.scratch(stream, size, L.dtype) if self.reuse
-                         else Workspace(L.is_torch).alloc((size,), L.dtype))
+            self.pack = self._buffer(stream, cap * ix.long_extent, L.dtype)
             pack = Workspace.ptr(self.pack)
         memset_d32(base, 0, n, stream)
         L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
@@ -210,8 +212,9 @@ class GemmCall:
             return
         f32 = 0
         if g.a_mode == "rows":
-            if g.c_mode == "atomic":
-                f32 = Workspace.ptr(self._f32(M * N))
+            if g.c_mode == "atomic":  # the fp32 sums, alive (acc) until the launches are queued
+                acc = Workspace(L.is_torch).alloc((M * N,), "float32")
+                f32 = Workspace.ptr(acc)
                 memset_d32(f32, 0, M * N, stream)
             elif not L.accumulate:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
@@ -226,11 +229,6 @@ class GemmCall:
         if f32:
             mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr, f32,
                        M, N, *sc, int(L.accumulate))
-
-    def _f32(self, size: int) -> Any:
-        """The rows mode's fp32 accumulator, kept with the call until its kernels are queued."""
-        self.f32 = Workspace(self.L.is_torch).alloc((size,), "float32")
-        return self.f32
 
     def _vendor(self) -> None:
         """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""

@@ -21,7 +21,7 @@ import numpy as np
 from .. import cache
 from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import check_tensor, raw_key
+from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, memset_d32
 from . import lazy_torch_classes
@@ -201,15 +201,14 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
         return _route(kernels, plan, expert_ids, launch.stream)
 
 
-#: (raw_key of moe_ffn's tensors, activation) pairs validated before: a steady-state call
-#: skips the checks; emptied when it grows past CHECKED_KEYS
+#: (raw_key of moe_ffn's tensors, activation) -> the plan their validation gave
+#: (operands.validated)
 _CHECKED = cache.memo("moe.checked")
-CHECKED_KEYS = 4096
 
 
 def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
-              activation: str) -> None:
-    """Every check of moe_ffn's operands (a pitgen error naming the argument) and its plan."""
+              activation: str) -> MoEPlan:
+    """Every check of moe_ffn's operands (a pitgen error naming the argument), then the plan."""
     check_tensor("x", x, MOE.dtypes, ndim=2)
     dt = _name(x)
     T, H = x.shape
@@ -227,7 +226,7 @@ def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2
                     ("b1", b1), ("b2", b2)):
         if t is not None and t.device != x.device:
             raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
-    plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
+    return plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
 
 
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
@@ -252,12 +251,8 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     import torch
 
     key = raw_key(x, expert_ids, gates, w1, w2, b1, b2) if isinstance(activation, str) else None
-    if key is None or (key, activation) not in _CHECKED:
-        _validate(x, expert_ids, gates, w1, w2, b1, b2, activation)
-        if key is not None:
-            if len(_CHECKED) >= CHECKED_KEYS:
-                _CHECKED.clear()
-            _CHECKED[(key, activation)] = True
+    validated(_CHECKED, None if key is None else (key, activation),
+              lambda: _validate(x, expert_ids, gates, w1, w2, b1, b2, activation))
     if tracing():  # the op's launch plans (and validates) at run time
         return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
     T, E, topk = x.shape[0], w1.shape[0], expert_ids.shape[1]
