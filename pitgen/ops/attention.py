@@ -327,7 +327,7 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
         if x.data_ptr() % 16:
             raise ShapeError(f"{name} is not 16-byte aligned (a view at an odd offset); "
                              f"pass {name}.clone()")
-    return plan_attention(b, h, sq, sk, d, dtype, tuple(mask.shape), hkv)
+    return plan_attention(b, h, sq, sk, d, dtype, _mask_shape(mask), hkv)
 
 
 class BlockIndex(NamedTuple):
