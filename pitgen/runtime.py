@@ -17,7 +17,7 @@ import hashlib
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from . import cache
 from .compiler import compile_source
@@ -191,6 +191,16 @@ class Module:
             f = self._kernels[name] = _Kernel(self, name, self.signatures[name])
         return f
 
+    def bind(self, name: str, grid: tuple[int, ...], block: tuple[int, ...],
+             smem: int = 0) -> Callable[..., None]:
+        """``name`` with its grid, block and shared memory fixed (PyCUDA's prepared call):
+        ``bound(stream, *args)`` enqueues it with one pack and one driver call, for launch
+        closures that decide everything but the pointers once per call signature."""
+        f = self._kernels.get(name) or self.function(name)
+        if smem > f.smem_limit:
+            f.set_smem_limit(smem)
+        return f.bind(grid, block, smem)
+
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
                *args: Any, smem: int = 0) -> None:
         """Enqueue ``name`` on ``stream`` (a CUstream handle, 0: the legacy default stream) with
@@ -249,6 +259,23 @@ class _Kernel:
         params = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
         self._local.bufs = buf, params
         return buf, params
+
+    def bind(self, grid: tuple[int, ...], block: tuple[int, ...],
+             smem: int) -> Callable[..., None]:
+        """``launch`` with everything but the stream and the arguments fixed (Module.bind)."""
+        if 0 in grid:
+            return lambda stream, *args: None
+        (gx, gy, gz), (bx, by, bz) = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+        driver, handle, pack, local = self._lib.cuLaunchKernel, self.handle, \
+            self._struct.pack_into, self._local
+
+        def bound(stream: int, *args: Any) -> None:
+            buf, params = getattr(local, "bufs", None) or self._buffers()
+            pack(buf, 0, *args)
+            rc = driver(handle, gx, gy, gz, bx, by, bz, smem, stream, params, None)
+            if rc:
+                _check(rc, "cuLaunchKernel")
+        return bound
 
     def launch(self, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
                args: tuple, smem: int) -> None:

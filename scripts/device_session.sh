@@ -87,7 +87,7 @@ for step in "$@"; do
       timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
     host)
       timeout 150 python3 scripts/host_time.py --json "$LOGS/host.json" >"$LOGS/host.log" 2>&1; r=$?
-      echo "host: exit $r"; grep -v Warning "$LOGS/host.log" | head -8; rc=$((rc | r)) ;;
+      echo "host: exit $r"; grep -v Warning "$LOGS/host.log" | head -18; rc=$((rc | r)) ;;
     matmul|attention|moe|training|graphs|rgcn|sage|peers|bench)
       part=$step limit=300; [ $step = peers ] && limit=400; [ $step = bench ] && part= limit=570
       timeout ${STEP_TIMEOUT:-$limit} python3 -m pitgen.bench $part --out "$LOGS/bench" \

@@ -1,6 +1,7 @@
 """Host time per steady-state call of each public op on a tiny problem (issue 16's measure):
 wall time over back-to-back calls minus the GPU time of one call, beside torch's own op on the
-same problem, then a cProfile of the JIT matmul call (where the microseconds go).
+same problem; then what the pieces of a call cost on this host (a driver launch, an
+allocation, the signature key...), and a cProfile of each op's call (where the microseconds go).
 
     python3 scripts/host_time.py [--calls 1000] [--profile 300] [--json OUT]
 """
@@ -21,7 +22,7 @@ from pitgen.bench.timing import Timer, host_ms
 
 
 def cases() -> dict:
-    """name -> (pitgen callable, torch peer callable) on tiny problems."""
+    """name -> (pitgen callable, torch peer callable[, the compiled kernel]) on tiny problems."""
     from pitgen.graph import kernels as graph_ops
     from pitgen.graph.device import DeviceCSR
     from pitgen.ops.attention import sparse_attention
@@ -51,7 +52,7 @@ def cases() -> dict:
         warnings.simplefilter("ignore", UserWarning)
         a_t = torch.sparse_csr_tensor(csr.indptr, csr.indices, csr.values, size=(256, 256))
     return {
-        "matmul 128^3 32x1": (lambda: mm(a, b), lambda: torch.mm(a, b)),
+        "matmul 128^3 32x1": (lambda: mm(a, b), lambda: torch.mm(a, b), mm),
         "attention 1x2x128x64": (lambda: sparse_attention(q, k, v, mask),
                                  lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)),
         "moe T64 E4": (lambda: moe_ffn(x, ids, gates, w1, w2, check=False),
@@ -59,6 +60,49 @@ def cases() -> dict:
         "spmm 256 nodes f64": (lambda: graph_ops.spmm(csr, feat, out=y),
                                lambda: torch.sparse.mm(a_t, feat)),
     }
+
+
+def components(mm) -> dict:
+    """name -> callable: the pieces a steady-state call is made of, each on its own (no GPU
+    work but a one-word memset and an empty kernel)."""
+    from pitgen.operands import raw_key
+    from pitgen.runtime import TorchLaunch, current_stream, memset_d32
+
+    a = torch.randn(128, 128, device="cuda", dtype=torch.float16)
+    word = torch.zeros(1, device="cuda", dtype=torch.int32)
+    launcher = next(iter(mm._fast.values()))
+    empty_kernel = launcher.mod.bind("pit_gemm_zero", (1, 1, 1), (256, 1, 1))
+
+    def context() -> None:
+        with TorchLaunch():
+            pass
+
+    return {
+        "python call": lambda: None,
+        "raw_key(a, b, None, None)": lambda: raw_key(a, a, None, None),
+        "torch.empty 128x128 fp16": lambda: torch.empty((128, 128), dtype=torch.float16,
+                                                        device="cuda"),
+        "torch.empty_like": lambda: torch.empty_like(a),
+        "current_stream()": current_stream,
+        "TorchLaunch enter/exit": context,
+        "memset_d32 (driver)": lambda: memset_d32(word.data_ptr(), 0, 1, current_stream()),
+        "bound launch, empty kernel": lambda: empty_kernel(current_stream(), a.data_ptr(), 0, 0,
+                                                           1, 1),
+    }
+
+
+def profile(fn, calls: int) -> str:
+    """cProfile of ``calls`` calls of ``fn``: the 20 functions with the most own time."""
+    fn()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(20)
+    return s.getvalue()
 
 
 def main() -> None:
@@ -73,7 +117,8 @@ def main() -> None:
           f"({args.calls} calls back to back)")
     print(f"{'op':24s} {'wall us':>9s} {'gpu us':>8s} {'host us':>8s} | {'torch wall':>10s} "
           f"{'torch gpu':>9s} {'torch host':>10s}")
-    for name, (fn, peer) in cases().items():
+    ops = cases()
+    for name, (fn, peer, *_) in ops.items():
         r = {"op": name}
         for who, f in (("pitgen", fn), ("torch", peer)):
             f()
@@ -84,21 +129,20 @@ def main() -> None:
         p, t = r["pitgen"], r["torch"]
         print(f"{name:24s} {p['wall_us']:9.1f} {p['gpu_us']:8.1f} {p['host_us']:8.1f} | "
               f"{t['wall_us']:10.1f} {t['gpu_us']:9.1f} {t['host_us']:10.1f}")
-    if args.profile:
-        fn = cases()["matmul 128^3 32x1"][0]
+    parts = {}
+    print(f"\n{'piece of a call':32s} {'us':>7s}")
+    for name, fn in components(ops["matmul 128^3 32x1"][2]).items():
         fn()
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(args.profile):
-            fn()
-        pr.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-        print(s.getvalue())
+        parts[name] = host_ms(fn, args.calls) * 1e3
+        print(f"{name:32s} {parts[name]:7.2f}")
+    if args.profile:
+        for name, (fn, _, *_) in ops.items():
+            print(f"\n== cProfile, {args.profile} calls of {name} ==")
+            print(profile(fn, args.profile))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "pieces_us": parts},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

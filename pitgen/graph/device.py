@@ -260,6 +260,8 @@ class DeviceMatrix:
     info: dict[str, Any] = field(default_factory=dict)
     #: per torch stream: hyb (c == 1) cut-row counters that SpMM launches on it share
     counters: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: SpMM launch closures of this layout's buffers by call signature (kernels.spmm)
+    launches: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def with_values(self, values: Any) -> DeviceMatrix:
         """The same layout filled from new CSR-order values [nnz] on the GPU (no sync)."""

@@ -31,7 +31,7 @@ import numpy as np
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import check_tensor, raw_key, validated
+from ..operands import VALIDATED_KEYS, check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
@@ -597,6 +597,76 @@ def _ops() -> Any:
     return forward
 
 
+class _EagerForward:
+    """The forward of one call signature (``raw_key`` of q, k, v and mask, is_causal,
+    return_lse) with everything but the data decided once: plan, kernels bound to their grids
+    and shared memory, the mask read in place, the static index of a mask-free call. A
+    steady-state eager call without autograd allocates out (and lse) and one index buffer and
+    makes two driver launches (one without a mask): issue 16's host-time budget."""
+
+    __slots__ = ("plan", "lse_shape", "static", "index", "attend", "sizes", "counters",
+                 "mask_strides", "default_scale")
+
+    def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
+                 device: Any) -> None:
+        kernels = ATTENTION.module(plan)
+        vec = _vector_mask(plan, mask)
+        self.plan = plan
+        self.lse_shape = (plan.batch, plan.heads, plan.sq) if want_lse else None
+        self.static = None if mask is not None else _static_index(plan, causal, device)
+        self.index = None if mask is None else kernels.bind(
+            "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
+            (INDEX_THREADS, 1, 1))
+        self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
+                                   plan.attention_grid(), (plan.warps * 32, 1, 1), plan.smem)
+        states = plan.slices * plan.n_qb * plan.n_kb
+        #: the index buffer: states (uint8), then order (int32) at a 16-byte boundary
+        self.sizes = (states + 15) // 16 * 16, states + -states % 16 + 4 * plan.slices * plan.n_qb
+        self.counters = _COUNTERS.setdefault(device.index, {})
+        self.mask_strides = plan.mask_strides
+        self.default_scale = 1.0 / math.sqrt(plan.d)
+
+    @staticmethod
+    def eligible(plan: AttentionPlan, q: Any, mask: Any, index: Any) -> bool:
+        """Calls the closure runs as the general path would: a non-empty problem whose mask (if
+        any) the kernels read in place (contiguous bool/uint8 without stride-0 dims)."""
+        return (index is None and q.numel() > 0 and plan.sk > 0
+                and (mask is None or (mask.is_contiguous()
+                                      and _mask_shape(mask) == tuple(mask.shape))))
+
+    def __call__(self, q: Any, k: Any, v: Any, mask: Any, scale: float | None) -> Any:
+        import torch
+        plan = self.plan
+        scale = self.default_scale if scale is None else _scale(plan, scale)
+        out = torch.empty_like(q)
+        lse = None if self.lse_shape is None else torch.empty(
+            self.lse_shape, dtype=torch.float32, device=q.device)
+        with TorchLaunch() as launch:
+            s = launch.stream
+            if mask is None:
+                states, order, mptr = self.static.states.data_ptr(), \
+                    self.static.order.data_ptr(), 0
+            else:
+                buf = torch.empty(self.sizes[1], dtype=torch.uint8, device=q.device)
+                states = buf.data_ptr()
+                order = states + self.sizes[0]
+                mptr = mask.data_ptr()
+                rowcount = stream_counters(self.counters, s, plan.slices * (plan.n_qb + 1),
+                                           q.device).data_ptr()
+                self.index(s, mptr, plan.sq, plan.sk, plan.n_kb, states, rowcount,
+                           rowcount + 4 * plan.slices * plan.n_qb, order)
+            sb, sh = self.mask_strides
+            self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                        0 if lse is None else lse.data_ptr(), mptr, states, order, plan.sq,
+                        plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
+                        scale * math.log2(math.e))
+        return (out, lse) if lse is not None else out
+
+
+#: (raw_key of q, k, v, mask, is_causal, return_lse) -> its _EagerForward
+_EAGER = cache.memo("attention.eager")
+
+
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                      scale: float | None = None, index: BlockIndex | None = None, *,
                      is_causal: bool = False, return_lse: bool = False) -> Any:
@@ -620,6 +690,13 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     (natural log; -inf on rows with nothing to attend), itself differentiable."""
     import torch
 
+    grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v))
+    key = None if index is not None or grad else raw_key(q, k, v, mask)
+    if key is not None:
+        key = (key, is_causal, return_lse)
+        fast = _EAGER.get(key)
+        if fast is not None:
+            return fast(q, k, v, mask, scale)
     if is_causal and mask is not None:
         raise ShapeError("pass a mask or is_causal=True, not both (combine them into the mask)")
     plan, m = _check(q, k, v, mask)
@@ -628,10 +705,14 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
         if m is None:
             raise ShapeError("index is the block index of a mask; a call without one has none")
         _given_index(plan, index, q.device)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+    if grad:
         out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None, None)), is_causal)
     else:
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
+        if key is not None and _EagerForward.eligible(plan, q, mask, index):
+            if len(_EAGER) >= VALIDATED_KEYS:
+                _EAGER.clear()
+            _EAGER[key] = _EagerForward(plan, m, is_causal, return_lse, q.device)
     return (out, lse) if return_lse else out
 
 

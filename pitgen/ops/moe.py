@@ -157,33 +157,100 @@ def _name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _aligned(name: str, t: Any) -> None:
-    if t.data_ptr() % 16:
-        raise ShapeError(f"{name} is not 16-byte aligned (a view with a storage offset?); "
-                         f"pass {name}.clone()")
+def _aligned_operands(x: Any, w1: Any, w2: Any, b1: Any, b2: Any) -> None:
+    """The kernels' 16-byte loads need aligned operands (a real tensor's address: not while
+    torch traces)."""
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
+        if t is not None and t.data_ptr() % 16:
+            raise ShapeError(f"{name} is not 16-byte aligned (a view with a storage offset?); "
+                             f"pass {name}.clone()")
 
 
-def _route(kernels: Any, plan: MoEPlan, ids: Any, stream: int) -> tuple[Routing, Any]:
-    """Enqueue the GPU index build; returns its device buffers (nothing is synchronised). The
-    buffers are views of one int32 allocation, cleared by two driver memsets (counts to 0, the
-    pair slots to -1) rather than by torch fill kernels."""
-    import torch
-    P, E = plan.pairs, plan.experts
-    p1, t = max(P, 1), plan.max_tiles
-    sizes = (E, p1, E + 1, p1, t, t, 1)  # counts, rank, offsets, row_pair, tile_e, tile_r, ntiles
-    ints = torch.empty(sum(sizes), dtype=torch.int32, device=ids.device)
-    counts, rank, offsets, row_pair, tile_e, tile_r, ntiles = torch.split(ints, sizes)
-    memset_d32(counts.data_ptr(), 0, E, stream)
-    memset_d32(row_pair.data_ptr(), 0xFFFFFFFF, p1, stream)
-    grid, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
-    kernels.launch("moe_count", grid, block, stream, ids.data_ptr(), P, E, counts.data_ptr(),
-                   rank.data_ptr())
-    kernels.launch("moe_scan", (1, 1, 1), (1024, 1, 1), stream, counts.data_ptr(), E,
-                   plan.max_tiles, offsets.data_ptr(), tile_e.data_ptr(), tile_r.data_ptr(),
-                   ntiles.data_ptr())
-    kernels.launch("moe_place", grid, block, stream, ids.data_ptr(), rank.data_ptr(),
-                   offsets.data_ptr(), P, E, row_pair.data_ptr())
-    return Routing(counts, offsets, row_pair, tile_e, tile_r), ntiles
+def _round(nbytes: int) -> int:
+    return -(-nbytes // 128) * 128
+
+
+class _Launch:
+    """moe_ffn's launches for one plan, decided once: kernels bound to their grids and shared
+    memory, and one scratch allocation laid out as the routing index's int32 words (counts,
+    rank, offsets, row_pair, tile_e, tile_r, ntiles), the intermediate [pairs, F] and, for
+    topk > 1, the fp32 sums [T, H], each at a 128-byte boundary. A steady-state call allocates
+    y and the scratch, clears three ranges with driver memsets (counts 0, row_pair -1, the
+    sums or y 0) and makes five or six launches: nothing else (issue 16's host time)."""
+
+    __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "count",
+                 "scan", "place", "gemm1", "gemm2", "finish")
+
+    def __init__(self, plan: MoEPlan) -> None:
+        kernels = MOE.module(plan)
+        P, E, T, H, F, t = (plan.pairs, plan.experts, plan.tokens, plan.hidden, plan.ffn,
+                            plan.max_tiles)
+        self.plan = plan
+        self.sizes = (E, max(P, 1), E + 1, max(P, 1), t, t, 1)
+        self.offsets = tuple(4 * int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
+        self.words = sum(self.sizes)
+        self.direct = plan.topk == 1
+        self.esize = 4 if plan.dtype == "float32" else 2
+        ints, inter = _round(4 * self.words), _round(P * F * self.esize)
+        self.bytes = (ints, inter, 0 if self.direct else T * H * 4)
+        index, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
+        self.count = kernels.bind("moe_count", index, block)
+        self.scan = kernels.bind("moe_scan", (1, 1, 1), (1024, 1, 1))
+        self.place = kernels.bind("moe_place", index, block)
+        self.gemm1 = kernels.bind("moe_gemm1", plan.gemm_grid(F), (plan.threads, 1, 1), plan.smem)
+        self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), (plan.threads, 1, 1), plan.smem)
+        self.finish = None if self.direct else kernels.bind(
+            "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
+
+    def route(self, stream: int, ids: int, base: int) -> tuple[int, ...]:
+        """Enqueue the routing index build into the words at ``base``; their addresses."""
+        plan = self.plan
+        counts, rank, offsets, row_pair, tile_e, tile_r, ntiles = (base + o for o in self.offsets)
+        memset_d32(counts, 0, plan.experts, stream)
+        memset_d32(row_pair, 0xFFFFFFFF, self.sizes[3], stream)
+        self.count(stream, ids, plan.pairs, plan.experts, counts, rank)
+        self.scan(stream, counts, plan.experts, plan.max_tiles, offsets, tile_e, tile_r, ntiles)
+        self.place(stream, ids, rank, offsets, plan.pairs, plan.experts, row_pair)
+        return counts, rank, offsets, row_pair, tile_e, tile_r, ntiles
+
+    def __call__(self, x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any,
+                 b2: Any) -> Any:
+        import torch
+        plan = self.plan
+        T, H, F, E, topk = plan.tokens, plan.hidden, plan.ffn, plan.experts, plan.topk
+        g = gates if gates.dtype == torch.float32 and gates.is_contiguous() else \
+            gates.to(torch.float32).contiguous()
+        y = torch.empty_like(x)
+        ints, inter, sums = self.bytes
+        scratch = torch.empty(ints + inter + sums, dtype=torch.uint8, device=x.device)
+        base = scratch.data_ptr()
+        ws = y.data_ptr() if self.direct else base + ints + inter
+        with TorchLaunch() as launch:
+            s = launch.stream
+            # zeros where no valid pair adds (direct: y itself, whole 32-bit words as H is even;
+            # else the fp32 sums)
+            memset_d32(ws, 0, T * H * (self.esize if self.direct else 4) // 4, s)
+            _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
+                s, expert_ids.data_ptr(), base)
+            idx = (row_pair, tile_e, tile_r, offsets, ntiles)
+            self.gemm1(s, x.data_ptr(), w1.data_ptr(), 0 if b1 is None else b1.data_ptr(),
+                       base + ints, *idx, T, topk, E, H, F)
+            self.gemm2(s, base + ints, w2.data_ptr(), 0 if b2 is None else b2.data_ptr(),
+                       y.data_ptr(), ws, g.data_ptr(), *idx, T, topk, E, F, H, int(self.direct))
+            if self.finish is not None:
+                self.finish(s, ws, y.data_ptr(), np.int64(T * H))
+        return y
+
+
+#: MoEPlan -> its _Launch
+_LAUNCHES = cache.memo("moe.launches")
+
+
+def _launcher(plan: MoEPlan) -> _Launch:
+    hit = _LAUNCHES.get(plan)
+    if hit is None:
+        hit = _LAUNCHES[plan] = _Launch(plan)
+    return hit
 
 
 def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[Routing, Tensor]:
@@ -196,9 +263,13 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
     T, topk = expert_ids.shape
     plan = plan_moe(T, topk, num_experts, 8, 8, "float16", "identity", _name(expert_ids))
     plan = MoEPlan(**{**plan.__dict__, "bm": block_m})
-    kernels = MOE.module(plan)
+    import torch
+    run = _launcher(plan)
+    ints = torch.empty(run.words, dtype=torch.int32, device=expert_ids.device)
     with TorchLaunch() as launch:
-        return _route(kernels, plan, expert_ids, launch.stream)
+        run.route(launch.stream, expert_ids.data_ptr(), ints.data_ptr())
+    counts, _, offsets, row_pair, tile_e, tile_r, ntiles = torch.split(ints, run.sizes)
+    return Routing(counts, offsets, row_pair, tile_e, tile_r), ntiles
 
 
 #: (raw_key of moe_ffn's tensors, activation) -> the plan their validation gave
@@ -251,8 +322,14 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     import torch
 
     key = raw_key(x, expert_ids, gates, w1, w2, b1, b2) if isinstance(activation, str) else None
-    validated(_CHECKED, None if key is None else (key, activation),
-              lambda: _validate(x, expert_ids, gates, w1, w2, b1, b2, activation))
+
+    def check_all() -> MoEPlan:
+        plan = _validate(x, expert_ids, gates, w1, w2, b1, b2, activation)
+        if key is not None:   # real tensors (the key holds their alignment)
+            _aligned_operands(x, w1, w2, b1, b2)
+        return plan
+
+    plan = validated(_CHECKED, None if key is None else (key, activation), check_all)
     if tracing():  # the op's launch plans (and validates) at run time
         return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
     T, E, topk = x.shape[0], w1.shape[0], expert_ids.shape[1]
@@ -265,8 +342,10 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
             raise ShapeError(f"gates: {int(bad[1])} values are NaN or infinite")
     if not (torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in (x, gates, w1, w2, b1, b2))):
-        # nothing to differentiate: the op's body, without the dispatcher's host cost
-        return launch(x, expert_ids, gates, w1, w2, b1, b2, activation)
+        # nothing to differentiate: the op's launches, without the dispatcher's host cost
+        if key is None:
+            return launch(x, expert_ids, gates, w1, w2, b1, b2, activation)
+        return _launcher(plan)(x, expert_ids, gates, w1, w2, b1, b2) if T else torch.empty_like(x)
     return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
 
 
@@ -277,38 +356,11 @@ def launch(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
 
     T, H = x.shape
     E, _, F = w1.shape
-    topk = expert_ids.shape[1]
-    plan = plan_moe(T, topk, E, H, F, _name(x), activation, _name(expert_ids))
-    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
-        if t is not None:
-            _aligned(name, t)
-    g = gates.to(torch.float32).contiguous()
-    direct = topk == 1
-    y = torch.empty_like(x)
+    plan = plan_moe(T, expert_ids.shape[1], E, H, F, _name(x), activation, _name(expert_ids))
+    _aligned_operands(x, w1, w2, b1, b2)
     if T == 0:
-        return y
-    kernels = MOE.module(plan)
-    inter = torch.empty((plan.pairs, F), dtype=x.dtype, device=x.device)
-    ws = y if direct else torch.empty((T, H), dtype=torch.float32, device=x.device)
-    with TorchLaunch() as launch:
-        s = launch.stream
-        # zeros where no valid pair adds (direct: y itself; else the fp32 sums), cleared by a
-        # driver memset (H is even, so y is whole 32-bit words)
-        memset_d32(ws.data_ptr(), 0, T * H // (2 if direct and x.element_size() == 2 else 1), s)
-        (r, ntiles) = _route(kernels, plan, expert_ids, s)
-        idx = (r.row_pair.data_ptr(), r.tile_e.data_ptr(), r.tile_r.data_ptr(),
-               r.offsets.data_ptr(), ntiles.data_ptr())
-        block = (plan.threads, 1, 1)
-        kernels.launch("moe_gemm1", plan.gemm_grid(F), block, s, x.data_ptr(), w1.data_ptr(),
-                       0 if b1 is None else b1.data_ptr(), inter.data_ptr(), *idx, T, topk, E, H, F, smem=plan.smem)
-        kernels.launch("moe_gemm2", plan.gemm_grid(H), block, s, inter.data_ptr(), w2.data_ptr(),
-                       0 if b2 is None else b2.data_ptr(), y.data_ptr(), ws.data_ptr(),
-                       g.data_ptr(), *idx, T, topk, E, F, H, int(direct), smem=plan.smem)
-        if not direct:
-            n = T * H
-            kernels.launch("moe_finish", (min(-(-n // 256), 4096), 1, 1), (256, 1, 1), s,
-                           ws.data_ptr(), y.data_ptr(), np.int64(n))
-    return y
+        return torch.empty_like(x)
+    return _launcher(plan)(x, expert_ids, gates, w1, w2, b1, b2)
 
 
 #: bytes of fp32 expert weights one backward chunk gathers (w1 and w2 of its tiles)
