@@ -35,6 +35,7 @@ from ..operands import VALIDATED_KEYS, check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
+from .library import tracing
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -690,7 +691,9 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     (natural log; -inf on rows with nothing to attend), itself differentiable."""
     import torch
 
-    grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v))
+    traced = tracing()   # then the op checks and plans when it runs (sympy is not traced)
+    grad = traced or (torch.is_grad_enabled()
+                      and any(getattr(x, "requires_grad", False) for x in (q, k, v)))
     key = None if index is not None or grad else raw_key(q, k, v, mask)
     if key is not None:
         key = (key, is_causal, return_lse)
@@ -699,12 +702,15 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
             return fast(q, k, v, mask, scale)
     if is_causal and mask is not None:
         raise ShapeError("pass a mask or is_causal=True, not both (combine them into the mask)")
-    plan, m = _check(q, k, v, mask)
-    scale = _scale(plan, scale)
-    if index is not None:
-        if m is None:
-            raise ShapeError("index is the block index of a mask; a call without one has none")
-        _given_index(plan, index, q.device)
+    if traced:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    else:
+        plan, m = _check(q, k, v, mask)
+        scale = _scale(plan, scale)
+        if index is not None:
+            if m is None:
+                raise ShapeError("index is the block index of a mask; a call without one has none")
+            _given_index(plan, index, q.device)
     if grad:
         out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None, None)), is_causal)
     else:

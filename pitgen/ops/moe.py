@@ -300,6 +300,19 @@ def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2
     return plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
 
 
+def _checked_plan(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
+                  activation: str) -> MoEPlan:
+    """``_validate`` and the operands' alignment, memoised per call signature (raw_key)."""
+    key = raw_key(x, expert_ids, gates, w1, w2, b1, b2) if isinstance(activation, str) else None
+
+    def check_all() -> MoEPlan:
+        plan = _validate(x, expert_ids, gates, w1, w2, b1, b2, activation)
+        _aligned_operands(x, w1, w2, b1, b2)
+        return plan
+
+    return validated(_CHECKED, None if key is None else (key, activation), check_all)
+
+
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
             b1: Tensor | None = None, b2: Tensor | None = None,
             activation: str = "gelu", check: bool = True) -> Tensor:
@@ -321,17 +334,9 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     it launches the op's body directly (the same kernels, less host time)."""
     import torch
 
-    key = raw_key(x, expert_ids, gates, w1, w2, b1, b2) if isinstance(activation, str) else None
-
-    def check_all() -> MoEPlan:
-        plan = _validate(x, expert_ids, gates, w1, w2, b1, b2, activation)
-        if key is not None:   # real tensors (the key holds their alignment)
-            _aligned_operands(x, w1, w2, b1, b2)
-        return plan
-
-    plan = validated(_CHECKED, None if key is None else (key, activation), check_all)
-    if tracing():  # the op's launch plans (and validates) at run time
+    if tracing():  # the op validates and plans when it runs (the rule engine is not traced)
         return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
+    plan = _checked_plan(x, expert_ids, gates, w1, w2, b1, b2, activation)
     T, E, topk = x.shape[0], w1.shape[0], expert_ids.shape[1]
     if check and T * topk:
         bad = torch.stack([((expert_ids < 0) | (expert_ids >= E)).sum(),
@@ -343,22 +348,17 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     if not (torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in (x, gates, w1, w2, b1, b2))):
         # nothing to differentiate: the op's launches, without the dispatcher's host cost
-        if key is None:
-            return launch(x, expert_ids, gates, w1, w2, b1, b2, activation)
         return _launcher(plan)(x, expert_ids, gates, w1, w2, b1, b2) if T else torch.empty_like(x)
     return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
 
 
 def launch(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
            b1: Tensor | None, b2: Tensor | None, activation: str) -> Tensor:
-    """The fused FFN's launches on validated operands (the body of ``pitgen::moe_ffn``)."""
+    """The fused FFN's launches (the body of ``pitgen::moe_ffn``), after every check."""
     import torch
 
-    T, H = x.shape
-    E, _, F = w1.shape
-    plan = plan_moe(T, expert_ids.shape[1], E, H, F, _name(x), activation, _name(expert_ids))
-    _aligned_operands(x, w1, w2, b1, b2)
-    if T == 0:
+    plan = _checked_plan(x, expert_ids, gates, w1, w2, b1, b2, activation)
+    if plan.tokens == 0:
         return torch.empty_like(x)
     return _launcher(plan)(x, expert_ids, gates, w1, w2, b1, b2)
 
