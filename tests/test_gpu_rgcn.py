@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
 
 DTYPES = ("float32", "float16")
-#: float32: torch's grouped matmul may run TF32 on tensor cores
+#: float32: torch's batched matmul may run TF32 on tensor cores
 TOL = {"float32": "tf32", "float16": "float16"}
 GPU_SETTINGS = settings(max_examples=T.examples(10), deadline=None)
 #: Partial results each order stores in the dtype before the output (pitgen.testing.E_ROUND):
