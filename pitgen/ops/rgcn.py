@@ -21,7 +21,7 @@ W[tiles[t]] — no loop over relations, no host sync (``torch._grouped_mm`` runs
 one matmul per relation after copying the offsets to the host).
 
 :func:`plan_rgcn` picks the order with a cost model (:func:`order_cost`: each kernel lasts the
-longer of its bytes at the copy rate, its FLOPs at the dense rate and its longest row at the
+longest of its bytes at the copy rate, its FLOPs at the dense rate and its longest row at the
 per-entry latency) from the edges per relation, the longest row and the feature sizes; layouts
 not composed yet are estimated. :func:`compose` builds an order's operands from typed COO, with
 NumPy on the host or torch on the GPU (one algorithm: ``_NumPyOps`` and ``_TorchOps``); on the
@@ -72,7 +72,8 @@ LAUNCH_S = 4e-6
 #: Seconds per entry of a CSR SpMM's longest row: one group of lanes gathers a row's entries
 #: two at a time, each pair a dependent round trip to memory, so no SpMM ends before its longest
 #: row. Fitted to the H100 run of 2026-11-23 (docs/rgcn.md, "Measured": transform-first minus
-#: aggregate-first on bgs and am, whose longest rows differ by 11k and 52k entries).
+#: aggregate-first on bgs and am, whose longest rows differ by 11k and 52k entries). fp16's is
+#: the SpMM before commit debb742, whose fp16 gathers waited for each other: refit it next run.
 ROW_ENTRY_S = {"float32": 3.0e-7, "float16": 5.5e-7}
 INDEX_BYTES = 4
 TAKE_BYTES = 8
