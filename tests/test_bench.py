@@ -151,6 +151,7 @@ def test_rgcn_report(tmp_path):
     row = {"graph": "aifb", "nodes": 8285, "edges": 57880, "relations": 90, "dtype": "float16",
            "feat": 32, "choice": "transform-first", "exact_choice": "transform-first",
            "compact": {"transform-first": 10, "aggregate-first": 12}, "flop": 1,
+           "model_ms": {"transform-first": 0.25, "aggregate-first": 0.125},
            "pitgen": {"auto": timing, "transform-first": timing, "aggregate-first": timing},
            "peers": {"torch loop": {"gpu_ms": 0.5, "wall_ms": 2.0, "rel_err": 1e-3},
                      "torch typed": {"note": "not run: fp32 refused"}},
@@ -160,7 +161,7 @@ def test_rgcn_report(tmp_path):
     rgcn.write(tmp_path, [row, {**row, "graph": "am", "speedup": 0.8, "ok": False}], meta)
     md = (tmp_path / "rgcn.md").read_text()
     assert "| float16 | 2 | 2.00x | 10.00x | >= 2.0x | **met** | NO |" in md
-    assert "not run: fp32 refused" in md and "**WRONG**" in md
+    assert "not run: fp32 refused" in md and "**WRONG**" in md and "| 0.250 / 0.125 |" in md
     assert "rgcn" in suite.PARTS and rgcn.flop(10, 4, 2, 3) == 2 * 4 * 2 * 3 + 2 * 10 * 2
 
 

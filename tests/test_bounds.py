@@ -6,7 +6,7 @@ and the same output with one element missing one typical product term fails. The
 the one with the largest scale (the most terms: the loosest bound), the term its median one in
 magnitude: the smallest change a dropped term, index or tile makes. Where pitgen's kernels
 cannot drop a single term, the unit they can drop is the term: RGCN's SpMMs drop edges (A
-times a row of XW; a single product inside XW is torch's grouped matmul), attention drops keys
+times a row of XW; a single product inside XW is torch's batched matmul), attention drops keys
 (P V loses a key and the row is renormalised)."""
 from __future__ import annotations
 

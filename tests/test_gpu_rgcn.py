@@ -1,8 +1,8 @@
-"""GPU tests of RGCN inference (pitgen.ops.rgcn): the operands composed on the GPU equal the
-NumPy composition; both orders (and "auto", and the per-relation matmul fallback) agree with the
-float64 reference on drawn relational graphs (empty relations, isolated nodes, hubs, odd
-feature sizes) with poisoned outputs and fresh inputs; RGCNConv; bad input raises pitgen
-errors."""
+"""GPU tests of RGCN inference (pitgen.ops.rgcn): the operands composed on the GPU (tiles,
+aggregate-first pieces) equal the NumPy composition; both orders (and "auto") agree with the
+float64 reference on drawn relational graphs (empty relations, isolated nodes, hubs split into
+pieces, odd feature sizes) with poisoned outputs and fresh inputs; no host sync after the first
+call; RGCNConv; bad input raises pitgen errors."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
 
 DTYPES = ("float32", "float16")
-#: float32: torch's grouped matmul may run TF32 on tensor cores
+#: float32: torch's batched matmul may run TF32 on tensor cores
 TOL = {"float32": "tf32", "float16": "float16"}
 GPU_SETTINGS = settings(max_examples=T.examples(10), deadline=None)
 #: Partial results each order stores in the dtype before the output (pitgen.testing.E_ROUND):
@@ -65,9 +65,9 @@ def test_composed_on_the_gpu_equals_numpy(graph, order):
     d = R.DeviceRelational.from_host(graph, "float32")
     c = d.composed(order)
     want = R.compose(rounded(graph, "float32"), order)
-    assert c.compact == want.compact
+    assert (c.layout, c.counts) == (want.layout, want.counts)
     np.testing.assert_array_equal(c.take.cpu().numpy(), want.take)
-    np.testing.assert_array_equal(c.ends.cpu().numpy(), want.ends)
+    np.testing.assert_array_equal(c.tiles.cpu().numpy(), want.tiles)
     for got, ref in ((c.first, want.first), (c.second, want.second)):
         if ref is None:
             assert got is None
@@ -99,7 +99,8 @@ def test_rgcn_matches_the_reference(graph, dtype, order, feats, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("order", R.ORDERS)
-def test_per_relation_fallback_and_from_relations(dtype, order, monkeypatch):
+def test_from_relations(dtype, order):
+    """Relation counts and the longest row counted on the GPU; hub pairs split into pieces."""
     rng = np.random.default_rng(1)
     g = graphs.make_relational("mutag", seed=2, scale=0.02)
     values = rng.uniform(0.5, 1.5, g.nnz)
@@ -107,11 +108,35 @@ def test_per_relation_fallback_and_from_relations(dtype, order, monkeypatch):
     mats = [DeviceCSR.from_host(g.relation(r), dtype) for r in range(g.shape[0])]
     d = R.DeviceRelational.from_relations(mats)
     assert d.relation_nnz() == g.relation_nnz().tolist()
+    assert d.row_max() == int(np.bincount(g.row).max())
     x, x64 = operand(rng, (g.shape[2], 24), dtype)
     w, w64 = operand(rng, (g.shape[0], 24, 40), dtype, 0.2)
     check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype, ROUNDINGS[order])
-    monkeypatch.setitem(R._GROUPED, (str(x.dtype), 24, 40), False)   # one matmul per relation
-    check(g, R.rgcn(d, x, w, order=order), x64, w64, dtype, ROUNDINGS[order])
+    c = d.composed(order)
+    assert c.layout == R.compose(g, order).layout
+    if order == R.AGGREGATE_FIRST:   # some pair longer than a piece was split
+        assert c.compact > len({(r, i) for r, i in zip(g.rel, g.row)})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_host_sync_after_the_first_call(dtype):
+    rng = np.random.default_rng(5)
+    g = rounded(graphs.make_relational("aifb", seed=0, scale=0.05), dtype)
+    d = R.DeviceRelational.from_host(g, dtype)
+    x, x64 = operand(rng, (g.shape[2], 16), dtype)
+    w, w64 = operand(rng, (g.shape[0], 16, 8), dtype, 0.25)
+    orders = ("auto", *R.ORDERS, "auto")
+    for order in orders:   # compose and compile outside the check
+        R.rgcn(d, x, w, order=order)
+    out = torch.empty((g.shape[1], 8), dtype=x.dtype, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ys = [R.rgcn(d, x, w, order=order).clone() for order in orders[:-1]]
+        R.rgcn(d, x, w, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for order, y in zip(orders, ys):
+        check(g, y, x64, w64, dtype, roundings(d, 16, 8, order))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

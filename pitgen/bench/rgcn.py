@@ -4,12 +4,16 @@ layers as the frameworks write them, in one run, same dtype.
 
 Systems (each maps (graph, X, W) to Y; graph structures built once, outside the timing):
 - ``pitgen``: :func:`pitgen.ops.rgcn.rgcn` with ``order="auto"`` (the cost model's choice), and
-  each order forced, to show what the model chose against what it could have;
+  each order forced, to show what the model chose against what it could have; the model's
+  estimate of each order (exact layouts) is recorded beside the times, to recalibrate it;
 - ``torch loop``: per relation ``torch.sparse.mm(A_r, X) @ W_r`` accumulated (cuSPARSE CSR per
   relation; PyG's and DGL's low-memory RGCN);
 - ``torch typed``: edges sorted by relation, ``torch._grouped_mm(X[src], W, offs)`` per edge,
   scaled and ``index_add_`` to the targets (the gathered typed-matmul form); a dtype that
-  ``_grouped_mm`` refuses is reported as not run.
+  ``_grouped_mm`` refuses is reported as not run. Its one fast path (CUTLASS, sm90) is bf16;
+  fp32 and fp16, the dtypes compared here, run torch's fallback (offsets copied to the host,
+  one matmul per relation), which is also what a loop of ``torch.mm`` would do. Casting to bf16
+  would change the dtype compared (and miss fp32's tolerance), so each case runs its dtype.
 
 Every result is checked against the loop peer computed in float32 from the same inputs.
 Times: GPU (CUDA events, median, L2 flushed) and eager wall time per call (``Timer.both``).
@@ -99,6 +103,8 @@ def run_graph(r: Run, name: str, feats: tuple[int, ...]) -> list[dict]:
             exact = d.plan(feat, feat)   # both orders composed now: exact compact sizes
             case["choice"], case["exact_choice"] = plan.order, exact.order
             case["compact"] = exact.compact
+            case["model_ms"] = {o: exact.costs[o] * 1e3 for o in ORDERS}
+            case["longest"] = {o: list(lay.longest) for o, lay in exact.layouts.items()}
             case["pitgen"] = times
             case["flop"] = flop(g.nnz, case["compact"][case["choice"]], feat, feat)
             peers = {}
@@ -148,12 +154,13 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
     lines += speedup_table(summ)
     lines += ["", "## Cases", ""] + md_table(
         ["graph", "edges", "R", "dtype", "F", "pitgen auto ms (wall)", "choice", "transform-first",
-         "aggregate-first", "torch loop ms (wall)", "torch typed ms (wall)", "speed-up",
-         "rel err"],
+         "aggregate-first", "model ms (TF / AF)", "torch loop ms (wall)",
+         "torch typed ms (wall)", "speed-up", "rel err"],
         [[x["graph"], x["edges"], x["relations"], x["dtype"], x["feat"],
           f"{fmt(x['pitgen']['auto']['gpu_ms'], 4)} ({fmt(x['pitgen']['auto']['wall_ms'], 3)})",
           x["choice"], fmt(x["pitgen"]["transform-first"]["gpu_ms"], 4),
           fmt(x["pitgen"]["aggregate-first"]["gpu_ms"], 4),
+          " / ".join(fmt(v, 3) for v in x["model_ms"].values()),
           *[(f"{fmt(p['gpu_ms'], 4)} ({fmt(p['wall_ms'], 3)})" if "gpu_ms" in p else p["note"])
             for p in (x["peers"]["torch loop"], x["peers"]["torch typed"])],
           f"{fmt(x['speedup'], 2)}x",

@@ -2,24 +2,33 @@
 
 The rule engine says i is spatial and r, j, g are reduction axes, all permutation invariant.
 That allows two orders, each composing all relations into one SpMM launch (SparseTIR's
-horizontal fusion) with the dense transforms as one grouped matmul:
+horizontal fusion) with the dense transforms as one batched matmul:
 
 * **transform-first**: r and j are gathered together. Each (relation, source column) pair that
-  holds an edge becomes one compact row: XW = X[sources] @ W_r (grouped by relation), then
-  Y = B · XW, where B [rows x pairs] merges every relation's edges row by row (one CSR).
+  holds an edge becomes one compact row: XW = X[sources] @ W_r, then Y = B · XW, where
+  B [rows x compact] merges every relation's edges row by row (one CSR).
 * **aggregate-first**: the (relation, row) pairs that hold an edge are the work list, rows in
-  any order (i is invariant; SRead): H = C · X with C [pairs x cols] the pairs' rows stacked
-  relation-major, Z = H @ W_r (grouped), then the pairs go back to their rows and relations are
-  summed in any order (SWrite; r is invariant): Y = S · Z with S [rows x pairs] of ones.
+  any order (i is invariant; SRead), a pair with more than ``piece`` edges split into pieces
+  of at most ``piece`` (j is a reduction axis: the pieces' sums add up to the pair's). H = C · X
+  with C [compact x cols] the pieces' rows stacked relation-major, Z = H @ W_r, then the pieces
+  go back to their rows and are summed in any order (SWrite; r is invariant): Y = S · Z with
+  S [rows x compact] of ones. Pieces bound C's longest row, which bounds the SpMM: its one group
+  of lanes per row gathers a row's entries one round trip after another.
 
-:func:`plan_rgcn` picks the order with a cost model (bytes at the copy rate plus matmul FLOPs
-at the dense rate) from the number of edges per relation and the feature sizes; compact sizes
-not given are estimated as distinct draws. :func:`compose` builds an order's operands from
-typed COO, with NumPy on the host or torch on the GPU (one algorithm: ``_NumPyOps`` and
-``_TorchOps``); on the GPU it synchronises once (``torch.unique`` sizes the pairs) per graph
-and order. :func:`execute_rgcn` runs a plan's steps in float64 on the CPU;
-:func:`rgcn` runs them on the GPU (SpMM under RGCN's rules, ``torch._grouped_mm`` where torch
-runs it for the dtype, else one matmul per relation); :class:`RGCNConv` is the layer.
+The transform is one ``torch.bmm`` for every relation: each relation's compact rows are padded
+to whole tiles of ``tile`` rows (padding rows are never read back), so tile t multiplies by
+W[tiles[t]] — no loop over relations, no host sync (``torch._grouped_mm`` runs fp32 and fp16 as
+one matmul per relation after copying the offsets to the host).
+
+:func:`plan_rgcn` picks the order with a cost model (:func:`order_cost`: each kernel lasts the
+longest of its bytes at the copy rate, its FLOPs at the dense rate and its longest row at the
+per-entry latency) from the edges per relation, the longest row and the feature sizes; layouts
+not composed yet are estimated. :func:`compose` builds an order's operands from typed COO, with
+NumPy on the host or torch on the GPU (one algorithm: ``_NumPyOps`` and ``_TorchOps``); on the
+GPU it synchronises twice (``torch.unique`` sizes the pairs, then the rows per relation size
+the tiles) per graph and order. :func:`execute_rgcn` runs a plan's steps in float64 on the CPU;
+:func:`rgcn` runs them on the GPU (SpMM under RGCN's rules, :func:`transform`);
+:class:`RGCNConv` is the layer.
 """
 from __future__ import annotations
 
@@ -29,7 +38,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .. import cache
 from ..errors import PlanError, ShapeError
 from ..graph.device import VALUE_DTYPES, DeviceCSR
 from ..graph.formats import CSR, RGCN_EXPR, Relational, check_dense_operand, index_dtype
@@ -43,8 +51,9 @@ from . import lazy_torch_classes
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["EXPR", "ORDERS", "RGCN", "RGCNPlan", "plan_rgcn", "Composed", "compose",
-           "execute_rgcn", "DeviceRelational", "rgcn"]
+__all__ = ["EXPR", "ORDERS", "RGCN", "Layout", "RGCNPlan", "plan_rgcn", "order_cost",
+           "estimate_layout", "tile_rows", "piece_entries", "Composed", "compose",
+           "execute_rgcn", "DeviceRelational", "transform", "rgcn"]
 
 EXPR = RGCN_EXPR
 TRANSFORM_FIRST, AGGREGATE_FIRST = ORDERS = ("transform-first", "aggregate-first")
@@ -55,12 +64,25 @@ RGCN = OpSpec("rgcn", "spmm.cu.j2", dict(SPMM.kernels),
                Permutation("relations and neighbours", EXPR, "reduction", "A")),
               VALUE_DTYPES)
 
-#: The cost model's device: bytes at an H100-class copy rate, dense matmul FLOPs at torch's
-#: rate per dtype (fp32 without TF32), a fixed cost per launch. Only ratios decide the order.
+#: The cost model's device (H100 SXM): bytes at the copy rate, dense matmul FLOPs at torch's
+#: rate per dtype (fp32 without TF32), a fixed cost per launch.
 BYTES_PER_S = 2.5e12
 FLOPS_PER_S = {"float16": 4.0e14, "float32": 5.0e13}
 LAUNCH_S = 4e-6
+#: Seconds per entry of a CSR SpMM's longest row: one group of lanes gathers a row's entries
+#: two at a time, each pair a dependent round trip to memory, so no SpMM ends before its longest
+#: row. Fitted to the H100 run of 2026-11-23 (docs/rgcn.md, "Measured": transform-first minus
+#: aggregate-first on bgs and am, whose longest rows differ by 11k and 52k entries). fp16's is
+#: the SpMM before commit debb742, whose fp16 gathers waited for each other: refit it next run.
+ROW_ENTRY_S = {"float32": 3.0e-7, "float16": 5.5e-7}
 INDEX_BYTES = 4
+TAKE_BYTES = 8
+#: Tile rows of the batched transform: powers of two between these.
+TILE_ROWS = (16, 2048)
+#: 2 x a typical feature size (64): the padding / weight-copy balance of :func:`tile_rows`.
+TILE_BALANCE = 128
+#: Entries per aggregate-first piece: powers of two between these.
+PIECE_ENTRIES = (8, 4096)
 
 
 def distinct_estimate(extent: int, draws: int) -> float:
@@ -70,27 +92,97 @@ def distinct_estimate(extent: int, draws: int) -> float:
     return min(float(draws), extent * -math.expm1(-draws / extent))
 
 
-def order_cost(order: str, nnz: int, compact: int, rows: int, relations: int, f_in: int,
-               f_out: int, dtype: str) -> float:
-    """Estimated seconds of one order: ``compact`` is its number of compact rows (source
-    pairs for transform-first, (relation, row) pairs for aggregate-first)."""
+def tile_rows(compact: int, relations: int) -> int:
+    """Rows per tile of the batched transform for ``compact`` rows over ``relations`` non-empty
+    relations. Padding costs about relations x tile / 2 rows, and every tile reads its own copy
+    of W_r, compact / tile copies of F_in x F_out: sqrt(TILE_BALANCE x compact / relations)
+    balances the two; the nearest power of two within TILE_ROWS."""
+    if compact <= 0 or relations <= 0:
+        return TILE_ROWS[0]
+    t = 2 ** round(math.log2(math.sqrt(TILE_BALANCE * compact / relations)))
+    return min(max(t, TILE_ROWS[0]), TILE_ROWS[1])
+
+
+def piece_entries(row_max: int) -> int:
+    """Entries per aggregate-first piece when a row holds at most ``row_max`` edges (all
+    relations together): C's longest row is then at most the piece, and S's (the row's pieces)
+    about relations + row_max / piece; a power of two at sqrt(row_max) or above balances them."""
+    p = 1 << math.ceil(math.log2(math.sqrt(max(row_max, 1))))
+    return min(max(p, PIECE_ENTRIES[0]), PIECE_ENTRIES[1])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one order runs: ``compact`` rows through the transform, padded per relation to
+    ``tiles`` tiles of ``tile`` rows, and the longest row of each of its SpMMs in launch order
+    (transform-first: B; aggregate-first: C, S)."""
+
+    compact: int
+    tile: int
+    tiles: int
+    longest: tuple[int, ...]
+
+    @property
+    def padded(self) -> int:
+        return self.tile * self.tiles
+
+
+def _tiled(counts: Sequence[int], longest: tuple[int, ...]) -> Layout:
+    """The layout of compact rows ``counts`` per relation, tiled by :func:`tile_rows`."""
+    compact = int(sum(counts))
+    tile = tile_rows(compact, sum(1 for c in counts if c))
+    return Layout(compact, tile, sum(-(-int(c) // tile) for c in counts), longest)
+
+
+def estimate_layout(order: str, shape: Sequence[int], relation_nnz: Sequence[int], row_max: int,
+                    piece: int) -> Layout:
+    """An order's layout before composing: compact rows per relation as distinct draws
+    (``n (1 - exp(-nnz_r / n))``), aggregate-first's extra pieces at most (nnz_r - pairs_r) /
+    piece (none when no row is longer than a piece); the longest rows: B's is ``row_max``, C's
+    the piece (``row_max`` unsplit), S's the longest row's relations (its edges drawn over the
+    non-empty relations) plus its pieces."""
+    r, rows, cols = shape
+    extent = cols if order == TRANSFORM_FIRST else rows
+    per = [distinct_estimate(extent, n) for n in relation_nnz]
+    if order == TRANSFORM_FIRST:
+        return _tiled([round(p) for p in per], (row_max,))
+    if piece and row_max > piece:   # only pairs longer than a piece are split
+        per = [p + (n - p) / piece for p, n in zip(per, relation_nnz)]
+    touched = distinct_estimate(sum(1 for n in relation_nnz if n), row_max)
+    return _tiled([round(p) for p in per],
+                  (min(piece, row_max) if piece else row_max,
+                   round(touched) + (row_max // piece if piece else 0)))
+
+
+def order_cost(order: str, layout: Layout, nnz: int, rows: int, f_in: int, f_out: int,
+               dtype: str) -> float:
+    """Estimated seconds of one order on ``layout``: each kernel lasts the longest of its bytes
+    at BYTES_PER_S, its FLOPs at FLOPS_PER_S and (SpMMs) its longest row at ROW_ENTRY_S, plus
+    LAUNCH_S per launch (four in either order)."""
     e = 2 if dtype == "float16" else 4
-    weights = relations * f_in * f_out * e
-    gemm = compact * (f_in + f_out) * e + weights
-    csr = nnz * (INDEX_BYTES + e) + (rows + 1) * INDEX_BYTES
-    if order == TRANSFORM_FIRST:    # gather X rows, grouped matmul, SpMM over B
-        moved = 2 * compact * f_in * e + gemm + csr + nnz * f_out * e + rows * f_out * e
-    else:                           # SpMM over C, grouped matmul, SpMM over S
-        moved = (csr + (compact + 1) * INDEX_BYTES + nnz * f_in * e + compact * f_in * e + gemm
-                 + compact * (INDEX_BYTES + e) + (rows + 1) * INDEX_BYTES + compact * f_out * e
-                 + rows * f_out * e)
-    return moved / BYTES_PER_S + 2 * compact * f_in * f_out / FLOPS_PER_S[dtype] + 3 * LAUNCH_S
+
+    def kernel(moved: float, longest: int = 0, flops: float = 0.0) -> float:
+        return max(moved / BYTES_PER_S, longest * ROW_ENTRY_S[dtype], flops / FLOPS_PER_S[dtype])
+
+    c, p, w = layout.compact, layout.padded, layout.tiles * f_in * f_out * e
+    transform_s = kernel(2 * w) + kernel(p * (f_in + f_out) * e + w, flops=2 * p * f_in * f_out)
+    csr = nnz * (INDEX_BYTES + e)
+    if order == TRANSFORM_FIRST:    # gather X rows, transform, SpMM over B
+        steps = (kernel(p * (TAKE_BYTES + 2 * f_in * e)), transform_s,
+                 kernel((rows + 1) * INDEX_BYTES + csr + (nnz + rows) * f_out * e,
+                        layout.longest[0]))
+    else:                           # SpMM over C, transform, SpMM over S
+        steps = (kernel((p + 1) * INDEX_BYTES + csr + (nnz + p) * f_in * e, layout.longest[0]),
+                 transform_s,
+                 kernel((rows + 1) * INDEX_BYTES + c * (INDEX_BYTES + e) + (c + rows) * f_out * e,
+                        layout.longest[1]))
+    return sum(steps) + 4 * LAUNCH_S
 
 
 @dataclass(frozen=True)
 class RGCNPlan:
-    """The order chosen for one graph shape and feature sizes, with every order's compact
-    rows and estimated cost (seconds)."""
+    """The order chosen for one graph shape and feature sizes, with every order's layout and
+    estimated cost (seconds); ``piece``: aggregate-first's entries per piece (0: unsplit)."""
 
     order: str
     shape: tuple[int, int, int]   #: (relations, rows, cols)
@@ -98,29 +190,40 @@ class RGCNPlan:
     f_in: int
     f_out: int
     dtype: str
-    compact: dict[str, int] = field(default_factory=dict)
+    piece: int
+    layouts: dict[str, Layout] = field(default_factory=dict)
     costs: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def compact(self) -> dict[str, int]:
+        """Compact rows of each order."""
+        return {o: lay.compact for o, lay in self.layouts.items()}
+
     def table(self) -> str:
-        """One line per order: compact rows and estimated microseconds, the choice marked."""
-        return "\n".join(f"{'*' if o == self.order else ' '} {o:<16} {self.compact[o]:>10} "
-                         f"compact rows  {self.costs[o] * 1e6:10.1f} us" for o in ORDERS)
+        """One line per order: compact rows, tiles, longest rows and estimated microseconds, the
+        choice marked."""
+        return "\n".join(
+            f"{'*' if o == self.order else ' '} {o:<16} {lay.compact:>10} compact rows "
+            f"({lay.tiles} tiles of {lay.tile}), longest rows {list(lay.longest)} "
+            f"{self.costs[o] * 1e6:10.1f} us" for o, lay in self.layouts.items())
 
 
-def _positive(name: str, v: Any) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-        raise ShapeError(f"{name} must be a positive integer, got {v!r}")
+def _count(name: str, v: Any, least: int) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < least:
+        raise ShapeError(f"{name} must be an integer >= {least}, got {v!r}")
     return int(v)
 
 
 def plan_rgcn(shape: Sequence[int], relation_nnz: Sequence[int], f_in: int, f_out: int,
-              dtype: str = "float16", order: str = "auto", sources: int | None = None,
-              pairs: int | None = None) -> RGCNPlan:
+              dtype: str = "float16", order: str = "auto", *, row_max: int | None = None,
+              piece: int | None = None, layouts: dict[str, Layout] | None = None) -> RGCNPlan:
     """Choose the order for relations of ``shape`` = (relations, rows, cols) holding
     ``relation_nnz`` edges each: ``order="auto"`` takes the cheaper by :func:`order_cost`
-    (transform-first on a tie), a named order is costed and kept. ``sources`` (distinct
-    (relation, column) pairs) and ``pairs`` (distinct (relation, row) pairs) are estimated from
-    the edge counts when not given. The rules both orders rely on are derived first."""
+    (transform-first on a tie), a named order is costed and kept. ``row_max``: edges of the
+    longest row, all relations together (default: rows evenly filled); ``piece``: entries per
+    aggregate-first piece (default :func:`piece_entries`; 0 keeps pairs whole); ``layouts``:
+    exact layouts of orders already composed (the others are estimated). The rules both orders
+    rely on are derived first."""
     RGCN.derive()
     RGCN.check_dtype(dtype)
     if order not in ("auto", *ORDERS):
@@ -131,16 +234,18 @@ def plan_rgcn(shape: Sequence[int], relation_nnz: Sequence[int], f_in: int, f_ou
     nnz_r = [int(n) for n in relation_nnz]
     if len(nnz_r) != r or min(nnz_r, default=0) < 0:
         raise ShapeError(f"relation_nnz needs {r} non-negative counts, got {len(nnz_r)}")
-    f_in, f_out = _positive("f_in", f_in), _positive("f_out", f_out)
-    compact = {
-        TRANSFORM_FIRST: sources if sources is not None else
-        round(sum(distinct_estimate(cols, n) for n in nnz_r)),
-        AGGREGATE_FIRST: pairs if pairs is not None else
-        round(sum(distinct_estimate(rows, n) for n in nnz_r))}
+    f_in, f_out = _count("f_in", f_in, 1), _count("f_out", f_out, 1)
     nnz = sum(nnz_r)
-    costs = {o: order_cost(o, nnz, compact[o], rows, r, f_in, f_out, dtype) for o in ORDERS}
+    if row_max is None:
+        row_max = -(-nnz // rows) if rows else 0
+    row_max = _count("row_max", row_max, 0)
+    piece = piece_entries(row_max) if piece is None else _count("piece", piece, 0)
+    known = layouts or {}
+    lay = {o: known.get(o) or estimate_layout(o, (r, rows, cols), nnz_r, row_max, piece)
+           for o in ORDERS}
+    costs = {o: order_cost(o, lay[o], nnz, rows, f_in, f_out, dtype) for o in ORDERS}
     chosen = min(ORDERS, key=lambda o: costs[o]) if order == "auto" else order
-    return RGCNPlan(chosen, (r, rows, cols), nnz, f_in, f_out, dtype, compact, costs)
+    return RGCNPlan(chosen, (r, rows, cols), nnz, f_in, f_out, dtype, piece, lay, costs)
 
 
 # -- composing the relations (one algorithm, NumPy or torch) ---------------------------------
@@ -158,8 +263,8 @@ class _NumPyOps:
         return uniq, inv.reshape(-1)
 
     @staticmethod
-    def counts(idx: Any, n: int) -> Any:
-        return np.bincount(idx, minlength=n)[:n].astype(np.int64)
+    def counts(idx: Any, n: int, weights: Any = None) -> Any:
+        return np.bincount(idx, weights, minlength=n)[:n].astype(np.int64)
 
     @staticmethod
     def stable_order(key: Any) -> Any:
@@ -173,9 +278,39 @@ class _NumPyOps:
     def ones_like(n: int, values: Any) -> Any:
         return np.ones(n, values.dtype)
 
+    @staticmethod
+    def arange(n: int) -> Any:
+        return np.arange(n, dtype=np.int64)
+
+    @staticmethod
+    def repeat(counts: Any, total: int) -> Any:
+        return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+
+    @staticmethod
+    def peak(a: Any) -> Any:
+        return np.array([a.max() if a.size else 0], np.int64)
+
+    @staticmethod
+    def host(*arrays: Any) -> list[int]:
+        return [int(v) for a in arrays for v in np.asarray(a).reshape(-1)]
+
+    @staticmethod
+    def upload(values: list[int]) -> Any:
+        return np.asarray(values, np.int64)
+
+    @staticmethod
+    def put(n: int, idx: Any, values: Any) -> Any:
+        out = np.zeros(n, np.int64)
+        out[idx] = values
+        return out
+
 
 class _TorchOps:
-    """The same on the GPU; counts by index_add (torch.bincount synchronises)."""
+    """The same on ``device``; counts by index_add (torch.bincount synchronises), ``host`` is the
+    one copy back."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
 
     @staticmethod
     def long(a: Any) -> Any:
@@ -186,11 +321,10 @@ class _TorchOps:
         import torch
         return torch.unique(key, sorted=True, return_inverse=True)
 
-    @staticmethod
-    def counts(idx: Any, n: int) -> Any:
+    def counts(self, idx: Any, n: int, weights: Any = None) -> Any:
         import torch
-        out = torch.zeros(n, dtype=torch.int64, device=idx.device)
-        return out.index_add_(0, idx, torch.ones_like(idx))
+        out = torch.zeros(n, dtype=torch.int64, device=self.device)
+        return out.index_add_(0, idx, torch.ones_like(idx) if weights is None else weights)
 
     @staticmethod
     def stable_order(key: Any) -> Any:
@@ -207,57 +341,122 @@ class _TorchOps:
         import torch
         return torch.ones(n, dtype=values.dtype, device=values.device)
 
+    def arange(self, n: int) -> Any:
+        import torch
+        return torch.arange(n, dtype=torch.int64, device=self.device)
+
+    def repeat(self, counts: Any, total: int) -> Any:
+        import torch
+        return torch.repeat_interleave(self.arange(int(counts.shape[0])), counts,
+                                       output_size=total)
+
+    @staticmethod
+    def peak(a: Any) -> Any:
+        return a.new_zeros(1) if a.numel() == 0 else a.max().reshape(1)
+
+    @staticmethod
+    def host(*arrays: Any) -> list[int]:
+        import torch
+        return torch.cat([a.reshape(-1).long() for a in arrays]).tolist()
+
+    def upload(self, values: list[int]) -> Any:
+        import torch
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def put(self, n: int, idx: Any, values: Any) -> Any:
+        import torch
+        return torch.zeros(n, dtype=torch.int64, device=self.device).index_copy_(0, idx, values)
+
 
 @dataclass
 class Composed:
-    """One order's operands (NumPy or torch arrays). ``take`` [compact]: the column of X each
-    compact row gathers (transform-first) or the row of Y it goes back to (aggregate-first),
-    compact rows relation-major; ``ends`` [relations]: cumulative compact-row ends per relation
-    (``torch._grouped_mm``'s ``offs``); ``first`` the SpMM before the transform (aggregate-first:
-    C) or after it (transform-first: B); ``second`` S (aggregate-first only). Each matrix is
-    (indptr, indices, values, shape) with int64 indices. ``host_ends``: ``ends`` on the host,
-    once something needed them."""
+    """One order's operands (NumPy or torch arrays). Compact rows run relation-major, each
+    relation's padded to whole tiles: ``counts`` [relations] (host) compact rows per relation,
+    ``tiles`` [layout.tiles] the relation of each tile, ``take`` [layout.padded] the column of X
+    each compact row gathers (transform-first) or the row of Y it goes back to
+    (aggregate-first), 0 on padding rows; ``first`` the SpMM before the transform
+    (aggregate-first: C) or after it (transform-first: B); ``second`` S (aggregate-first only).
+    Each matrix is (indptr, indices, values, shape) with int64 indices; no entry refers to a
+    padding row."""
 
     order: str
     shape: tuple[int, int, int]
-    compact: int
+    layout: Layout
+    counts: list[int]
+    tiles: Any
     take: Any
-    ends: Any
     first: Any
     second: Any = None
-    host_ends: list[int] | None = None
+
+    @property
+    def compact(self) -> int:
+        return self.layout.compact
 
 
 def _compose(ops: Any, order: str, shape: tuple[int, int, int], rel: Any, row: Any, col: Any,
-             values: Any) -> Composed:
-    """The operands of ``order`` from typed COO (any edge order; duplicates add)."""
+             values: Any, piece: int) -> Composed:
+    """The operands of ``order`` from typed COO (any edge order; duplicates add), aggregate-first
+    pieces of at most ``piece`` entries (0: pairs whole). Two host reads: the number of pairs,
+    then the compact rows per relation with the longest rows."""
     r, rows, cols = shape
-    rows, cols = max(rows, 1), max(cols, 1)   # no edges without both: keys stay well defined
+    rows1, cols1 = max(rows, 1), max(cols, 1)   # no edges without both: keys stay well defined
     rel, row, col = ops.long(rel), ops.long(row), ops.long(col)
+    nnz = int(row.shape[0])
     if order == TRANSFORM_FIRST:
-        uniq, q = ops.unique_inverse(rel * cols + col)      # compact row of each edge's source
+        uniq, q = ops.unique_inverse(rel * cols1 + col)      # compact row of each edge's source
         n = int(uniq.shape[0])
-        take, owner = uniq % cols, uniq // cols
-        o = ops.stable_order(row * n + q)
-        first = (ops.cumsum0(ops.counts(row, shape[1])), q[o], values[o], (shape[1], n))
-        second = None
+        owner, target = uniq // cols1, uniq % cols1
+        row_len = ops.counts(row, rows)
+        host = ops.host(ops.counts(owner, r), ops.peak(row_len))
+        longest: tuple[int, ...] = (host[r],)
     elif order == AGGREGATE_FIRST:
-        uniq, p = ops.unique_inverse(rel * rows + row)      # compact row of each edge's target
-        n = int(uniq.shape[0])
-        take, owner = uniq % rows, uniq // rows
-        o = ops.stable_order(p * cols + col)
-        first = (ops.cumsum0(ops.counts(p, n)), col[o], values[o], (n, shape[2]))
-        back = ops.stable_order(take)                      # pairs by row, relations in order
-        second = (ops.cumsum0(ops.counts(take, shape[1])), back, ops.ones_like(n, values),
-                  (shape[1], n))
+        uniq, p = ops.unique_inverse(rel * rows1 + row)      # (relation, row) pair of each edge
+        o = ops.stable_order(p * cols1 + col)                # edges by pair, then column
+        span = piece or max(nnz, 1)
+        size = ops.counts(p, int(uniq.shape[0]))             # edges per pair
+        parts = (size + span - 1) // span                    # its pieces
+        pair_rel, pair_row = uniq // rows1, uniq % rows1
+        host = ops.host(ops.counts(pair_rel, r, parts), ops.peak(size),
+                        ops.peak(ops.counts(pair_row, rows, parts)))
+        n = sum(host[:r])
+        longest = (min(host[r], span), host[r + 1])
+        pair = p[o]
+        k = ops.cumsum0(parts)[pair] + (ops.arange(nnz) - ops.cumsum0(size)[pair]) // span
+        of = ops.repeat(parts, n)                            # the pair of each piece
+        owner, target = pair_rel[of], pair_row[of]
     else:
         raise PlanError(f"unknown RGCN order {order!r}; choose {' or '.join(ORDERS)}")
-    return Composed(order, shape, n, take, ops.cumsum0(ops.counts(owner, r))[1:], first, second)
+    counts = host[:r]
+    lay = _tiled(counts, longest)
+    per = [-(-c // lay.tile) for c in counts]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if r else np.zeros(0, np.int64)
+    shift = (lay.tile * np.concatenate([[0], np.cumsum(per)[:-1]]) - starts) if r else starts
+    pos = ops.arange(n) + ops.upload([int(v) for v in shift])[owner]   # padded row of each
+    tiles = ops.upload([rr for rr, t in enumerate(per) for _ in range(t)])
+    take = ops.put(lay.padded, pos, target)
+    if order == TRANSFORM_FIRST:
+        o = ops.stable_order(row * max(n, 1) + q)
+        first = (ops.cumsum0(row_len), pos[q[o]], values[o], (rows, lay.padded))
+        second = None
+    else:
+        first = (ops.cumsum0(ops.counts(pos[k], lay.padded)), col[o], values[o],
+                 (lay.padded, cols))
+        back = ops.stable_order(target)                      # pieces by row, relation-major
+        second = (ops.cumsum0(ops.counts(target, rows)), pos[back], ops.ones_like(n, values),
+                  (rows, lay.padded))
+    return Composed(order, shape, lay, counts, tiles, take, first, second)
 
 
-def compose(graph: Relational, order: str) -> Composed:
-    """The operands of ``order`` for a host graph, each matrix a :class:`CSR` (float64)."""
-    c = _compose(_NumPyOps, order, graph.shape, graph.rel, graph.row, graph.col, graph.values())
+def _row_max(graph: Relational) -> int:
+    return int(np.bincount(graph.row).max()) if graph.nnz else 0
+
+
+def compose(graph: Relational, order: str, piece: int | None = None) -> Composed:
+    """The operands of ``order`` for a host graph, each matrix a :class:`CSR` (float64);
+    ``piece`` as :func:`plan_rgcn` takes it (default from the graph's longest row)."""
+    piece = piece_entries(_row_max(graph)) if piece is None else piece
+    c = _compose(_NumPyOps, order, graph.shape, graph.rel, graph.row, graph.col, graph.values(),
+                 piece)
 
     def csr(m: tuple) -> CSR:
         indptr, indices, vals, shape = m
@@ -276,43 +475,39 @@ def _weights(w: Any, shape: tuple[int, int, int]) -> np.ndarray:
     return w
 
 
-def _grouped_numpy(h: np.ndarray, w: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    z = np.zeros((h.shape[0], w.shape[2]))
-    lo = 0
-    for r, hi in enumerate(ends):
-        z[lo:hi] = h[lo:hi] @ w[r]
-        lo = hi
-    return z
+def _transform_numpy(h: np.ndarray, w: np.ndarray, c: Composed) -> np.ndarray:
+    """Z = H @ W[relation] tile by tile, as :func:`transform` runs it."""
+    t, tile = c.layout.tiles, c.layout.tile
+    return np.matmul(h.reshape(t, tile, h.shape[1]), w[c.tiles]).reshape(t * tile, w.shape[2])
 
 
 def execute_rgcn(plan: RGCNPlan, graph: Relational, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """The plan's steps in float64 on the CPU, as the GPU runs them: compose, then gather +
-    grouped matmul + SpMM (transform-first) or SpMM + grouped matmul + SpMM (aggregate-first)."""
+    batched transform + SpMM (transform-first) or SpMM + batched transform + SpMM
+    (aggregate-first)."""
     x = check_dense_operand("X", x, graph.shape[2])
     w = _weights(w, graph.shape)
     if (plan.shape, plan.f_in, plan.f_out) != (graph.shape, x.shape[1], w.shape[2]) or \
             w.shape[1] != x.shape[1]:
         raise ShapeError(f"plan for {plan.shape}, F {plan.f_in} -> {plan.f_out}; got graph "
                          f"{graph.shape}, X {x.shape}, W {w.shape}")
-    c = compose(graph, plan.order)
+    c = compose(graph, plan.order, plan.piece)
     if plan.order == TRANSFORM_FIRST:
-        return spmm_csr(c.first, _grouped_numpy(x[c.take], w, c.ends))
-    return spmm_csr(c.second, _grouped_numpy(spmm_csr(c.first, x), w, c.ends))
+        return spmm_csr(c.first, _transform_numpy(x[c.take], w, c))
+    return spmm_csr(c.second, _transform_numpy(spmm_csr(c.first, x), w, c))
 
 
 # -- GPU --------------------------------------------------------------------------------------
 
-#: (dtype, F_in, F_out) -> whether torch._grouped_mm ran it (learnt on first use)
-_GROUPED = cache.memo("rgcn.grouped_mm")
-
-
 class DeviceRelational:
     """A relation-typed adjacency on the GPU as typed COO: int32 ``rel``, ``row``, ``col`` and
     ``values`` (float32 or float16), in any order (duplicates add). Each order's composed
-    operands are built on first use and kept (the graph is treated as immutable)."""
+    operands, and plans, are built on first use and kept (the graph is treated as immutable).
+    ``relation_nnz`` and ``row_max`` (edges of the longest row): host numbers when the caller
+    has them, else counted on the GPU on first use (one sync each)."""
 
     def __init__(self, shape: Sequence[int], rel: Any, row: Any, col: Any, values: Any,
-                 relation_nnz: Sequence[int] | None = None):
+                 relation_nnz: Sequence[int] | None = None, row_max: int | None = None):
         if len(shape) != 3 or min(int(s) for s in shape) < 0:
             raise ShapeError(f"DeviceRelational shape must be (relations, rows, cols), got "
                              f"{tuple(shape)}")
@@ -325,7 +520,9 @@ class DeviceRelational:
         self.col = check_tensor("col", col, ("int32",), 1, n)
         self.values = check_tensor("values", values, VALUE_DTYPES, 1, n)
         self._relation_nnz = None if relation_nnz is None else [int(v) for v in relation_nnz]
+        self._row_max = None if row_max is None else int(row_max)
         self._composed: dict[str, Composed] = {}
+        self._plans: dict[tuple, RGCNPlan] = {}
 
     @property
     def nnz(self) -> int:
@@ -353,7 +550,7 @@ class DeviceRelational:
                    up(graph.row.astype(np.int32), torch.int32),
                    up(graph.col.astype(np.int32), torch.int32),
                    up(graph.values().astype(dtype), getattr(torch, dtype)),
-                   graph.relation_nnz().tolist())
+                   graph.relation_nnz().tolist(), _row_max(graph))
 
     @classmethod
     def from_relations(cls, relations: Sequence[DeviceCSR]) -> DeviceRelational:
@@ -377,64 +574,59 @@ class DeviceRelational:
     def relation_nnz(self) -> list[int]:
         """Edges per relation (host numbers; one sync when the constructor was not told)."""
         if self._relation_nnz is None:
-            self._relation_nnz = _TorchOps.counts(self.rel.long(), self.shape[0]).tolist()
+            ops = _TorchOps(self.rel.device)
+            self._relation_nnz = ops.counts(self.rel.long(), self.shape[0]).tolist()
         return self._relation_nnz
 
+    def row_max(self) -> int:
+        """Edges of the longest row, all relations together (host number; one sync when the
+        constructor was not told)."""
+        if self._row_max is None:
+            ops = _TorchOps(self.row.device)
+            self._row_max = ops.host(ops.peak(ops.counts(self.row.long(), self.shape[1])))[0]
+        return self._row_max
+
     def plan(self, f_in: int, f_out: int, order: str = "auto") -> RGCNPlan:
-        """:func:`plan_rgcn` for this graph (exact compact sizes for orders already composed)."""
-        known = {o: c.compact for o, c in self._composed.items()}
-        return plan_rgcn(self.shape, self.relation_nnz(), f_in, f_out, self.dtype, order,
-                         sources=known.get(TRANSFORM_FIRST), pairs=known.get(AGGREGATE_FIRST))
+        """:func:`plan_rgcn` for this graph (exact layouts for orders already composed), kept
+        until another order is composed."""
+        key = (f_in, f_out, order, tuple(self._composed))
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = plan_rgcn(
+                self.shape, self.relation_nnz(), f_in, f_out, self.dtype, order,
+                row_max=self.row_max(), layouts={o: c.layout for o, c in self._composed.items()})
+        return hit
 
     def composed(self, order: str) -> Composed:
-        """``order``'s operands on the GPU: int64 ``take``, int32 ``ends``, each matrix a
-        DeviceCSR. One host sync on first use."""
+        """``order``'s operands on the GPU: int64 ``take`` and ``tiles``, each matrix a
+        DeviceCSR. Two host syncs on first use."""
         hit = self._composed.get(order)
         if hit is None:
             import torch
-            c = _compose(_TorchOps, order, self.shape, self.rel, self.row, self.col, self.values)
-            if max(c.compact, self.nnz) > INT32_MAX:
-                raise ShapeError(f"{c.compact} compact rows exceed int32 indexing")
+            c = _compose(_TorchOps(self.rel.device), order, self.shape, self.rel, self.row,
+                         self.col, self.values, piece_entries(self.row_max()))
+            if max(c.layout.padded, self.nnz) > INT32_MAX:
+                raise ShapeError(f"{c.layout.padded} compact rows exceed int32 indexing")
 
             def csr(m: tuple) -> DeviceCSR:
                 indptr, indices, vals, shape = m
                 return DeviceCSR(shape, indptr.to(torch.int32), indices.to(torch.int32),
                                  vals.contiguous())
-            c.ends = c.ends.to(torch.int32)
             c.first = csr(c.first)
             c.second = None if c.second is None else csr(c.second)
             hit = self._composed[order] = c
         return hit
 
 
-def _segments(c: Composed) -> list[tuple[int, int]]:
-    """(first, end) compact rows of every relation (host numbers; one sync, then kept)."""
-    if c.host_ends is None:
-        c.host_ends = c.ends.tolist()
-    ends = c.host_ends
-    return list(zip([0, *ends[:-1]], ends))
-
-
-def grouped_matmul(h: Tensor, w: Tensor, c: Composed) -> Tensor:
-    """Z[k] = H[k] @ W[relation of k] over the relation-major compact rows: one
-    ``torch._grouped_mm`` where torch runs it for this dtype and shape, else one matmul per
-    relation that has rows."""
+def transform(h: Tensor, weight: Tensor, c: Composed) -> Tensor:
+    """Z[k] = H[k] @ W[relation of k] over the padded compact rows: one ``torch.bmm`` of the
+    tiles by their relations' weights (gathered per call: W may change between calls)."""
     import torch
-    z = torch.empty((h.shape[0], w.shape[2]), dtype=h.dtype, device=h.device)
-    if h.shape[0] == 0:
-        return z
-    key = (str(h.dtype), int(h.shape[1]), int(w.shape[2]))
-    if _GROUPED.get(key, True) and hasattr(torch, "_grouped_mm"):
-        try:
-            out = torch._grouped_mm(h, w, offs=c.ends)
-            _GROUPED[key] = True
-            return out
-        except (RuntimeError, ValueError, TypeError, NotImplementedError):
-            _GROUPED[key] = False
-    for r, (lo, hi) in enumerate(_segments(c)):
-        if hi > lo:
-            torch.mm(h[lo:hi], w[r], out=z[lo:hi])
-    return z
+    t, tile = c.layout.tiles, c.layout.tile
+    if t == 0:   # no edges
+        return h.new_empty((0, weight.shape[2]))
+    z = torch.bmm(h.view(t, tile, h.shape[1]), weight.index_select(0, c.tiles))
+    return z.view(t * tile, weight.shape[2])
 
 
 def rgcn(graph: DeviceRelational, x: Tensor, weight: Tensor, order: str = "auto",
@@ -442,8 +634,8 @@ def rgcn(graph: DeviceRelational, x: Tensor, weight: Tensor, order: str = "auto"
     """Y = sum_r A_r X W_r on the GPU: ``x`` [cols, F_in] and ``weight`` [relations, F_in,
     F_out] of the graph's dtype, fp32 accumulation in the SpMMs. ``order``: "auto" (the cost
     model, :meth:`DeviceRelational.plan`) or one of ORDERS. ``out`` [rows, F_out] is
-    overwritten. The first call per graph and order composes (one host sync); later calls do
-    not synchronise, except the per-relation matmul fallback's first call."""
+    overwritten. The first call per graph and order composes (host syncs); later calls do not
+    synchronise."""
     if not isinstance(graph, DeviceRelational):
         raise ShapeError(f"rgcn needs a DeviceRelational (DeviceRelational.from_host(g)), got "
                          f"{type(graph).__name__}")
@@ -453,10 +645,9 @@ def rgcn(graph: DeviceRelational, x: Tensor, weight: Tensor, order: str = "auto"
     plan = graph.plan(int(x.shape[1]), int(weight.shape[2]), order)
     c = graph.composed(plan.order)
     if plan.order == TRANSFORM_FIRST:
-        xw = grouped_matmul(x.index_select(0, c.take), weight, c)
-        return spmm(c.first, xw, out=out, spec=RGCN)
+        return spmm(c.first, transform(x.index_select(0, c.take), weight, c), out=out, spec=RGCN)
     h = spmm(c.first, x, spec=RGCN)
-    return spmm(c.second, grouped_matmul(h, weight, c), out=out, spec=RGCN)
+    return spmm(c.second, transform(h, weight, c), out=out, spec=RGCN)
 
 
 # -- torch module (built lazily: importing pitgen.ops.rgcn needs no torch) ----------------------
