@@ -94,9 +94,10 @@ VALIDATED_KEYS = 4096
 
 
 def validated(memo: dict, key: Any, check: Callable[[], Any]) -> Any:
-    """``check()`` (an operator's validation: a pitgen error, or its plan), memoised in ``memo``
-    by ``key`` (a :func:`raw_key`, possibly with more hashable parts; None: not memoised), so
-    that a steady-state call skips its checks. The memo empties when it holds VALIDATED_KEYS."""
+    """``check()`` (an operator's validation: a pitgen error, or its plan; or a launch closure
+    built once per call signature), memoised in ``memo`` by ``key`` (a :func:`raw_key`, possibly
+    with more hashable parts, or a plan; None: not memoised), so that a steady-state call skips
+    that work. The memo empties when it holds VALIDATED_KEYS."""
     if key is None:
         return check()
     hit = memo.get(key)

@@ -31,7 +31,7 @@ import numpy as np
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import VALIDATED_KEYS, check_tensor, raw_key, validated
+from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
@@ -716,9 +716,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     else:
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
         if key is not None and _EagerForward.eligible(plan, q, mask, index):
-            if len(_EAGER) >= VALIDATED_KEYS:
-                _EAGER.clear()
-            _EAGER[key] = _EagerForward(plan, m, is_causal, return_lse, q.device)
+            validated(_EAGER, key, lambda: _EagerForward(plan, m, is_causal, return_lse, q.device))
     return (out, lse) if return_lse else out
 
 

@@ -247,10 +247,7 @@ _LAUNCHES = cache.memo("moe.launches")
 
 
 def _launcher(plan: MoEPlan) -> _Launch:
-    hit = _LAUNCHES.get(plan)
-    if hit is None:
-        hit = _LAUNCHES[plan] = _Launch(plan)
-    return hit
+    return validated(_LAUNCHES, plan, lambda: _Launch(plan))
 
 
 def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[Routing, Tensor]:
@@ -260,10 +257,11 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
     check_tensor("expert_ids", expert_ids, ("int32", "int64"), ndim=2)
     if block_m not in (64, 128):
         raise PlanError(f"block_m must be 64 or 128, got {block_m}")
+    import torch
+
     T, topk = expert_ids.shape
     plan = plan_moe(T, topk, num_experts, 8, 8, "float16", "identity", _name(expert_ids))
     plan = MoEPlan(**{**plan.__dict__, "bm": block_m})
-    import torch
     run = _launcher(plan)
     ints = torch.empty(run.words, dtype=torch.int32, device=expert_ids.device)
     with TorchLaunch() as launch:
