@@ -235,15 +235,18 @@ ROWS_SCHEDULE = (32, 32, 64, 4, 2, 4)
 ROWS_BM = (64, 128, 256, 512)
 
 
-def _fit(gemm: GemmSpec, dtype: str, stages: bool = True, bn: bool = True) -> GemmSpec:
+def _fit(gemm: GemmSpec, dtype: str, stages: bool = True, bn: bool = True,
+         bm: bool = False) -> GemmSpec:
     """``gemm`` within SMEM_BUDGET as far as the knobs it may turn allow: fewer stages (down to
-    2), then half of BN (down to 32)."""
+    2), then half of BN (down to 32), then (rows mode) half of BM (down to 64)."""
     while gemm.smem_bytes(dtype) > SMEM_BUDGET:
         if stages and gemm.stages > 2:
             gemm = replace(gemm, stages=gemm.stages - 1)
         elif bn and gemm.bn > 32:
             half = gemm.bn // 2
             gemm = replace(gemm, bn=half, wn=min(gemm.wn, max(1, half // 16)))
+        elif bm and gemm.bm > 64:
+            gemm = replace(gemm, bm=gemm.bm // 2)
         else:
             break
     return gemm
@@ -283,13 +286,14 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
     gemm = GemmSpec("pit_gemm", "rows", False, 1, c_pair, accumulate, bm, bn, bk, wm, wn, stages,
                     a_vec, b_vec, True, b_nc, gather=gather,
                     c_mfast=not c_pair and layout.sc[0] == 1 and layout.sc[1] != 1)
-    gemm = _fit(gemm, dtype, schedule.stages is None, schedule.bn is None)
+    gemm = _fit(gemm, dtype, schedule.stages is None, schedule.bn is None, schedule.bm is None)
     if gemm.smem_bytes(dtype) > SMEM_BUDGET:
-        raise PlanError(f"the row-owner tile {bm}x{gemm.bn}x{bk} with {gemm.stages} stages needs "
-                        f"{gemm.smem_bytes(dtype)} bytes of shared memory (at most {SMEM_BUDGET})")
+        raise PlanError(f"the row-owner tile {gemm.bm}x{gemm.bn}x{bk} with {gemm.stages} stages "
+                        f"needs {gemm.smem_bytes(dtype)} bytes of shared memory (at most "
+                        f"{SMEM_BUDGET})")
     strategy = "warp" if layout.sa[1] == 1 else "thread"
     return gemm, IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False,
-                           id_block=bm)
+                           id_block=gemm.bm)
 
 
 def _warps(bm: int, bn: int) -> tuple[int, int]:

@@ -178,6 +178,8 @@ def test_rows_lowering_owns_row_blocks(dtype):
     assert 40 % wide.gemm.a_vec == 0 and 80 % wide.gemm.a_vec == 0  # no copy straddles a k-tile
     covers = lower(op, "A", "micro", "m", (1, 512), dtype, odd)  # one k-tile covers K
     assert (covers.gemm.bm, covers.gemm.bk, geometry(covers, odd).groups) == (128, 32, 1)
+    wide_n = lower(op, "A", "micro", "m", (1, 64), dtype, lay, schedule=Schedule(bn=128, bk=32))
+    assert wide_n.gemm.bn == 128 and wide_n.gemm.bm == wide_n.index.id_block < 512  # BM gives way
     with pytest.raises(pitgen.PlanError, match="shared memory"):
         lower(op, "A", "micro", "m", (1, 64), dtype, odd, schedule=Schedule(bm=1024, stages=4))
     with pytest.raises(pitgen.PlanError, match="warps"):
