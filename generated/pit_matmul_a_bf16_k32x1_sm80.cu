@@ -85,6 +85,16 @@ __device__ __forceinline__ int block_append(bool want, int* counter) {
     return want ? s_base + s_warp[warp] + __popc(ballot & ((1u << lane) - 1u)) : -1;
 }
 
+// block_append for one warp: every lane must call it with the same counter; one atomic per warp.
+__device__ __forceinline__ int warp_append(bool want, int* counter) {
+    const int lane = threadIdx.x & 31;
+    const unsigned ballot = __ballot_sync(0xffffffffu, want);
+    int base = 0;
+    if (lane == 0 && ballot) base = atomicAdd(counter, __popc(ballot));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -149,6 +159,8 @@ pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, i
     const int g = blockIdx.y;
     const int x = blockIdx.x * blockDim.x + threadIdx.x;
     const bool in = x < n_id;
+    int* const counter = counts + g;
+    int* const out = ids + (size_t)g * n_id;
     elem_t v[L];
     bool nz = false;
     if (mask == nullptr) {  // the values themselves say which elements are non-zero
@@ -168,9 +180,9 @@ pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, i
             v[i] = inb ? src[(size_t)x * s_id + (size_t)l * s_long] : zero_elem();
         }
     }
-    const int slot = block_append(nz, &counts[g]);
+    const int slot = block_append(nz, counter);
     if (slot < 0) return;
-    ids[(size_t)g * n_id + slot] = x;
+    out[slot] = x;
     uint4* dst = reinterpret_cast<uint4*>(pack + ((size_t)g * n_id + slot) * L);
     constexpr int PER16 = 16 / (int)sizeof(elem_t);
     #pragma unroll
@@ -205,23 +217,21 @@ __device__ __forceinline__ elem_t& b_at(elem_t* Bs, int j, int n) {
 }
 
 struct Args {
-    const elem_t* __restrict__ a;      // A' (box, rows) or the packed micro-tiles (packed)
+    const elem_t* __restrict__ a;      // A' (box) or the packed micro-tiles (packed)
     const elem_t* __restrict__ b;
     elem_t* __restrict__ c;
-    float* __restrict__ ws;            // fp32 accumulation buffer (rows with several k-tiles)
-    const int* __restrict__ counts;    // per m-tile (box with a block list, packed) or per k-tile (rows)
-    const int* __restrict__ ids;       // listed k-blocks / k positions / row ids
+    const int* __restrict__ counts;    // per m-tile (box with a block list, packed)
+    const int* __restrict__ ids;       // listed k-blocks / k positions
     int M, N, K;
     int sa_m, sa_k, sb_k, sb_n, sc_m, sc_n;
-    int tk;                            // k extent of one micro-tile (rows) ; 0 otherwise
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
-           float* __restrict__ ws, const int* __restrict__ counts, const int* __restrict__ ids,
-           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int tk)
+           const int* __restrict__ counts, const int* __restrict__ ids,
+           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
 {
-    const Args p{a, b, c, ws, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n, tk};
+    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* As = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* Bs = As + STAGES * A_STAGE;
@@ -349,7 +359,7 @@ pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
     }
     cp_async_wait<0>();
 
-    // Epilogue: each accumulator goes to its own place (SWrite through the row index for rows).
+    // Epilogue: each accumulator goes to its own place.
     const int g = lane >> 2, t = lane & 3;
     #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
@@ -373,24 +383,13 @@ pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
 
 namespace pit_epilogue {
 
-// c[m, n] = 0 for every element (strided): rows never listed by the row index stay zero.
+// c[m, n] = 0 for every element (strided).
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_bf16_k32x1_sm80_wide_zero(elem_t* __restrict__ c, int M, int N, int sc_m, int sc_n)
 {
     const size_t total = (size_t)M * N;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x)
         c[(e / N) * sc_m + (e % N) * sc_n] = zero_elem();
-}
-
-// c[m, n] = (accumulate ? c[m, n] : 0) + ws[m, n]: fp32 partial sums, atomically added per k-tile.
-extern "C" __global__ void __launch_bounds__(256)
-pit_matmul_a_bf16_k32x1_sm80_wide_finish(elem_t* __restrict__ c, const float* __restrict__ ws, int M, int N, int sc_m, int sc_n, int accumulate)
-{
-    const size_t total = (size_t)M * N;
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
-        elem_t* dst = c + (e / N) * sc_m + (e % N) * sc_n;
-        *dst = from_float((accumulate ? to_float(*dst) : 0.0f) + ws[e]);
-    }
 }
 
 }  // namespace pit_epilogue
@@ -444,6 +443,16 @@ __device__ __forceinline__ int block_append(bool want, int* counter) {
     }
     __syncthreads();
     return want ? s_base + s_warp[warp] + __popc(ballot & ((1u << lane) - 1u)) : -1;
+}
+
+// block_append for one warp: every lane must call it with the same counter; one atomic per warp.
+__device__ __forceinline__ int warp_append(bool want, int* counter) {
+    const int lane = threadIdx.x & 31;
+    const unsigned ballot = __ballot_sync(0xffffffffu, want);
+    int base = 0;
+    if (lane == 0 && ballot) base = atomicAdd(counter, __popc(ballot));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -524,23 +533,21 @@ __device__ __forceinline__ elem_t& b_at(elem_t* Bs, int j, int n) {
 }
 
 struct Args {
-    const elem_t* __restrict__ a;      // A' (box, rows) or the packed micro-tiles (packed)
+    const elem_t* __restrict__ a;      // A' (box) or the packed micro-tiles (packed)
     const elem_t* __restrict__ b;
     elem_t* __restrict__ c;
-    float* __restrict__ ws;            // fp32 accumulation buffer (rows with several k-tiles)
-    const int* __restrict__ counts;    // per m-tile (box with a block list, packed) or per k-tile (rows)
-    const int* __restrict__ ids;       // listed k-blocks / k positions / row ids
+    const int* __restrict__ counts;    // per m-tile (box with a block list, packed)
+    const int* __restrict__ ids;       // listed k-blocks / k positions
     int M, N, K;
     int sa_m, sa_k, sb_k, sb_n, sc_m, sc_n;
-    int tk;                            // k extent of one micro-tile (rows) ; 0 otherwise
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
-           float* __restrict__ ws, const int* __restrict__ counts, const int* __restrict__ ids,
-           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int tk)
+           const int* __restrict__ counts, const int* __restrict__ ids,
+           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
 {
-    const Args p{a, b, c, ws, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n, tk};
+    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* As = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* Bs = As + STAGES * A_STAGE;
@@ -668,7 +675,7 @@ pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
     }
     cp_async_wait<0>();
 
-    // Epilogue: each accumulator goes to its own place (SWrite through the row index for rows).
+    // Epilogue: each accumulator goes to its own place.
     const int g = lane >> 2, t = lane & 3;
     #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
@@ -697,24 +704,13 @@ pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
 
 namespace pit_epilogue {
 
-// c[m, n] = 0 for every element (strided): rows never listed by the row index stay zero.
+// c[m, n] = 0 for every element (strided).
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_bf16_k32x1_sm80_narrow_zero(elem_t* __restrict__ c, int M, int N, int sc_m, int sc_n)
 {
     const size_t total = (size_t)M * N;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x)
         c[(e / N) * sc_m + (e % N) * sc_n] = zero_elem();
-}
-
-// c[m, n] = (accumulate ? c[m, n] : 0) + ws[m, n]: fp32 partial sums, atomically added per k-tile.
-extern "C" __global__ void __launch_bounds__(256)
-pit_matmul_a_bf16_k32x1_sm80_narrow_finish(elem_t* __restrict__ c, const float* __restrict__ ws, int M, int N, int sc_m, int sc_n, int accumulate)
-{
-    const size_t total = (size_t)M * N;
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
-        elem_t* dst = c + (e / N) * sc_m + (e % N) * sc_n;
-        *dst = from_float((accumulate ? to_float(*dst) : 0.0f) + ws[e]);
-    }
 }
 
 }  // namespace pit_epilogue
@@ -757,7 +753,7 @@ struct Problem {
 // Workspace layout (byte offsets, 256-byte aligned) and the index's shape.
 struct Workspace {
     int groups, cap;  // index: lists, and the capacity of each
-    size_t counts, ids, pack, f32, bytes;
+    size_t counts, ids, pack, bytes;
 };
 
 // Everything that depends on the extents only: their checks, strides, index shape, workspace.
@@ -834,34 +830,32 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     return cudaGetLastError();
 }
 
-// Variant wide: 8/8-element copies of A/B, direct paired stores; `a` is A
+// Variant wide: 8/8-element copies of A/B, paired stores; `a` is A
 // as the tile kernel reads it (packed).
 cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, const elem_t* b, elem_t* c,
                        unsigned char* ws, cudaStream_t stream)
 {
-    cudaError_t e;
-    e = cudaFuncSetAttribute(pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    const cudaError_t e = cudaFuncSetAttribute(pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
     if (e != cudaSuccess) return e;
-    const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));
+    const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));  // a CTA per output tile
     pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_wide<<<grid, THREADS, SMEM, stream>>>(
-        a, b, c, nullptr, reinterpret_cast<const int*>(ws + w.counts),
+        a, b, c, reinterpret_cast<const int*>(ws + w.counts),
         reinterpret_cast<const int*>(ws + w.ids), p.M, p.N, p.K, p.sa_m, p.sa_k, p.sb_k, p.sb_n, p.sc_m, p.sc_n, 0);
     return cudaGetLastError();
 }
 
-// Variant narrow: 8/1-element copies of A/B, direct stores; `a` is A
+// Variant narrow: 8/1-element copies of A/B, single stores; `a` is A
 // as the tile kernel reads it (packed).
 cudaError_t compute_narrow(const Problem& p, const Workspace& w, const elem_t* a, const elem_t* b, elem_t* c,
                        unsigned char* ws, cudaStream_t stream)
 {
-    cudaError_t e;
-    e = cudaFuncSetAttribute(pit_matmul_a_bf16_k32x1_sm80_narrow_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    const cudaError_t e = cudaFuncSetAttribute(pit_matmul_a_bf16_k32x1_sm80_narrow_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
     if (e != cudaSuccess) return e;
-    const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));
+    const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));  // a CTA per output tile
     pit_matmul_a_bf16_k32x1_sm80_narrow_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_narrow<<<grid, THREADS, SMEM, stream>>>(
-        a, b, c, nullptr, reinterpret_cast<const int*>(ws + w.counts),
+        a, b, c, reinterpret_cast<const int*>(ws + w.counts),
         reinterpret_cast<const int*>(ws + w.ids), p.M, p.N, p.K, p.sa_m, p.sa_k, p.sb_k, p.sb_n, p.sc_m, p.sc_n, 0);
     return cudaGetLastError();
 }

@@ -14,17 +14,13 @@
  *                   inputs' slices m=i, so slices can be computed in any order (SRead) and written
  *                   back to their own positions (SWrite)
  * granularity: 1 along m x 64 along k of A: zeros are skipped in units of this size
- * tile:        64x256x32 (m x n x k), 8 warps, 4 stages, 88064 bytes of shared memory
+ * tile:        512x32x32 (m x n x k), 8 warps, 4 stages, 110208 bytes of shared memory
  * dtype:       bfloat16 operands, fp32 accumulation
  * arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
  * variants:    chosen per call from the extents and pointers:
- *   direct_wide: 8/8-element copies of A/B, paired stores of C,
- *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 4-byte aligned, k <= 64
- *   direct_narrow: 1/1-element copies of A/B, single stores of C
- *     when k <= 64
- *   atomic_wide: 8/8-element copies of A/B, fp32 workspace + atomics, then a finishing pass,
- *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned
- *   atomic_narrow: 1/1-element copies of A/B, fp32 workspace + atomics, then a finishing pass
+ *   wide: 8/8-element copies of A/B, paired stores of C,
+ *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 4-byte aligned
+ *   narrow: 1/1-element copies of A/B, single stores of C
  *
  * API (every call checks its arguments first and returns cudaErrorInvalidValue, launching
  * nothing, when they are unusable; pit_matmul_a_bf16_m1x64_sm80_error_message() says why):

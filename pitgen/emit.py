@@ -5,9 +5,9 @@ The device code is the JIT path's: each variant is a :class:`~pitgen.lower.Modul
 with ``module.cu.j2``; ``host.cu.j2`` wraps the variants with host functions that launch what
 :class:`~pitgen.ops.matmul.GemmCall` launches, and ``header.h.j2`` declares them. An emitted kernel
 takes row-major operands of any extents, so what lowering decides from extents and pointers
-(copy widths, paired stores, direct or atomic row stores) is decided here for all of them:
-every store regime gets a *wide* variant, lowered for friendly extents and 16-byte aligned
-pointers, and a *narrow* one, lowered for odd extents and element-aligned pointers. What the
+(copy widths, paired stores) is decided here for all of them: a kernel gets a *wide* variant,
+lowered for friendly extents and 16-byte aligned pointers, and a *narrow* one, lowered for odd
+extents and element-aligned pointers. What the
 wide variant requires is found by asking :func:`~pitgen.lower.lower` itself, one extent or
 pointer at a time, so a call only ever runs a variant that lowering would allow for its operands.
 """
@@ -116,23 +116,11 @@ class Requirement:
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled tile kernel, run when its requirements hold (the last of a regime: always)."""
+    """One compiled tile kernel, run when its requirements hold (the last one: always)."""
 
     tag: str
     spec: ModuleSpec
     needs: tuple[Requirement, ...]
-
-
-@dataclass(frozen=True)
-class Regime:
-    """Variants for one store mode: ``k_max`` set for direct row stores (K <= k_max)."""
-
-    k_max: int | None
-    variants: tuple[Variant, ...]
-
-    def pick(self, extents: dict[str, int], align: dict[str, int]) -> Variant:
-        """The variant the emitted host code runs for these operands (mirrors host.cu.j2)."""
-        return next(v for v in self.variants if all(n.holds(extents, align) for n in v.needs))
 
 
 @dataclass(frozen=True)
@@ -141,21 +129,21 @@ class Emitted:
 
     name: str
     request: Request
-    regimes: tuple[Regime, ...]
+    variants: tuple[Variant, ...]
     files: dict[str, str]
 
     @property
     def summary(self) -> str:
         """What the kernel is, in one line (``pitgen emit --list``)."""
-        spec = self.regimes[0].variants[0].spec
+        spec = self.variants[0].spec
         g = spec.gemm
         along = f" along {spec.plan_axis}" if spec.plan_axis else ""
         return (f"{self.request.dtype:<9} {spec.plan_kind} {self.request.micro_tile}{along}, "
                 f"tile {g.bm}x{g.bn}x{g.bk}, {self.request.arch}")
 
-    def regime(self, extents: dict[str, int]) -> Regime:
-        """The regime the emitted host code runs for these extents (mirrors host.cu.j2)."""
-        return next(r for r in self.regimes if r.k_max is None or extents["K"] <= r.k_max)
+    def pick(self, extents: dict[str, int], align: dict[str, int]) -> Variant:
+        """The variant the emitted host code runs for these operands (mirrors host.cu.j2)."""
+        return next(v for v in self.variants if all(n.holds(extents, align) for n in v.needs))
 
 
 def _check_arch(arch: str) -> int:
@@ -185,53 +173,44 @@ def _stride_names(op: Operator, form: GemmForm) -> dict[str, str]:
             "sb_n": d[form.n_axis], "sc_m": o[form.m_axis], "sc_n": o[form.n_axis]}
 
 
-_Specs = list[tuple[int | None, list[tuple[ModuleSpec, tuple[Requirement, ...]]]]]
-
-
-def _regimes(op: Operator, form: GemmForm, choice: Candidate, dtype: str, schedule: Schedule) -> _Specs:
-    """(k_max, [(spec, requirements)]) per store regime, widest variant first.
-
-    Micro-tiles along m store rows directly when one k-tile covers K (K <= tk) and through an
-    fp32 workspace otherwise; the direct regime is kept when tk >= 64, where it can be probed
-    with K below tk (smaller K are rare, and the atomic variants serve them too)."""
+def _variants(op: Operator, form: GemmForm, choice: Candidate, dtype: str,
+              schedule: Schedule) -> list[tuple[ModuleSpec, tuple[Requirement, ...]]]:
+    """[(spec, requirements)], the widest variant first. Micro-tiles along m are probed with K
+    past the micro-tile's extent, where lowering keeps it (it clips one that covers K): the
+    kernel's k-tiles are then those of the plan, and it runs for any K."""
     size = DTYPES[dtype]
     rows = choice.kind == "micro" and choice.axis == form.m_axis
     tk = choice.shape[form.a_dims[1]]
-    bases = [(None, 1, (tk // 64 + 1) * 64 if rows else _PROBE_EXTENT)]
-    if rows and tk >= 64:
-        bases.insert(0, (tk, -1, tk // 64 * 64))  # K probed downwards, staying <= tk
+    base = {"M": _PROBE_EXTENT, "N": _PROBE_EXTENT,
+            "K": (tk // 64 + 1) * 64 if rows else _PROBE_EXTENT}
     aligns = [n for n in (2, 4, 8, 16) if n > size]
-    out: _Specs = []
-    for k_max, sign, k_base in bases:
-        base = {"M": _PROBE_EXTENT, "N": _PROBE_EXTENT, "K": k_base}
 
-        def at(shift: dict[str, int], align: dict[str, int], base=base, sign=sign) -> ModuleSpec:
-            ext = {x: b + sign * shift.get(x, 0) for x, b in base.items()}
-            lay = _row_major(op, form, ext, (align.get("a", 16), align.get("b", 16), align.get("c", 16)))
-            return lower(op, form.sparse, choice.kind, choice.axis, choice.shape, dtype, lay,
-                         schedule=schedule)
+    def at(shift: dict[str, int], align: dict[str, int]) -> ModuleSpec:
+        ext = {x: b + shift.get(x, 0) for x, b in base.items()}
+        lay = _row_major(op, form, ext,
+                         (align.get("a", 16), align.get("b", 16), align.get("c", 16)))
+        return lower(op, form.sparse, choice.kind, choice.axis, choice.shape, dtype, lay,
+                     schedule=schedule)
 
-        wide = at({}, {})
-        narrow = at({"M": 1, "N": 1, "K": 1}, {"a": size, "b": size, "c": size})
-        needs = []
-        for x in "MNK":  # the smallest factor of two of x that still gets the wide spec
-            d = next((d for d in _SHIFTS if at({x: d}, {}) == wide), 64)
-            if d > 1:
-                needs.append(Requirement("multiple", x, d))
-        for t in "abc":  # the smallest alignment of pointer t that still gets it
-            n = next((n for n in (size, *aligns) if at({}, {t: n}) == wide), 16)
-            if n > size:
-                needs.append(Requirement("aligned", t, n))
-        least = at({r.what: r.value % 64 for r in needs if r.kind == "multiple"},
-                   {r.what: r.value for r in needs if r.kind == "aligned"})
-        if least != wide:  # lowering's conditions are no longer one per extent and pointer
-            raise PitgenError(f"pitgen bug: the requirements {needs} of the wide variant of "
-                              f"{op.text!r} do not reproduce it")
-        if not needs or narrow == wide:
-            out.append((k_max, [(wide, ())]))
-        else:
-            out.append((k_max, [(wide, tuple(needs)), (narrow, ())]))
-    return out
+    wide = at({}, {})
+    narrow = at({"M": 1, "N": 1, "K": 1}, {"a": size, "b": size, "c": size})
+    needs = []
+    for x in "MNK":  # the smallest factor of two of x that still gets the wide spec
+        d = next((d for d in _SHIFTS if at({x: d}, {}) == wide), 64)
+        if d > 1:
+            needs.append(Requirement("multiple", x, d))
+    for t in "abc":  # the smallest alignment of pointer t that still gets it
+        n = next((n for n in (size, *aligns) if at({}, {t: n}) == wide), 16)
+        if n > size:
+            needs.append(Requirement("aligned", t, n))
+    least = at({r.what: r.value % 64 for r in needs if r.kind == "multiple"},
+               {r.what: r.value for r in needs if r.kind == "aligned"})
+    if least != wide:  # lowering's conditions are no longer one per extent and pointer
+        raise PitgenError(f"pitgen bug: the requirements {needs} of the wide variant of "
+                          f"{op.text!r} do not reproduce it")
+    if not needs or narrow == wide:
+        return [(wide, ())]
+    return [(wide, tuple(needs)), (narrow, ())]
 
 
 @functools.cache
@@ -316,17 +295,10 @@ def emit(req: Request) -> Emitted:
         ct = plan.compute_tile
         schedule = Schedule(bn=ct[form.n_axis], bk=ct[form.k_axis])
     name = kernel_name(req, op, form, choice)
-    rows = choice.kind == "micro" and choice.axis == form.m_axis
-    regimes = []
-    for k_max, specs in _regimes(op, form, choice, req.dtype, schedule):
-        variants = []
-        for spec, needs in specs:
-            tag = "_".join(t for t in (
-                ("direct" if k_max else "atomic") if rows else "",
-                ("wide" if needs else "narrow") if len(specs) > 1 else "") if t) or "main"
-            variants.append(Variant(tag, spec, needs))
-        regimes.append(Regime(k_max, tuple(variants)))
-    specs = [v.spec for r in regimes for v in r.variants]
+    found = _variants(op, form, choice, req.dtype, schedule)
+    variants = tuple(Variant(("wide" if needs else "narrow") if len(found) > 1 else "main", spec,
+                             needs) for spec, needs in found)
+    specs = [v.spec for v in variants]
     if any(s.index != specs[0].index for s in specs):
         raise PitgenError(f"pitgen bug: the variants of {name} disagree on the index")
     smem = max(s.gemm.smem_bytes(req.dtype) for s in specs)
@@ -334,7 +306,7 @@ def emit(req: Request) -> Emitted:
         g = specs[0].gemm
         raise PlanError(f"tile {g.bm}x{g.bn}x{g.bk} with {g.stages} stages needs {smem} bytes of "
                         f"shared memory; {req.arch} gives a block at most {smem_limit - STATIC_SMEM}")
-    emitted = Emitted(name, req, tuple(regimes), {})
+    emitted = Emitted(name, req, variants, {})
     ctx = _context(emitted, op, form, plan.rules, smem)
     files = {f"{name}.cu": render_template("host.cu.j2", **ctx),
              f"{name}.h": render_template("header.h.j2", **ctx)}
@@ -344,22 +316,18 @@ def emit(req: Request) -> Emitted:
 def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict:
     """Everything the templates spell out, as plain data."""
     req = e.request
-    first = e.regimes[0].variants[0].spec
+    first = e.variants[0].spec
     g, ix = first.gemm, first.index
     sparse_axes = op.access(form.sparse).axes
-    regimes = []
-    for r in e.regimes:
-        variants = []
-        for v in r.variants:
-            kernel = f"{e.name}_{v.tag}"
-            index = replace(ix, name=f"{e.name}_index") if v is e.regimes[0].variants[0] else None
-            spec = replace(v.spec, gemm=replace(v.spec.gemm, name=kernel), index=index)
-            variants.append({"tag": v.tag, "ns": f"{kernel}_module", "kernel": kernel,
-                             "source": MATMUL.source(spec.context()).rstrip("\n"), "needs": v.needs,
-                             "a_vec": v.spec.gemm.a_vec, "b_vec": v.spec.gemm.b_vec,
-                             "c_mode": v.spec.gemm.c_mode, "c_pair": v.spec.gemm.c_pair})
-        regimes.append({"k_max": r.k_max, "variants": variants})
-    modes = {v["c_mode"] for r in regimes for v in r["variants"]}
+    variants = []
+    for v in e.variants:
+        kernel = f"{e.name}_{v.tag}"
+        index = replace(ix, name=f"{e.name}_index") if v is e.variants[0] else None
+        spec = replace(v.spec, gemm=replace(v.spec.gemm, name=kernel), index=index)
+        variants.append({"tag": v.tag, "ns": f"{kernel}_module", "kernel": kernel,
+                         "source": MATMUL.source(spec.context()).rstrip("\n"), "needs": v.needs,
+                         "a_vec": v.spec.gemm.a_vec, "b_vec": v.spec.gemm.b_vec,
+                         "c_pair": v.spec.gemm.c_pair})
     rule = None
     if first.plan_kind == "micro":
         ar = rules.axes[first.plan_axis]
@@ -384,8 +352,7 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
         # tiles one block of the index kernel tests, as pitgen.ops.matmul.Launcher launches it
         "index_per_block": 256 if ix.kind == "micro" and ix.strategy == "thread" else 8,
         "strides": _stride_names(op, form),
-        "f32": "always" if modes == {"atomic"} else "above_tk" if "atomic" in modes else "never",
-        "regimes": regimes,
+        "variants": variants,
     }
 
 

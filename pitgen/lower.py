@@ -8,6 +8,7 @@ operands are just other strides.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import sympy
@@ -70,13 +71,12 @@ def gemm_form(op: Operator, sparse: str) -> GemmForm:
 @dataclass(frozen=True)
 class GemmSpec:
     name: str
-    a_mode: str  # 'box' | 'packed' | 'rows'
+    a_mode: str  # 'box' | 'packed' | 'rows' (the row-owner kernel, gemm_rows.cu.j2)
     block_list: bool  # box mode over the k-blocks listed per m-tile
     ksub: int  # k-iterations per listed block (block width / BK)
-    c_mode: str  # 'direct' | 'atomic'
     c_pair: bool  # store two adjacent outputs at once (n contiguous, N even, aligned)
     accumulate: bool
-    bm: int
+    bm: int  # rows: the output rows one CTA owns
     bn: int
     bk: int
     wm: int
@@ -88,6 +88,8 @@ class GemmSpec:
     b_smem_ncontig: bool
     mainloop: str = "mma_sync"  # 'mma_sync' (sm_80 on) | 'wgmma' (sm_90a: wm x wn consumer warpgroups)
     c_vec: bool = False  # wgmma: C rows in 16-byte stores (n contiguous, aligned, N % 8 == 0)
+    gather: int = 0  # rows: active rows gathered per step (m16 groups of G // 16)
+    c_mfast: bool = False  # rows: C written with adjacent threads on adjacent m (m contiguous)
 
     @property
     def threads(self) -> int:
@@ -99,8 +101,14 @@ class GemmSpec:
         if self.mainloop == "wgmma":  # swizzled stages, 1024-byte alignment slack, the barriers
             return self.stages * (self.bm + self.bn) * self.bk * DTYPES[dtype] + 1024 + 16 * self.stages
         pad = 16 // DTYPES[dtype]
-        a = self.bm * (self.bk + pad) if self.a_smem_kcontig else self.bk * (self.bm + pad)
         b = self.bk * (self.bn + pad) if self.b_smem_ncontig else self.bn * (self.bk + pad)
+        if self.a_mode == "rows":  # gathered rows, the fp32 accumulator, step and row lists (and
+            # accumulating, a flag per owned row)
+            lists = (self.threads * (4 + 2 * (self.bm // self.gather))
+                     + 2 * (self.stages + 1) * self.gather + (self.bm if self.accumulate else 0))
+            return (self.stages * (self.gather * (self.bk + pad) + b) * DTYPES[dtype]
+                    + self.bm * (self.bn + 4) * 4 + lists)
+        a = self.bm * (self.bk + pad) if self.a_smem_kcontig else self.bk * (self.bm + pad)
         return self.stages * (a + b) * DTYPES[dtype]
 
 
@@ -115,6 +123,7 @@ class IndexSpec:
     block_cols: int  # block extent along k (block)
     id_contiguous: bool  # block: adjacent k adjacent in memory
     vec: int = 1  # block: elements per 16-byte test where the layout allows (checked at run time)
+    id_block: int = 0  # micro: ids listed per run of this many (rows: the GEMM's row block)
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,7 @@ class Schedule:
     wm: int | None = None
     wn: int | None = None
     stages: int | None = None
+    bm: int | None = None  # rows mode only: the output rows one CTA owns (a multiple of 64)
 
 
 def _vec(dtype: str, extent: int, other_stride: int, align: int) -> int:
@@ -209,9 +219,81 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
     stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
     c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
              and layout.N % 8 == 0 and layout.align_c % 16 == 0)
-    return GemmSpec("pit_gemm", "box", block_list, tk // 64 if block_list else 1, "direct",
+    return GemmSpec("pit_gemm", "box", block_list, tk // 64 if block_list else 1,
                     c_pair, accumulate, bm, bn, 64, wm, 2 // wm, stages, 16 // size, 16 // size,
                     da == 1, db == 1, "wgmma", c_vec)
+
+
+#: The row-owner kernel's defaults (rows mode): BN, BK (at most), rows gathered per step, warps
+#: along the gathered rows and along n, stages. BM, the rows a CTA owns, is the first of ROWS_BM
+#: that covers M. Every row block reads all of B' (M/BM times in all) and every column slab the
+#: active rows of A' (N/BN times), while the BM x BN fp32 accumulator must fit beside the
+#: pipeline: 512 x 32 reads B' half as often as 256 x 64 for the same accumulator, which is
+#: what sparse rows want (at 90% sparsity the A' reads are a fifth of the B' reads; at 99% a
+#: fiftieth). 110 KiB of shared memory in fp16: two CTAs per H100 SM.
+ROWS_SCHEDULE = (32, 32, 64, 4, 2, 4)
+ROWS_BM = (64, 128, 256, 512)
+
+
+def _fit(gemm: GemmSpec, dtype: str, stages: bool = True, bn: bool = True,
+         bm: bool = False) -> GemmSpec:
+    """``gemm`` within SMEM_BUDGET as far as the knobs it may turn allow: fewer stages (down to
+    2), then half of BN (down to 32), then (rows mode) half of BM (down to 64)."""
+    while gemm.smem_bytes(dtype) > SMEM_BUDGET:
+        if stages and gemm.stages > 2:
+            gemm = replace(gemm, stages=gemm.stages - 1)
+        elif bn and gemm.bn > 32:
+            half = gemm.bn // 2
+            gemm = replace(gemm, bn=half, wn=min(gemm.wn, max(1, half // 16)))
+        elif bm and gemm.bm > 64:
+            gemm = replace(gemm, bm=gemm.bm // 2)
+        else:
+            break
+    return gemm
+
+
+def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
+          schedule: Schedule) -> tuple[GemmSpec, IndexSpec]:
+    """The row-owner kernel of 1 x tk micro-tiles along m and its index (the active rows of each
+    k-tile listed per row block of BM): each CTA owns BM rows x BN columns, walks the k-tiles in
+    order and keeps the owned rows' sums in an fp32 accumulator in shared memory (a k-tile's
+    gathered rows differ from the next one's, so no register holds a row), and writes C once:
+    no workspace, no atomics, a grid of exactly the output tiles."""
+    size, kstep = DTYPES[dtype], 8 if dtype == "float32" else 16
+    bn, bk_max, gather, wm, wn, stages = ROWS_SCHEDULE
+    bm = schedule.bm or next((b for b in ROWS_BM if b >= layout.M), ROWS_BM[-1])
+    if schedule.bn:
+        bn, wn = schedule.bn, max(1, min(8 // wm, schedule.bn // 16))
+    wm, wn, stages = schedule.wm or wm, schedule.wn or wn, schedule.stages or stages
+    bk = schedule.bk or min(bk_max, -(-tk // kstep) * kstep)
+    gather = min(gather, bm)
+    if bk % kstep:
+        raise PlanError(f"BK = {bk} does not fit the {dtype} mma shape (a multiple of {kstep})")
+    if bm % 64 or gather % (16 * wm) or bn % (16 * wn if dtype != "float32" else 8 * wn):
+        raise PlanError(f"{wm}x{wn} warps do not divide the row-owner tile (rows {bm}, gathered "
+                        f"{gather} at a time, BN {bn}) into mma tiles")
+    # k-tile boundaries must not split a copy: vectors along k divide tk as well as K
+    kext = layout.K if tk >= layout.K else math.gcd(layout.K, tk)
+    a_vec = _vec(dtype, kext, layout.sa[0], layout.align_a) if layout.sa[1] == 1 else 1
+    if layout.sb[1] == 1:
+        b_nc, b_vec = True, _vec(dtype, layout.N, layout.sb[0], layout.align_b)
+    elif layout.sb[0] == 1:
+        b_nc, b_vec = False, _vec(dtype, kext, layout.sb[1], layout.align_b)
+    else:
+        b_nc, b_vec = True, 1
+    c_pair = (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
+              and layout.align_c % (2 * size) == 0)
+    gemm = GemmSpec("pit_gemm", "rows", False, 1, c_pair, accumulate, bm, bn, bk, wm, wn, stages,
+                    a_vec, b_vec, True, b_nc, gather=gather,
+                    c_mfast=not c_pair and layout.sc[0] == 1 and layout.sc[1] != 1)
+    gemm = _fit(gemm, dtype, schedule.stages is None, schedule.bn is None, schedule.bm is None)
+    if gemm.smem_bytes(dtype) > SMEM_BUDGET:
+        raise PlanError(f"the row-owner tile {gemm.bm}x{gemm.bn}x{bk} with {gemm.stages} stages "
+                        f"needs {gemm.smem_bytes(dtype)} bytes of shared memory (at most "
+                        f"{SMEM_BUDGET})")
+    strategy = "warp" if layout.sa[1] == 1 else "thread"
+    return gemm, IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False,
+                           id_block=gemm.bm)
 
 
 def _warps(bm: int, bn: int) -> tuple[int, int]:
@@ -244,7 +326,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         if 1 < tk >= layout.K:
             tk = -(-tk // kstep) * kstep
     index = None
-    block_list, c_mode, a_mode = False, "direct", "box"
+    block_list, a_mode = False, "box"
     bk = schedule.bk
     if kind == "dense":
         bm = 128
@@ -260,11 +342,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         strategy = "thread" if layout.sa[1] == 1 else "warp"
         index = IndexSpec("pit_build_index", "micro", strategy, tm, True, 0, 0, False)
     elif kind == "micro" and axis == f.m_axis:
-        bm, bk = 64, min(bk or 32, max(tk, kstep))
-        a_mode = "rows"
-        c_mode = "direct" if tk >= layout.K else "atomic"
-        strategy = "warp" if layout.sa[1] == 1 else "thread"
-        index = IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False)
+        gemm, index = _rows(tk, dtype, layout, accumulate, schedule)
+        return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
     else:
         raise PlanError(f"plan {kind} along {axis} has no GPU kernel for {op.text!r}")
     if bm not in SCHEDULES:
@@ -285,7 +364,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         a_kc, a_vec = False, 16 // DTYPES[dtype]
     elif layout.sa[1] == 1:
         a_kc, a_vec = True, _vec(dtype, layout.K, layout.sa[0], layout.align_a)
-    elif layout.sa[0] == 1 and a_mode == "box":
+    elif layout.sa[0] == 1:
         a_kc, a_vec = False, _vec(dtype, layout.M, layout.sa[1], layout.align_a)
     else:
         a_kc, a_vec = True, 1
@@ -296,17 +375,12 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     else:
         b_nc, b_vec = True, 1
     pair = 2 * DTYPES[dtype]
-    c_pair = layout.N % 2 == 0 and (c_mode == "atomic" or (
-        layout.sc[1] == 1 and layout.sc[0] % 2 == 0 and layout.align_c % pair == 0))
-    gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk if block_list else 1, c_mode,
+    c_pair = (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
+              and layout.align_c % pair == 0)
+    gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk if block_list else 1,
                     c_pair, accumulate, bm, bn, bk, wm, wn, stages, a_vec, b_vec, a_kc, b_nc)
-    while (schedule == Schedule() and gemm.smem_bytes(dtype) > SMEM_BUDGET
-           and (gemm.stages > 2 or gemm.bn > 32)):
-        if gemm.stages > 2:
-            gemm = replace(gemm, stages=gemm.stages - 1)
-        else:
-            bn = gemm.bn // 2
-            gemm = replace(gemm, bn=bn, wn=min(gemm.wn, max(1, bn // 16)))
+    if schedule == Schedule():
+        gemm = _fit(gemm, dtype)
     if arch in WGMMA_ARCHS and schedule == Schedule() and a_mode == "box":
         gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
@@ -328,9 +402,9 @@ def lower_first(op: Operator, sparse: str, choices: list[tuple[str, str | None, 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Launch shapes of one lowered GEMM: the tile kernel's grid, the index build's grid and
-    its (long stride, id stride, long extent, id extent) arguments, the list capacity per
-    group, and the flat grid of the zero/finish passes."""
+    """Launch shapes of one lowered GEMM: the tile kernel's grid, the k extent of a rows-mode
+    k-tile, the index's lists and their capacity, the index build's grid and its (long
+    stride, id stride, long extent, id extent) arguments, and the flat grid of the K = 0 pass."""
 
     grid: tuple[int, ...]
     tk: int
@@ -341,33 +415,35 @@ class Geometry:
     flat: tuple[int, int]
 
 
-def geometry(spec: ModuleSpec, layout: Layout, k_extent: int, sms: int = 132) -> Geometry:
-    """Grids and index sizes of ``spec`` on ``layout`` (``k_extent``: the micro-tile's extent
-    along k, which rows mode splits K by; ``sms``: the device's multiprocessors, one persistent
-    wgmma CTA each); PlanError past CUDA's grid limits."""
+def geometry(spec: ModuleSpec, layout: Layout, sms: int = 132) -> Geometry:
+    """Grids and index sizes of ``spec`` on ``layout`` (``sms``: the device's multiprocessors,
+    one persistent wgmma CTA each); PlanError past CUDA's grid limits. Rows mode lists each
+    k-tile's rows per row block: list kt * (row blocks) + rb, BM ids each."""
     M, N, K, g, ix = layout.M, layout.N, layout.K, spec.gemm, spec.index
-    tk = k_extent if g.a_mode == "rows" else 0
+    rows = g.a_mode == "rows"
+    tk = ix.long_extent if rows and ix else 0
     grid_m = (M + g.bm - 1) // g.bm
     groups = cap = 0
     index_grid: tuple[int, int] = (0, 0)
     index_args = (0, 0, 0, 0)
     if ix is not None:
-        if g.a_mode == "rows":
-            groups, cap = (K + tk - 1) // tk, M
+        if rows:
+            lines = (K + tk - 1) // tk  # the index grid's rows: k-tiles
+            groups, cap = lines * grid_m, g.bm
             index_args = (layout.sa[1], layout.sa[0], K, M)
+            ids = M
         else:
-            groups = grid_m
+            lines = groups = grid_m
             cap = K if g.a_mode == "packed" else (K + g.bk * g.ksub - 1) // (g.bk * g.ksub)
             index_args = (layout.sa[0], layout.sa[1], M, K)
-        if groups > GRID_Y_MAX:
-            raise PlanError(f"{groups} tile groups exceed the grid limit {GRID_Y_MAX}")
+            ids = cap
+        if lines > GRID_Y_MAX:
+            raise PlanError(f"{lines} tile groups exceed the grid limit {GRID_Y_MAX}")
         per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
-        index_grid = ((cap + per_block - 1) // per_block, groups)
+        index_grid = ((ids + per_block - 1) // per_block, lines)
     grid: tuple[int, ...] = ((N + g.bn - 1) // g.bn, grid_m)
     if g.mainloop == "wgmma":
         grid = (max(1, min(grid[0] * grid[1], sms)), 1)
-    if g.a_mode == "rows":
-        grid += ((K + tk - 1) // tk,)
     if grid_m > GRID_Y_MAX:
         raise PlanError(f"{grid_m} m-tiles exceed the grid limit {GRID_Y_MAX}")
     return Geometry(grid, tk, groups, cap, index_grid, index_args,

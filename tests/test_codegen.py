@@ -23,7 +23,7 @@ def render(spec) -> str:
 ARCHS = ("sm_80", "sm_90a")  # an sm_90 device compiles every module for sm_90a
 FORMS = {"AB": ("C[m,n] += A[m,k] * B[k,n]", "A"), "AtB": ("C[m,n] += A[k,m] * B[k,n]", "A"),
          "ABt": ("C[m,n] += A[m,k] * B[n,k]", "A"), "sparseB": ("C[m,n] += A[m,k] * B[k,n]", "B")}
-KINDS = ("dense", "block", "micro_k", "micro_m", "micro_m_atomic")
+KINDS = ("dense", "block", "micro_k", "micro_m", "micro_m_short")  # rows: one k-tile / several
 
 
 def _layout(op, form, M, N, K) -> Layout:
@@ -52,7 +52,7 @@ def variant(dtype: str, form_name: str, kind: str, odd: bool, accumulate: bool =
         shape[f.a_dims[0]], shape[f.a_dims[1]], axis = 64, 1, f.k_axis
     elif kind.startswith("micro_m"):
         shape[f.a_dims[0]], axis = 1, f.m_axis
-        shape[f.a_dims[1]] = 64 if kind == "micro_m_atomic" else 1024
+        shape[f.a_dims[1]] = 64 if kind == "micro_m_short" else 1024
     mk = kind.split("_")[0] if kind != "micro_k" and not kind.startswith("micro_m") else "micro"
     spec = lower(op, sparse, mk, axis, tuple(shape) if mk != "dense" else (), dtype,
                  _layout(op, f, M, N, K), accumulate=accumulate)
@@ -68,7 +68,9 @@ def test_variants_cover_every_mode_and_copy_width():
     specs = [variant(*v) for v in VARIANTS]
     g = [s.gemm for s in specs]
     assert {x.a_mode for x in g} == {"box", "packed", "rows"}
-    assert {x.c_mode for x in g} == {"direct", "atomic"}
+    rows = [x for x in g if x.a_mode == "rows"]
+    assert {x.c_pair for x in rows} == {True, False} == {x.c_mfast for x in rows}
+    assert {x.b_smem_ncontig for x in rows} == {True, False} and {x.a_vec for x in rows} >= {1, 8}
     assert {x.a_vec for x in g} >= {1, 4, 8} and {x.b_vec for x in g} >= {1, 4, 8}
     assert {x.a_smem_kcontig for x in g} == {True, False} == {x.b_smem_ncontig for x in g}
     assert {s.index.strategy for s in specs if s.index and s.index.kind == "micro"} == {"thread", "warp"}
@@ -123,8 +125,8 @@ def test_hopper_devices_get_wgmma_where_the_plan_allows():
 def test_wgmma_grid_is_persistent():
     spec = hopper_variant("float16", "AB", "dense")
     lay = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
-    assert geometry(spec, lay, 0, sms=132).grid == (132, 1)
-    assert geometry(spec, Layout(100, 100, 64, (64, 1), (100, 1), (100, 1)), 0, sms=132).grid == (1, 1)
+    assert geometry(spec, lay, sms=132).grid == (132, 1)
+    assert geometry(spec, Layout(100, 100, 64, (64, 1), (100, 1), (100, 1)), sms=132).grid == (1, 1)
 
 
 def test_render_is_deterministic_and_names_the_plan():
@@ -133,6 +135,55 @@ def test_render_is_deterministic_and_names_the_plan():
     assert src == render(spec)
     assert "C[m,n] += A[m,k] * B[k,n]" in src and "micro along k" in src
     assert 'extern "C" __global__' in src and "pit_build_index" in src
+
+
+def _tile_kernel(source: str) -> str:
+    """The tile kernel's namespace of a rendered matmul module."""
+    start = source.index("namespace pit_gemm {")
+    return source[start:source.index("}  // namespace pit_gemm", start)]
+
+
+def test_no_matmul_kernel_adds_with_atomics():
+    """Every plan writes C once from its own tile: no fp32 (or any) atomics in the tile kernels,
+    no workspace pass (the index build's int counters are the only atomics)."""
+    sources = [src for src, _ in _compiles().values()] + list(_hopper_sources())
+    assert all("atomic" not in _tile_kernel(src) for src in sources)
+    assert not any("_finish" in src or "float* __restrict__ ws" in src for src in sources)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_lowering_owns_row_blocks(dtype):
+    """Rows mode: the row-owner tile (BM rows from M, G gathered rows per step), a grid of exactly
+    the output tiles, an index listing each k-tile's rows per row block, shared memory within the
+    budget (fp16/bf16: two CTAs per H100 SM, 228 KiB with 1 KiB reserved per CTA)."""
+    op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
+    for M, bm in ((1, 64), (64, 64), (65, 128), (200, 256), (4096, 512)):
+        lay = Layout(M, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
+        spec = lower(op, "A", "micro", "m", (1, 64), dtype, lay)
+        g, ix = spec.gemm, spec.index
+        assert (g.a_mode, g.bm, g.gather, ix.id_block, ix.long_extent) == ("rows", bm, 64, bm, 64)
+        assert g.bk == 32 and g.bk % (8 if dtype == "float32" else 16) == 0
+        assert g.smem_bytes(dtype) <= 112 * 1024
+        if dtype != "float32":
+            assert 2 * (g.smem_bytes(dtype) + 1024) <= 228 * 1024
+        geo = geometry(spec, lay)
+        nrb, nkt = -(-M // bm), 4096 // 64
+        assert geo.grid == (-(-4096 // g.bn), nrb)  # no k-tile axis, no upper bound
+        assert (geo.groups, geo.cap, geo.tk, geo.index_grid[1]) == (nkt * nrb, bm, 64, nkt)
+    odd = Layout(70, 45, 77, (77, 1), (45, 1), (45, 1))
+    spec = lower(op, "A", "micro", "m", (1, 16), dtype, odd)
+    assert spec.gemm.bk == 16 and spec.gemm.a_vec == 1
+    lay40 = Layout(70, 48, 80, (80, 1), (48, 1), (48, 1))
+    wide = lower(op, "A", "micro", "m", (1, 40), dtype, lay40)
+    assert 40 % wide.gemm.a_vec == 0 and 80 % wide.gemm.a_vec == 0  # no copy straddles a k-tile
+    covers = lower(op, "A", "micro", "m", (1, 512), dtype, odd)  # one k-tile covers K
+    assert (covers.gemm.bm, covers.gemm.bk, geometry(covers, odd).groups) == (128, 32, 1)
+    wide_n = lower(op, "A", "micro", "m", (1, 64), dtype, lay, schedule=Schedule(bn=128, bk=32))
+    assert wide_n.gemm.bn == 128 and wide_n.gemm.bm == wide_n.index.id_block < 512  # BM gives way
+    with pytest.raises(pitgen.PlanError, match="shared memory"):
+        lower(op, "A", "micro", "m", (1, 64), dtype, odd, schedule=Schedule(bm=1024, stages=4))
+    with pytest.raises(pitgen.PlanError, match="warps"):
+        lower(op, "A", "micro", "m", (1, 64), dtype, odd, schedule=Schedule(bm=96))
 
 
 def test_lowering_refuses_what_it_cannot_run():
@@ -194,7 +245,7 @@ def test_both_archs_meet_every_pair_of_dtype_kind_and_layout():
         for arch in ARCHS:
             met = {(v[a], v[b]) for v, archs in archs_of.items() if arch in archs}
             assert met == {(v[a], v[b]) for v in VARIANTS}, (arch, a, b)
-    assert sum(len(archs) == 2 for archs in archs_of.values()) == 6   # the float2 atomics
+    assert all(len(archs) == 1 for archs in archs_of.values())   # nothing is arch-dependent
 
 
 @pytest.mark.nvcc

@@ -73,6 +73,26 @@ def _shape_for(kind: str, form: str, t_m: int, t_k: int) -> tuple[int, int] | st
     return (mk[1], mk[0]) if k_first else mk
 
 
+def gpu_sets(counts, ids, ref: dict) -> dict:
+    """The GPU index's lists as the reference's sets (``ref``: its sets by group), each id
+    checked to lie in its list's range. Micro-tiles along m list a k-tile's rows per row block
+    of the kernel (list kt * blocks + rb: rows of block rb, ``ids.shape[1]`` rows a block):
+    merged per k-tile here; other plans have one list per group (blocks = 1)."""
+    counts, ids = counts.cpu().numpy(), ids.cpu().numpy()
+    blocks, cap = len(counts) // len(ref), ids.shape[1]
+    assert len(counts) == blocks * len(ref)
+    out = {}
+    for g in range(len(ref)):
+        rows = []
+        for rb in range(blocks):
+            listed = ids[g * blocks + rb, :counts[g * blocks + rb]]
+            assert all(rb * cap <= r < (rb + 1) * cap for r in listed)
+            rows += [int(r) for r in listed]
+        assert len(set(rows)) == len(rows)  # no row twice
+        out[(g,)] = frozenset(rows)
+    return out
+
+
 sizes = T.extents(200)
 KINDS = ("dense", "micro_k", "micro_m", "block")
 
@@ -111,11 +131,8 @@ def test_gpu_index_equals_reference_as_sets(form, kind, M, N, K, t, gran, seed):
         rng, form, M, N, K, "float16", lambda shp: T.granular_mask(rng, shp, gran, micro, 0.2))
     kern = pitgen.compile(op, sparse=sparse, dtype="float16", micro_tile=micro)
     counts, ids = kern.index(**arrays)
-    counts, ids = counts.cpu().numpy(), ids.cpu().numpy()
     ref = build_index(arrays[sparse].float().cpu().numpy() != 0, op, sparse, kern.plan).sets()
-    got = {(g,): frozenset(int(i) for i in ids[g, : counts[g]]) for g in range(len(counts))}
-    assert got == ref
-    assert all(len(set(ids[g, : counts[g]])) == counts[g] for g in range(len(counts)))
+    assert gpu_sets(counts, ids, ref) == ref
 
 
 @pytest.mark.parametrize("kind", ["dense", "micro_k", "micro_m", "block"])
@@ -136,10 +153,89 @@ def test_rows_outside_the_index_are_zero_and_multi_k_tiles_accumulate():
     rng = np.random.default_rng(2)
     op, sparse, arrays, ref = operands(rng, "A", 257, 130, 333, "float16",
                                        lambda s: T.granular_mask(rng, s, "row", (1, 1), 0.1))
-    for micro in ((1, 64), (1, 512)):  # several k-tiles (atomics) / one (direct SWrite)
+    for micro in ((1, 64), (1, 512)):  # several k-tiles / one covering K
         out = T.poison(torch.empty((257, 130), dtype=torch.float16, device="cuda"))
         pitgen.compile(op, sparse=sparse, dtype="float16", micro_tile=micro)(**arrays, out=out)
         check(out, ref, "float16", gemm_scale(op, arrays))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_every_m_to_65_one_kernel_across_masks(dtype):
+    """Micro-tiles along m (the row-owner kernel): every M from 1 to 65 (one row block, and the
+    first M past it), K below one k-tile and K not a multiple of 16, odd N; one compiled kernel
+    per micro-tile reused across micro-tile, empty and full masks; outputs poisoned with NaN
+    (every element must be written). Accumulating, rows that no k-tile lists keep their bits."""
+    rng = np.random.default_rng(8)
+    N = 45
+    for K, tk in ((13, 64), (77, 32)):
+        kern = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype=dtype,
+                              micro_tile=(1, tk))
+        b = torch.from_numpy(rng.standard_normal((K, N)).astype(np.float32)).to("cuda", _tdt(dtype))
+        for M in range(1, 66):
+            for kind in ("micro", "empty", "full"):
+                mask = T.granular_mask(rng, (M, K), kind, (1, tk), 0.3)
+                a = torch.from_numpy((rng.standard_normal((M, K)) * mask).astype(np.float32)
+                                     ).to("cuda", _tdt(dtype))
+                ref = a.double().cpu().numpy() @ b.double().cpu().numpy()
+                scale = T.term_scale(np.matmul, a, b)
+                out = T.poison(torch.empty((M, N), dtype=_tdt(dtype), device="cuda"))
+                assert kern(a, b, out=out) is out
+                check(out, ref, dtype, scale)
+                base = torch.randn(M, N, device="cuda").to(_tdt(dtype))
+                acc = base.clone()
+                kern(a, b, out=acc, accumulate=True)
+                base64 = base.double().cpu().numpy()
+                check(acc, ref + base64, dtype, np.sqrt(scale ** 2 + base64 ** 2))
+                idle = torch.from_numpy(~mask.any(axis=1)).cuda()
+                assert torch.equal(acc[idle], base[idle]), (K, M, kind)
+
+
+@pytest.mark.parametrize("form", ["A", "At", "sparseB", "sparseBt"])
+def test_rows_span_several_windows_and_row_blocks(form):
+    """More k-tiles than a CTA lists at once (313 of 16 > 256), M' over several row blocks, the
+    index built by rows (k contiguous) and by threads (m contiguous), C' either way round."""
+    rng = np.random.default_rng(10)
+    micro = _shape_for("micro_m", form, 1, 16)
+    op, sparse, arrays, ref = operands(
+        rng, form, 300, 600, 5000, "float16",
+        lambda shp: T.granular_mask(rng, shp, "micro", micro, 0.1))
+    kern = pitgen.compile(op, sparse=sparse, dtype="float16", micro_tile=micro)
+    out = T.poison(torch.empty(ref.shape, dtype=torch.float16, device="cuda"))
+    kern(**arrays, out=out)
+    check(out, ref, "float16", gemm_scale(op, arrays))
+    counts, ids = kern.index(**arrays)
+    sets = build_index(arrays[sparse].float().cpu().numpy() != 0, op, sparse, kern.plan).sets()
+    assert gpu_sets(counts, ids, sets) == sets
+
+
+def test_rows_index_built_once_serves_kernels_of_the_same_rows():
+    """PIT's MoE scheme (pitgen.bench's shared routing index): one rows index over a token x
+    (expert, 16) indicator lists every expert's tokens per row block; each expert's GEMM (1 x H
+    micro-tiles over the same tokens: the same row blocks) runs over its slice of that index."""
+    rng = np.random.default_rng(11)
+    tokens, experts, H, F = 300, 5, 40, 24
+    eid = rng.integers(0, experts, tokens)
+    onehot = eid[:, None] == np.arange(experts)[None, :]
+    ind = torch.from_numpy(np.repeat(onehot, 16, axis=1).astype(np.float16)).cuda()
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.float16)
+    w = torch.randn(experts, H, F, device="cuda", dtype=torch.float16)
+    kr = pitgen.compile("R[t,n] += I[t,k] * D[k,n]", sparse="I", dtype="float16",
+                        micro_tile=(1, 16))
+    route = kr.prepare(ind, torch.zeros(experts * 16, 16, device="cuda", dtype=torch.float16))
+    route.build_index(None)
+    counts, ids = route.counts, route.ids
+    n = counts.numel() // experts
+    k1 = pitgen.compile("Y[t,f] += X[t,h] * W[h,f]", sparse="X", dtype="float16", micro_tile=(1, H))
+    y = torch.zeros(tokens, F, device="cuda", dtype=torch.float16)
+    for e in range(experts):
+        call = k1.prepare(x, w[e], out=y, accumulate=True)
+        call.use_index(counts[e * n:(e + 1) * n], ids[e * n:(e + 1) * n])
+        call.compute(None)
+    torch.cuda.synchronize()
+    x64, w64 = x.double().cpu().numpy(), w.double().cpu().numpy()
+    ref = sum((x64 * onehot[:, e:e + 1]) @ w64[e] for e in range(experts))
+    scale = np.sqrt(sum((x64 * onehot[:, e:e + 1]) ** 2 @ w64[e] ** 2 for e in range(experts)))
+    check(y, ref, "float16", scale)
 
 
 def test_auto_picks_the_micro_tile_of_the_pattern_and_dense_when_full():
@@ -200,8 +296,8 @@ def test_index_from_a_byte_mask(micro):
         kern(**arrays, out=out, mask=m)
         check(out, ref, "float16", gemm_scale(op, arrays))
         counts, ids = kern.index(**arrays, mask=m)
-        got = {(g,): frozenset(int(i) for i in ids[g, : counts[g]].cpu()) for g in range(len(counts))}
-        assert got == build_index(mask_np, op, sparse, kern.plan).sets()
+        ref = build_index(mask_np, op, sparse, kern.plan).sets()
+        assert gpu_sets(counts, ids, ref) == ref
     with pytest.raises(pitgen.ShapeError, match="mask has shape"):
         kern(**arrays, mask=mask[:, :-1])
     with pytest.raises(pitgen.ShapeError, match="mask has dtype"):

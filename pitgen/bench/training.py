@@ -56,7 +56,7 @@ def breakdown(timer: Timer, x: Any, w: Any, dy: Any, mask: Any) -> list[tuple[st
         ("forward yᵀ = W_eff xᵀ, pitgen 32x1",
          lambda: _gemm(WEIGHT_FORWARD, "A", "float16", "32x1", w_eff, xt, mask)),
         ("forward, dense cuBLAS", lambda: F.linear(x, w_eff)),
-        ("dX, pitgen 32x1 (rows + atomics)",
+        ("dX, pitgen 32x1 (row-owner)",
          lambda: _gemm(WEIGHT_DX, "B", "float16", "32x1", dy, w_eff, mask)),
         ("dX, pitgen auto", lambda: _gemm(WEIGHT_DX, "B", "float16", "auto", dy, w_eff, mask)),
         ("dX, dense cuBLAS (the default)", lambda: dy @ w_eff),
@@ -64,7 +64,7 @@ def breakdown(timer: Timer, x: Any, w: Any, dy: Any, mask: Any) -> list[tuple[st
         ("dW, SDDMM (32, 1) into dense", lambda: sddmm(dyt, xt, mask, tile=(32, 1), out=dw)),
         ("dW, dense cuBLAS ⊙ M", lambda: (dy.t() @ x) * mask),
     ]
-    return [(name, timer(fn, repeats=5 if "atomics" in name else None)) for name, fn in parts]
+    return [(name, timer(fn, repeats=5 if "row-owner" in name else None)) for name, fn in parts]
 
 
 def _shape_rows(r: Run, batch: int, in_f: int, out_f: int, gen: Any) -> list[dict]:

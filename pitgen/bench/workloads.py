@@ -386,7 +386,8 @@ class _PitgenShared:
         self.experts = torch.arange(m.E, device=dev)
 
     def index(self):
-        """The routing index: counts [E] and token ids [E, T] of every expert."""
+        """The routing index: every expert's token lists, one per row block of the row-owner
+        kernel (counts [E * blocks], token ids [E * blocks, rows per block]; expert-major)."""
         m = self.m
         self.ind.copy_((m.eid[:, None] == self.experts[None, :])[:, :, None]
                        .expand(m.T, m.E, self.WIDTH))
@@ -396,14 +397,15 @@ class _PitgenShared:
 
     def __call__(self) -> torch.Tensor:
         counts, ids = self.index()
+        n = counts.numel() // self.m.E  # row blocks (the expert GEMMs have as many: same rows)
         self.h.zero_()
         self.y.zero_()
         for e, c in enumerate(self.c1):
-            c.use_index(counts[e:e + 1], ids[e:e + 1])
+            c.use_index(counts[e * n:(e + 1) * n], ids[e * n:(e + 1) * n])
             c.compute(None)
         self.h.relu_()
         for e, c in enumerate(self.c2):
-            c.use_index(counts[e:e + 1], ids[e:e + 1])
+            c.use_index(counts[e * n:(e + 1) * n], ids[e * n:(e + 1) * n])
             c.compute(None)
         return self.y
 

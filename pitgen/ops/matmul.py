@@ -20,14 +20,14 @@ from ..planner import Plan, make_plan
 from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_map
 from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
 
-#: The GEMM module (index build, tile kernel, SWrite passes). Its permutations depend on the
+#: The GEMM module (index build, tile kernel, the K = 0 pass). Its permutations depend on the
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
 #: axes), so none is declared here.
 MATMUL = OpSpec("matmul", "module.cu.j2", {
-    "pit_gemm": "PPPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPPiiiiiiiiii",
+    "pit_gemm": "PPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPiiiiiiiiii",
     "pit_gemm_sm90_order": "PPi",
     "pit_build_index": "PiiiiPPPPii",
-    "pit_gemm_zero": "Piiii", "pit_gemm_finish": "PPiiiii"}, dtypes=tuple(DTYPES))
+    "pit_gemm_zero": "Piiii"}, dtypes=tuple(DTYPES))
 
 
 class Launcher:
@@ -84,11 +84,11 @@ class Launcher:
         #: which of ``choices`` runs: the first that lowering accepts on this layout
         self.choice, self.spec = lower_first(op, form.sparse, choices, dtype, self.layout,
                                              accumulate=accumulate, schedule=schedule, arch=arch)
-        kind, _, shape = choices[self.choice]
+        kind = choices[self.choice][0]
         #: a dense plan on torch tensors runs the vendor GEMM (cuBLAS through torch)
         self.vendor = kind == "dense" and A.is_torch and vendor_dense
         sms = device_sms() if self.spec.gemm.mainloop == "wgmma" else 0
-        self.geo = geometry(self.spec, self.layout, shape[form.a_dims[1]], sms)
+        self.geo = geometry(self.spec, self.layout, sms)
         self.mod = MATMUL.module(self.spec.context()) if M * N and not self.vendor else None
         self.smem = self.spec.gemm.smem_bytes(dtype)
         self.mask_strides = (0, 0)
@@ -157,7 +157,8 @@ class GemmCall:
 
     @property
     def ids(self) -> Any:
-        """The index's [groups, cap] id lists (rows padded past ``counts``)."""
+        """The index's [groups, cap] id lists (rows padded past ``counts``). Rows mode: group
+        kt * (row blocks) + rb lists the active rows of row block rb (BM rows) in k-tile kt."""
         if self._ints is None:
             return None
         n, cap = self.L.geo.groups, self.L.geo.cap
@@ -199,7 +200,8 @@ class GemmCall:
                          self.order_ptr, n)
 
     def compute(self, stream: int | None) -> None:
-        """The tile kernel over the index (upper-bound grid; empty tiles exit), then SWrite passes."""
+        """The tile kernel over the index (box and packed: an upper-bound grid whose empty tiles
+        exit; rows: a CTA per output tile, which writes all of it)."""
         L = self.L
         M, N, K, g, mod, sc = L.M, L.N, L.K, L.spec.gemm, L.mod, L.layout.sc
         if M * N == 0:
@@ -210,25 +212,14 @@ class GemmCall:
             if not L.accumulate:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
             return
-        f32 = 0
-        if g.a_mode == "rows":
-            if g.c_mode == "atomic":  # the fp32 sums, alive (acc) until the launches are queued
-                acc = Workspace(L.is_torch).alloc((M * N,), "float32")
-                f32 = Workspace.ptr(acc)
-                memset_d32(f32, 0, M * N, stream)
-            elif not L.accumulate:
-                mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
         a = Workspace.ptr(self.pack) if self.pack is not None else self.a_ptr
         if g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
-                       *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr, f32,
+                       *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr,
                        self.counts_ptr, self.ids_ptr, self.order_ptr, *L.sizes, smem=L.smem)
         else:
             mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, a, self.b_ptr,
-                       self.c_ptr, f32, self.counts_ptr, self.ids_ptr, *L.sizes, smem=L.smem)
-        if f32:
-            mod.launch("pit_gemm_finish", L.geo.flat, (256, 1, 1), stream, self.c_ptr, f32,
-                       M, N, *sc, int(L.accumulate))
+                       self.c_ptr, self.counts_ptr, self.ids_ptr, *L.sizes, smem=L.smem)
 
     def _vendor(self) -> None:
         """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""
@@ -413,7 +404,8 @@ class SparseKernel:
     def index(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Build only the micro-tile index of the sparse operand; returns device arrays
         ``(counts, ids)`` (``ids`` rows padded past ``counts``; order within a row is free),
-        or ``(None, None)`` for a dense plan."""
+        or ``(None, None)`` for a dense plan. Micro-tiles along m list each k-tile's rows per
+        row block of the kernel (``ids.shape[1]`` rows): group ``kt * blocks + rb``."""
         call = self.prepare(*args, **kwargs)
         if call.L.vendor:
             return None, None

@@ -1,0 +1,60 @@
+"""Time the row-owner kernel (micro-tiles 1 x tk along m, fp16, M = N = K = size) against
+torch.mm on masks of whole micro-tiles: index build, compute, and both, L2 flushed
+(pitgen.bench.timing.Timer); ``--bm/--bn/--bk/--wm/--wn/--stages`` try another schedule.
+
+    python3 scripts/bench_rows.py                       # 1x64 at 90% and 99%, 4096^3
+    python3 scripts/bench_rows.py --bm 128 --bn 128 --stages 3
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import pitgen
+from pitgen.bench.timing import Timer
+from pitgen.bench.workloads import block_mask
+from pitgen.lower import Schedule, gemm_form
+from pitgen.operands import as_operand
+from pitgen.ops.matmul import GemmCall, Launcher
+
+EXPR = "C[m,n] += A[m,k] * B[k,n]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--tk", type=int, default=64, help="micro-tile extent along k (default 64)")
+    ap.add_argument("--sparsity", default="90,99", help="percent, comma-separated")
+    for knob in ("bm", "bn", "bk", "wm", "wn", "stages"):
+        ap.add_argument(f"--{knob}", type=int)
+    args = ap.parse_args()
+    n, op = args.size, pitgen.parse(EXPR)
+    form = gemm_form(op, "A")
+    schedule = Schedule(**{k: getattr(args, k) for k in ("bm", "bn", "bk", "wm", "wn", "stages")})
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
+    a0 = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
+    timer = Timer(repeats=20)
+    dense = timer(lambda: torch.mm(a0, b))
+    for sp in (float(s) for s in args.sparsity.split(",")):
+        a = a0 * block_mask((n, n), (1, args.tk), 1 - sp / 100, gen).to(a0.dtype)
+        out = torch.empty_like(a0)
+        ops = {"A": as_operand("A", a), "B": as_operand("B", b)}
+        launcher = Launcher(op, form, [("micro", "m", (1, args.tk))], "float16", ops,
+                            as_operand("out", out), False, schedule)
+        call = GemmCall(launcher, a, b, out)
+        index = timer(lambda: call.build_index(None))
+        compute = timer(lambda: call.compute(None))
+        total = timer(call.run)
+        ref = a.float() @ b.float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        g = launcher.spec.gemm
+        print(f"1x{args.tk} {sp:g}%: index {index:.4f} + compute {compute:.4f} = {total:.4f} ms, "
+              f"{total / dense:.2f}x dense ({dense:.4f} ms); tile {g.bm}x{g.bn}x{g.bk} "
+              f"{g.wm}x{g.wn} warps {g.stages} stages {g.smem_bytes('float16')} B; err {err:.1e}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
