@@ -24,7 +24,7 @@ from pitgen.bench.timing import Timer, host_ms
 def cases() -> dict:
     """name -> (pitgen callable, torch peer callable[, the compiled kernel]) on tiny problems."""
     from pitgen.graph import kernels as graph_ops
-    from pitgen.graph.device import DeviceCSR
+    from pitgen.graph.device import DeviceCSR, to_format
     from pitgen.ops.attention import sparse_attention
     from pitgen.ops.moe import moe_ffn
 
@@ -47,6 +47,8 @@ def cases() -> dict:
     csr = DeviceCSR((256, 256), torch.from_numpy(ip).cuda(), torch.from_numpy(ix).cuda(),
                     torch.rand(len(ix), device="cuda"))
     feat = torch.randn(256, 64, device="cuda")
+    hyb = to_format(csr, "hyb")
+    sched = graph_ops.default_schedule("spmm", "hyb", 64, "float32")
     y = torch.empty(256, 64, device="cuda")
     with warnings.catch_warnings():  # torch's "sparse CSR is beta" notices
         warnings.simplefilter("ignore", UserWarning)
@@ -59,6 +61,8 @@ def cases() -> dict:
                        lambda: torch.mm(x, w1[0])),
         "spmm 256 nodes f64": (lambda: graph_ops.spmm(csr, feat, out=y),
                                lambda: torch.sparse.mm(a_t, feat)),
+        "spmm hyb, given schedule": (lambda: graph_ops.spmm(hyb, feat, schedule=sched, out=y),
+                                     lambda: torch.sparse.mm(a_t, feat)),
     }
 
 

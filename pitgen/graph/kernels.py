@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import PlanError, ShapeError
 from ..operands import check_tensor, raw_key
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, current_stream, stream_counters
+from ..runtime import TorchLaunch, stream_counters
 from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
 
@@ -204,100 +204,132 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
     composed relations through the CSR, ELL or BSR body); its kernels must be SpMM's."""
     import torch
     m = _matrix(a)
-    key = raw_key(x, out) if schedule is None else None
-    if key is not None:
-        key = (key, spec.name if spec is not None else None)
-        fast = m.launches.get(key)
-        if fast is not None:
-            return fast(x, out)
+    key = _launch_key(x, out, schedule, spec)
+    fast = m.launches.get(key) if key is not None else None
+    if fast is not None:
+        return fast(x, out)
     if spec is not None and (m.fmt == "hyb" or dict(spec.kernels) != dict(SPMM.kernels)):
         raise PlanError(f"{spec.name} cannot launch SpMM's {m.fmt} kernels")
     n_rows, n_cols = m.shape
     check_tensor("x", x, (m.dtype,), 2, (n_cols, None))
     feat = int(x.shape[1])
-    if out is None:
-        out = torch.empty((n_rows, feat), dtype=x.dtype, device=x.device)
-    else:
+    if out is not None:
         check_tensor("out", out, (m.dtype,), 2, (n_rows, feat))
     if n_rows == 0 or feat == 0:
-        return out
+        return torch.empty((n_rows, feat), dtype=x.dtype, device=x.device) if out is None else out
     if n_rows * feat > 2**31 - 1 or n_cols * feat > 2**31 - 1:
         raise ShapeError(f"SpMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
     sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
-    vec = _vec_for(sched["vec"], feat, m.dtype, x, out)
+    # the vector width the operands' alignment allows (out is allocated 16-byte aligned)
+    vec = _vec_for(sched["vec"], feat, m.dtype, x, *(() if out is None else (out,)))
     ctx = spmm_context(m, sched, vec, feat)
     b, threads = m.buffers, sched["threads"]
-    if m.fmt == "hyb":  # workspace from torch's caching allocator, on the launches' stream
+    launch = _SpMMLaunch((n_rows, feat))
+    if m.fmt == "hyb":
         info = m.info
+        kern = HYB_SPMM.module(ctx)
         pieces = any(bk["mode"] == "pieces" for bk in ctx["buckets"])
         n_ws = 0 if pieces else info["ws_rows"]
         n_cut, n_partials = (info["cut_rows"], info["partial_rows"]) if pieces else (0, 0)
         # buffers a launch does not use are passed as `out` (never dereferenced: n_ws /
         # n_partials are 0 then), so the direct and atomic paths allocate nothing extra
-        ws = torch.zeros((n_ws, feat), dtype=torch.float32, device=x.device) if n_ws else out
-        partials = torch.empty((n_partials, feat), dtype=torch.float32, device=x.device) \
-            if n_partials else out
-        # cut-row counters, reset by each row's last piece
-        counters = (stream_counters(m.counters, current_stream(x.device.index),
-                                    info["cut_rows"], x.device) if pieces else out)
-    with TorchLaunch() as tl:
-        if m.fmt == "hyb":
-            kern = HYB_SPMM.module(ctx)
-            # pieces: the launch zeroes the empty rows; otherwise the finish pass writes them
-            # with the workspace rows
-            zero, n_zero = (b["empty_rows"], info["empty_rows"]) if pieces else (out, 0)
-            grid = sum(-(-rows // (threads // ctx_b["group"]))
-                       for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
-            grid += -(-n_zero * feat // threads)
-            args = (b["brow_row"], b["cols"], b["vals"], b["table"], x, out, ws, b["ws_index"],
-                    b["cut_index"], b["cut_info"], partials, counters, zero,
+        launch.ws_rows, launch.partial_rows = n_ws, n_partials
+        launch.cut_rows, launch.counters = (info["cut_rows"] if pieces else 0), m.counters
+        # pieces: the launch zeroes the empty rows; otherwise the finish pass writes them
+        # with the workspace rows
+        zero, n_zero = (b["empty_rows"], info["empty_rows"]) if pieces else (_OUT, 0)
+        grid = sum(-(-rows // (threads // ctx_b["group"]))
+                   for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
+        grid += -(-n_zero * feat // threads)
+        launch.add(kern.bind("pit_spmm", (grid, 1, 1), (threads, 1, 1)),
+                   (b["brow_row"], b["cols"], b["vals"], b["table"], _X, _OUT, _WS,
+                    b["ws_index"], b["cut_index"], b["cut_info"], _PARTIALS, _COUNTERS, zero,
                     n_rows, n_cols, info["slots"], info["brows"], n_ws, n_cut, n_partials,
-                    n_zero, feat)
-            n_fix = 0 if pieces else info["fix_rows"]
-            finish = (b["fix_rows"], n_fix, b["ws_index"], n_ws, ws, out, n_rows, feat) \
-                if n_fix else None
+                    n_zero, feat))
+        n_fix = 0 if pieces else info["fix_rows"]
+        if n_fix:
+            launch.add(kern.bind("pit_spmm_finish", (min(-(-n_fix * feat // threads), 65535), 1, 1),
+                                 (threads, 1, 1)),
+                       (b["fix_rows"], n_fix, b["ws_index"], n_ws, _WS, _OUT, n_rows, feat))
+    else:
+        kern = (spec or SPMM).module(ctx)
+        grid = -(-n_rows // (threads // sched["group"]))
+        if m.fmt == "csr":
+            args = (b["indptr"], b["indices"], b["values"], 0, n_rows, n_cols, m.nnz, 0)
+        elif m.fmt == "ell":
+            args = (0, b["cols"], b["vals"], 0, n_rows, n_cols, m.info["slots"],
+                    m.info["width"])
         else:
-            kern = (spec or SPMM).module(ctx)
-            grid = -(-n_rows // (threads // sched["group"]))
-            if m.fmt == "csr":
-                args = (b["indptr"], b["indices"], b["values"], 0, x, out,
-                        n_rows, n_cols, m.nnz, 0, feat)
-            elif m.fmt == "ell":
-                args = (0, b["cols"], b["vals"], 0, x, out,
-                        n_rows, n_cols, m.info["slots"], m.info["width"], feat)
-            else:
-                args = (b["indptr"], b["bcols"], b["blocks"], 0, x, out,
-                        n_rows, n_cols, m.info["slots"], m.info["blocks"], feat)
-            finish = None
-            if key is not None:
-                m.launches[key] = _SpMMLaunch(
-                    kern.bind("pit_spmm", (grid, 1, 1), (threads, 1, 1)), args, (n_rows, feat))
-        kern.launch("pit_spmm", (grid, 1, 1), (threads, 1, 1), tl.stream,
-                    *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in args))
-        if finish is not None:
-            blocks = min(-(-n_fix * feat // threads), 65535)
-            kern.launch("pit_spmm_finish", (blocks, 1, 1), (threads, 1, 1), tl.stream,
-                        *(t.data_ptr() if hasattr(t, "data_ptr") else t for t in finish))
-    return out
+            args = (b["indptr"], b["bcols"], b["blocks"], 0, n_rows, n_cols, m.info["slots"],
+                    m.info["blocks"])
+        launch.add(kern.bind("pit_spmm", (grid, 1, 1), (threads, 1, 1)),
+                   (*args[:4], _X, _OUT, *args[4:], feat))
+    if key is not None:
+        m.launches[key] = launch
+    return launch(x, out)
+
+
+def _launch_key(x: Any, out: Any, schedule: Mapping | None, spec: OpSpec | None) -> tuple | None:
+    """What an SpMM launch closure depends on besides the layout: x's and out's raw attributes,
+    the schedule's items and the operator; None when one of them is not hashable."""
+    key = raw_key(x, out)
+    if key is None:
+        return None
+    try:
+        sched = None if schedule is None else tuple(sorted(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in schedule.items()))
+        hash(sched)
+    except TypeError:
+        return None
+    return key, sched, spec.name if spec is not None else None
+
+
+#: the per-call tensors of an SpMM launch's arguments (``_SpMMLaunch``), by position in the
+#: tuple of their addresses each call makes
+PER_CALL = _X, _OUT, _WS, _PARTIALS, _COUNTERS = (object() for _ in range(5))
 
 
 class _SpMMLaunch:
-    """A csr/ell/bsr SpMM launch for one call signature (the layout's buffers, the schedule's
-    kernel, grid and vector width for X's and out's shape, dtype and alignment): a steady-state
-    call allocates out (unless given) and makes one driver launch."""
+    """An SpMM's launches for one call signature, decided once (the layout's buffers, the
+    schedule's kernels, grids and vector width for X's and out's shape, dtype and alignment):
+    a steady-state call allocates out (unless given) and hyb's fp32 workspace or partial rows
+    where its plan has them, and makes one or two driver launches."""
 
-    __slots__ = ("bound", "head", "tail", "out_shape")
+    __slots__ = ("out_shape", "launches", "ws_rows", "partial_rows", "cut_rows", "counters")
 
-    def __init__(self, bound: Any, args: tuple, out_shape: tuple[int, int]) -> None:
-        ptrs = tuple(t.data_ptr() if hasattr(t, "data_ptr") else t for t in args)
-        self.bound, self.head, self.tail, self.out_shape = bound, ptrs[:4], ptrs[6:], out_shape
+    def __init__(self, out_shape: tuple[int, int]) -> None:
+        self.out_shape, self.launches = out_shape, []
+        self.ws_rows = self.partial_rows = self.cut_rows = 0
+        self.counters: dict = {}
+
+    def add(self, bound: Any, args: tuple) -> None:
+        """A launch of ``bound`` with ``args``: layout buffers (read as addresses now), numbers,
+        and the per-call markers of PER_CALL."""
+        fixed = [t.data_ptr() if hasattr(t, "data_ptr") else t for t in args]
+        slots = tuple((i, w) for i, t in enumerate(args) for w, p in enumerate(PER_CALL)
+                      if t is p)
+        self.launches.append((bound, fixed, slots))
 
     def __call__(self, x: Any, out: Any) -> Any:
         import torch
         if out is None:
             out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        feat = self.out_shape[1]
+        ws = torch.zeros((self.ws_rows, feat), dtype=torch.float32, device=x.device) \
+            if self.ws_rows else out
+        partials = torch.empty((self.partial_rows, feat), dtype=torch.float32,
+                               device=x.device) if self.partial_rows else out
         with TorchLaunch() as tl:
-            self.bound(tl.stream, *self.head, x.data_ptr(), out.data_ptr(), *self.tail)
+            # cut-row counters, reset by each row's last piece
+            counters = stream_counters(self.counters, tl.stream, self.cut_rows, x.device) \
+                if self.cut_rows else out
+            now = (x.data_ptr(), out.data_ptr(), ws.data_ptr(), partials.data_ptr(),
+                   counters.data_ptr())
+            for bound, fixed, slots in self.launches:
+                args = fixed.copy()
+                for i, w in slots:
+                    args[i] = now[w]
+                bound(tl.stream, *args)
         return out
 
 
