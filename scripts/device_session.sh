@@ -9,7 +9,7 @@
 #   sanitize  compute-sanitizer memcheck + racecheck on one launch of every kernel kind
 #   example   build and run the standalone example against generated/ (make -C generated/example run)
 #   tune      schedule sweep (scripts/tune_schedules.py)
-#   tune-attention, tune-spmm
+#   tune-attention, tune-spmm, bench-rows (scripts/bench_rows.py)
 #             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
 #   host      host time per steady-state call of each public op beside torch's
@@ -80,7 +80,7 @@ for step in "$@"; do
       echo "example: exit $r"; tail -15 "$LOGS/example.log"; rc=$((rc | r)) ;;
     tune)
       timeout 240 python3 scripts/tune_schedules.py >"$LOGS/tune.log" 2>&1; tail -30 "$LOGS/tune.log" ;;
-    tune-attention|tune-spmm)
+    tune-attention|tune-spmm|bench-rows)
       timeout ${STEP_TIMEOUT:-300} python3 scripts/${step/-/_}.py ${STEP_ARGS:-} >"$LOGS/$step.log" 2>&1; r=$?
       echo "$step: exit $r"; tail -40 "$LOGS/$step.log" ;;
     profile)
