@@ -296,8 +296,8 @@ def test_index_from_a_byte_mask(micro):
         kern(**arrays, out=out, mask=m)
         check(out, ref, "float16", gemm_scale(op, arrays))
         counts, ids = kern.index(**arrays, mask=m)
-        ref = build_index(mask_np, op, sparse, kern.plan).sets()
-        assert gpu_sets(counts, ids, ref) == ref
+        sets = build_index(mask_np, op, sparse, kern.plan).sets()
+        assert gpu_sets(counts, ids, sets) == sets
     with pytest.raises(pitgen.ShapeError, match="mask has shape"):
         kern(**arrays, mask=mask[:, :-1])
     with pytest.raises(pitgen.ShapeError, match="mask has dtype"):

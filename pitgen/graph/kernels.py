@@ -286,7 +286,7 @@ def _launch_key(x: Any, out: Any, schedule: Mapping | None, spec: OpSpec | None)
 
 #: the per-call tensors of an SpMM launch's arguments (``_SpMMLaunch``), by position in the
 #: tuple of their addresses each call makes
-PER_CALL = _X, _OUT, _WS, _PARTIALS, _COUNTERS = (object() for _ in range(5))
+PER_CALL = _X, _OUT, _WS, _PARTIALS, _COUNTERS = tuple(object() for _ in range(5))
 
 
 class _SpMMLaunch:
