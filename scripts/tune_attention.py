@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -19,9 +17,8 @@ import torch
 from pitgen.bench import Timer
 from pitgen.bench.attention import B, H, S, masks
 from pitgen.ops import attention as A
-from pitgen.compiler import compile_source
 from pitgen.render import render_template
-from pitgen.runtime import device_arch
+from pitgen.runtime import precompile
 
 
 def main() -> None:
@@ -38,10 +35,7 @@ def main() -> None:
     # compile every variant in parallel first (the sweep then times kernels, not nvcc)
     plans = [dataclasses.replace(A.plan_attention(B, H, S, S, d, "float16", (S, S)), bm=bm,
                                  stages=s, min_blocks=b) for d in variants for bm, s, b in variants[d]]
-    arch = device_arch()   # in this thread: PyCUDA's context is current only here
-    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        list(ex.map(lambda p: compile_source(render_template("attention.cu.j2", **p.context()),
-                                             arch), plans))
+    precompile(render_template("attention.cu.j2", **p.context()) for p in plans)
     for d in A.HEAD_DIMS:
         q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=torch.float16) for _ in range(3))
         dense = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))

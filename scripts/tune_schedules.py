@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import pitgen
 from pitgen.bench import Timer
 from pitgen.bench.workloads import block_mask
-from pitgen.compiler import compile_source
 from pitgen.errors import PlanError
 from pitgen.lower import Layout, Schedule, gemm_form, lower
 from pitgen.operands import as_operand
 from pitgen.ops.matmul import MATMUL, GemmCall, Launcher
-from pitgen.runtime import device_arch
+from pitgen.runtime import precompile
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
 
@@ -48,9 +46,7 @@ def main():
                 specs.append(lower(op, "A", kind, axis, shape, "float16", layout, schedule=sch))
             except PlanError:
                 pass
-    arch = device_arch()
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda sp: compile_source(MATMUL.source(sp.context()), arch), specs))
+    precompile(MATMUL.source(sp.context()) for sp in specs)
     print(f"compiled {len(specs)} variants")
     for kind, axis, shape, density in modes:
         A = A0 * block_mask((n, n), shape or (1, 1), density).half()

@@ -14,17 +14,15 @@ import argparse
 import json
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from pitgen.bench import Timer, fmt, geomean, rel_err
 from pitgen.bench.graphs import device_csr, graph_file
 from pitgen.graph import kernels as graph_ops
-from pitgen.compiler import compile_source
 from pitgen.graph.device import DeviceCSR, to_format
 from pitgen.render import render_template
-from pitgen.runtime import device_arch
+from pitgen.runtime import precompile
 
 
 def main() -> None:
@@ -59,9 +57,7 @@ def main() -> None:
     sources = {render_template("spmm.cu.j2", **graph_ops.spmm_context(
         m, s, graph_ops._vec_for(s["vec"], r["feat"], r["dtype"], x, y), r["feat"]))
         for r, a, m, x, y, scheds in cases for s in scheds}
-    arch = device_arch()   # in this thread: PyCUDA's context is current only here
-    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        list(ex.map(lambda src: compile_source(src, arch), sources))
+    precompile(sources)
     print(f"{len(sources)} variants compiled", flush=True)
     for r, a, m, x, y, scheds in cases:
         a_t = a.to_torch()

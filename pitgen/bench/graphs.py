@@ -203,19 +203,14 @@ def warm_compile_cache() -> str:
     """Compile :func:`warm_sources` with nvcc in parallel threads into pitgen's cubin cache, so
     that the per-case tuning budgets time kernels rather than first-use compiles. A failure
     only costs time later (the tuner compiles what it needs); the returned line says so."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from pitgen.compiler import compile_source
     from pitgen.errors import PitgenError
     from pitgen.render import render_template
-    from pitgen.runtime import device_arch
+    from pitgen.runtime import precompile
 
     t = time.monotonic()
     try:
-        arch = device_arch()
         jobs = warm_sources()
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
-            list(ex.map(lambda j: compile_source(render_template(j[0], **j[1]), arch), jobs))
+        precompile(render_template(name, **ctx) for name, ctx in jobs)
     except (PitgenError, KeyError, TypeError, AttributeError) as e:
         return f"compile-cache warm-up failed ({type(e).__name__}: {e}); kernels compiled on use"
     return (f"{len(jobs)} default kernels compiled in parallel before timing "
