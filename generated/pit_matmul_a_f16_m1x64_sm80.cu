@@ -13,7 +13,7 @@
 //                   inputs' slices m=i, so slices can be computed in any order (SRead) and written
 //                   back to their own positions (SWrite)
 // granularity: 1 along m x 64 along k of A: zeros are skipped in units of this size
-// tile:        512x32x32 (m x n x k), 8 warps, 4 stages, 111616 bytes of shared memory
+// tile:        512x32x32 (m x n x k), 8 warps, 4 stages, 110208 bytes of shared memory
 // dtype:       float16 operands, fp32 accumulation
 // arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
 // variants:    chosen per call from the extents and pointers:
@@ -203,8 +203,7 @@ constexpr int B_STAGE = B_NCONTIG ? BK * B_LD : BN * B_LD;
 constexpr int ACC_LD = BN + 4;                 // fp32 accumulator rows (16-byte multiples)
 constexpr int CHUNKS = BM / G;                 // steps one k-tile takes at most
 constexpr int WINDOW = THREADS;                // k-tiles whose steps are listed at once
-constexpr int LEAD = 2 * STAGES - 2;           // iterations between a step's id copy and its gather
-constexpr int SRING = LEAD + 2;                // steps whose ids are in shared memory: see the main loop
+constexpr int RING = STAGES + 1;               // row lists in flight: see the main loop
 static_assert(G % (16 * WM) == 0 && BM % G == 0 && BN % (8 * WN) == 0 && BK % KSTEP == 0, "tile shape");
 static_assert(WINDOW * CHUNKS <= 65536 && BM <= 32767, "step and row lists are 16-bit");
 static_assert(NI % 2 == 0, "B fragments are loaded two n8 blocks at a time");
@@ -246,9 +245,9 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
     float* acc_s = reinterpret_cast<float*>(smem_raw);                 // [BM][ACC_LD]
     elem_t* As = reinterpret_cast<elem_t*>(acc_s + BM * ACC_LD);       // [STAGES][G][A_LD]
     elem_t* Bs = As + STAGES * A_STAGE;
-    int* s_ids = reinterpret_cast<int*>(Bs + STAGES * B_STAGE);        // [SRING][G]: the steps' row ids
-    int* s_count = s_ids + SRING * G;                                   // rows of each window k-tile
+    int* s_count = reinterpret_cast<int*>(Bs + STAGES * B_STAGE);      // rows of each window k-tile
     unsigned short* s_step = reinterpret_cast<unsigned short*>(s_count + WINDOW);  // k-tile * CHUNKS + chunk
+    short* s_rows = reinterpret_cast<short*>(s_step + WINDOW * CHUNKS);  // [RING][G]: row in the block, -1: none
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / WN, warp_n = warp % WN;
@@ -293,21 +292,19 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
         return min(G, s_count[ktl] - (e % CHUNKS) * G);
     };
 
-    // Gathered slot i of step st: its row in the block, or -1 (past the k-tile's count, or an id
-    // outside the CTA's rows).
-    auto row_of = [&](int st, int i) {
-        const int e = s_step[st];
-        if ((e % CHUNKS) * G + i >= s_count[e / CHUNKS]) return -1;
-        const unsigned r = (unsigned)s_ids[(st % SRING) * G + i] - (unsigned)r0;
-        return r < (unsigned)owned ? (int)r : -1;
+    // Thread tid < G gathers slot tid of every step: the id is read from the index one iteration
+    // before it is published to s_rows (so the read's latency hides behind a stage of MMAs), and
+    // kept for the step's later stages.
+    int pend = -1;
+    auto fetch = [&](int it) {
+        if (tid >= G || it >= iters || it % sub_n) return;
+        const int e = s_step[it / sub_n], ktl = e / CHUNKS, i = (e % CHUNKS) * G + tid;
+        pend = i < s_count[ktl] ? ids[((size_t)(w0 + ktl) * nrb + rb) * BM + i] : -1;
     };
-    // Copy the ids of iteration `it`'s step into its ring slot, at the step's first stage: G ints
-    // from the list of (k-tile, row block), inside it whatever the count (BM % G == 0).
-    auto copy_ids = [&](int it) {
-        if (tid >= G / 4 || it >= iters || it % sub_n) return;
-        const int st = it / sub_n, e = s_step[st];
-        const size_t at = ((size_t)(w0 + e / CHUNKS) * nrb + rb) * BM + (e % CHUNKS) * G + tid * 4;
-        cp_async<16>(s_ids + (st % SRING) * G + tid * 4, ids + at, true);
+    auto publish = [&](int it) {
+        if (tid >= G) return;
+        const unsigned r = (unsigned)pend - (unsigned)r0;
+        s_rows[(it % RING) * G + tid] = r < (unsigned)owned ? (short)r : (short)-1;
     };
 
     // Issue the copies of iteration `it` (SRead of the step's rows) into stage it % STAGES. Slots
@@ -316,13 +313,13 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
         int ktl;
         const int rows16 = (step_rows(it, ktl) + 15) & ~15;
         const int kbeg = (w0 + ktl) * tk, klen = min(tk, K - kbeg), kin = (it % sub_n) * BK;
-        const int st = it / sub_n;
+        const short* rows = s_rows + (it % RING) * G;
         elem_t* as = As + (it % STAGES) * A_STAGE;
         elem_t* bs = Bs + (it % STAGES) * B_STAGE;
         #pragma unroll
         for (int q = 0; q < A_PER; ++q) {
             if (a_i[q] >= rows16) continue;
-            const int r = row_of(st, a_i[q]), k = kin + a_j[q];
+            const int r = rows[a_i[q]], k = kin + a_j[q];
             const bool ok = r >= 0 && k < klen;
             const elem_t* src = ok ? a + (size_t)(r0 + r) * sa_m + (size_t)(kbeg + k) * sa_k : a;
             copy_chunk<A_VEC>(as + a_i[q] * A_LD + a_j[q], src, ok);
@@ -350,11 +347,11 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
         __syncthreads();
         iters = total * sub_n;
 
-        // the first LEAD iterations' ids, whole before any gather; later ones travel in the
-        // pipeline's copy groups
-        for (int j = 0; j < LEAD; ++j) copy_ids(j);
-        cp_async_commit();
-        cp_async_wait<0>();
+        for (int s = 0; s < STAGES; ++s) {
+            fetch(s);
+            publish(s);
+        }
+        fetch(STAGES);
         __syncthreads();
         #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
@@ -364,11 +361,9 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
         for (int it = 0; it < iters; ++it) {
             cp_async_wait<STAGES - 2>();
             __syncthreads();
-            // The barrier above: the copy group of iteration it (ids of it + STAGES - 1 among
-            // them, issued at it - STAGES + 1) is complete in every thread, and every use of the
-            // ring slot the ids of it + LEAD overwrite is over (that step ended before it: the
-            // ring holds LEAD + 2 steps).
-            copy_ids(it + LEAD);
+            // Iteration nxt's rows were published at the end of the previous iteration (or
+            // before the loop); this one publishes those of it + STAGES into the ring slot of
+            // it - 1, which the barrier above retired.
             const int nxt = it + STAGES - 1;
             if (nxt < iters) load_stage(nxt);
             cp_async_commit();
@@ -418,13 +413,13 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
             if (sub == sub_n - 1 && mine > 0) {
                 // The step's sums join their rows' accumulators. A step's rows are distinct and
                 // each warp adds its own (group, columns): no two threads touch one element.
-                const int st = it / sub_n;
+                const short* rows = s_rows + (it % RING) * G;
                 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
                     if (mi >= mine) continue;
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const int r = row_of(st, (mi * WM + warp_m) * 16 + g + h * 8);
+                        const int r = rows[(mi * WM + warp_m) * 16 + g + h * 8];
                         if (r < 0) continue;
                         float* row = acc_s + r * ACC_LD + warp_n * WTN + 2 * t;
                         #pragma unroll
@@ -438,6 +433,8 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
                     }
                 }
             }
+            publish(it + STAGES);
+            fetch(it + STAGES + 1);
         }
         cp_async_wait<0>();
     }
@@ -599,8 +596,7 @@ constexpr int B_STAGE = B_NCONTIG ? BK * B_LD : BN * B_LD;
 constexpr int ACC_LD = BN + 4;                 // fp32 accumulator rows (16-byte multiples)
 constexpr int CHUNKS = BM / G;                 // steps one k-tile takes at most
 constexpr int WINDOW = THREADS;                // k-tiles whose steps are listed at once
-constexpr int LEAD = 2 * STAGES - 2;           // iterations between a step's id copy and its gather
-constexpr int SRING = LEAD + 2;                // steps whose ids are in shared memory: see the main loop
+constexpr int RING = STAGES + 1;               // row lists in flight: see the main loop
 static_assert(G % (16 * WM) == 0 && BM % G == 0 && BN % (8 * WN) == 0 && BK % KSTEP == 0, "tile shape");
 static_assert(WINDOW * CHUNKS <= 65536 && BM <= 32767, "step and row lists are 16-bit");
 static_assert(NI % 2 == 0, "B fragments are loaded two n8 blocks at a time");
@@ -642,9 +638,9 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
     float* acc_s = reinterpret_cast<float*>(smem_raw);                 // [BM][ACC_LD]
     elem_t* As = reinterpret_cast<elem_t*>(acc_s + BM * ACC_LD);       // [STAGES][G][A_LD]
     elem_t* Bs = As + STAGES * A_STAGE;
-    int* s_ids = reinterpret_cast<int*>(Bs + STAGES * B_STAGE);        // [SRING][G]: the steps' row ids
-    int* s_count = s_ids + SRING * G;                                   // rows of each window k-tile
+    int* s_count = reinterpret_cast<int*>(Bs + STAGES * B_STAGE);      // rows of each window k-tile
     unsigned short* s_step = reinterpret_cast<unsigned short*>(s_count + WINDOW);  // k-tile * CHUNKS + chunk
+    short* s_rows = reinterpret_cast<short*>(s_step + WINDOW * CHUNKS);  // [RING][G]: row in the block, -1: none
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / WN, warp_n = warp % WN;
@@ -689,21 +685,19 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
         return min(G, s_count[ktl] - (e % CHUNKS) * G);
     };
 
-    // Gathered slot i of step st: its row in the block, or -1 (past the k-tile's count, or an id
-    // outside the CTA's rows).
-    auto row_of = [&](int st, int i) {
-        const int e = s_step[st];
-        if ((e % CHUNKS) * G + i >= s_count[e / CHUNKS]) return -1;
-        const unsigned r = (unsigned)s_ids[(st % SRING) * G + i] - (unsigned)r0;
-        return r < (unsigned)owned ? (int)r : -1;
+    // Thread tid < G gathers slot tid of every step: the id is read from the index one iteration
+    // before it is published to s_rows (so the read's latency hides behind a stage of MMAs), and
+    // kept for the step's later stages.
+    int pend = -1;
+    auto fetch = [&](int it) {
+        if (tid >= G || it >= iters || it % sub_n) return;
+        const int e = s_step[it / sub_n], ktl = e / CHUNKS, i = (e % CHUNKS) * G + tid;
+        pend = i < s_count[ktl] ? ids[((size_t)(w0 + ktl) * nrb + rb) * BM + i] : -1;
     };
-    // Copy the ids of iteration `it`'s step into its ring slot, at the step's first stage: G ints
-    // from the list of (k-tile, row block), inside it whatever the count (BM % G == 0).
-    auto copy_ids = [&](int it) {
-        if (tid >= G / 4 || it >= iters || it % sub_n) return;
-        const int st = it / sub_n, e = s_step[st];
-        const size_t at = ((size_t)(w0 + e / CHUNKS) * nrb + rb) * BM + (e % CHUNKS) * G + tid * 4;
-        cp_async<16>(s_ids + (st % SRING) * G + tid * 4, ids + at, true);
+    auto publish = [&](int it) {
+        if (tid >= G) return;
+        const unsigned r = (unsigned)pend - (unsigned)r0;
+        s_rows[(it % RING) * G + tid] = r < (unsigned)owned ? (short)r : (short)-1;
     };
 
     // Issue the copies of iteration `it` (SRead of the step's rows) into stage it % STAGES. Slots
@@ -712,13 +706,13 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
         int ktl;
         const int rows16 = (step_rows(it, ktl) + 15) & ~15;
         const int kbeg = (w0 + ktl) * tk, klen = min(tk, K - kbeg), kin = (it % sub_n) * BK;
-        const int st = it / sub_n;
+        const short* rows = s_rows + (it % RING) * G;
         elem_t* as = As + (it % STAGES) * A_STAGE;
         elem_t* bs = Bs + (it % STAGES) * B_STAGE;
         #pragma unroll
         for (int q = 0; q < A_PER; ++q) {
             if (a_i[q] >= rows16) continue;
-            const int r = row_of(st, a_i[q]), k = kin + a_j[q];
+            const int r = rows[a_i[q]], k = kin + a_j[q];
             const bool ok = r >= 0 && k < klen;
             const elem_t* src = ok ? a + (size_t)(r0 + r) * sa_m + (size_t)(kbeg + k) * sa_k : a;
             copy_chunk<A_VEC>(as + a_i[q] * A_LD + a_j[q], src, ok);
@@ -746,11 +740,11 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
         __syncthreads();
         iters = total * sub_n;
 
-        // the first LEAD iterations' ids, whole before any gather; later ones travel in the
-        // pipeline's copy groups
-        for (int j = 0; j < LEAD; ++j) copy_ids(j);
-        cp_async_commit();
-        cp_async_wait<0>();
+        for (int s = 0; s < STAGES; ++s) {
+            fetch(s);
+            publish(s);
+        }
+        fetch(STAGES);
         __syncthreads();
         #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
@@ -760,11 +754,9 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
         for (int it = 0; it < iters; ++it) {
             cp_async_wait<STAGES - 2>();
             __syncthreads();
-            // The barrier above: the copy group of iteration it (ids of it + STAGES - 1 among
-            // them, issued at it - STAGES + 1) is complete in every thread, and every use of the
-            // ring slot the ids of it + LEAD overwrite is over (that step ended before it: the
-            // ring holds LEAD + 2 steps).
-            copy_ids(it + LEAD);
+            // Iteration nxt's rows were published at the end of the previous iteration (or
+            // before the loop); this one publishes those of it + STAGES into the ring slot of
+            // it - 1, which the barrier above retired.
             const int nxt = it + STAGES - 1;
             if (nxt < iters) load_stage(nxt);
             cp_async_commit();
@@ -814,13 +806,13 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
             if (sub == sub_n - 1 && mine > 0) {
                 // The step's sums join their rows' accumulators. A step's rows are distinct and
                 // each warp adds its own (group, columns): no two threads touch one element.
-                const int st = it / sub_n;
+                const short* rows = s_rows + (it % RING) * G;
                 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
                     if (mi >= mine) continue;
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const int r = row_of(st, (mi * WM + warp_m) * 16 + g + h * 8);
+                        const int r = rows[(mi * WM + warp_m) * 16 + g + h * 8];
                         if (r < 0) continue;
                         float* row = acc_s + r * ACC_LD + warp_n * WTN + 2 * t;
                         #pragma unroll
@@ -834,6 +826,8 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
                     }
                 }
             }
+            publish(it + STAGES);
+            fetch(it + STAGES + 1);
         }
         cp_async_wait<0>();
     }
@@ -871,7 +865,7 @@ namespace pit_host {
 using elem_t = pit_matmul_a_f16_m1x64_sm80_wide_module::elem_t;
 constexpr int64_t INT32_LIMIT = 2147483647;
 constexpr int64_t GRID_LIMIT = 65535;  // grid y and z
-constexpr int BM = 512, BN = 32, THREADS = 256, SMEM = 111616;
+constexpr int BM = 512, BN = 32, THREADS = 256, SMEM = 110208;
 constexpr int TK = 64;  // extent of one micro-tile along k: one k-tile of the row index
 constexpr int INDEX_PER_BLOCK = 8;  // micro-tiles (or blocks) one index block tests
 
@@ -981,7 +975,7 @@ cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, 
                        unsigned char* ws, cudaStream_t stream)
 {
     const cudaError_t e = cudaFuncSetAttribute(pit_matmul_a_f16_m1x64_sm80_wide_module::pit_gemm::pit_matmul_a_f16_m1x64_sm80_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 111616 bytes of shared memory";
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 110208 bytes of shared memory";
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));  // a CTA per output tile
     pit_matmul_a_f16_m1x64_sm80_wide_module::pit_gemm::pit_matmul_a_f16_m1x64_sm80_wide<<<grid, THREADS, SMEM, stream>>>(
@@ -996,7 +990,7 @@ cudaError_t compute_narrow(const Problem& p, const Workspace& w, const elem_t* a
                        unsigned char* ws, cudaStream_t stream)
 {
     const cudaError_t e = cudaFuncSetAttribute(pit_matmul_a_f16_m1x64_sm80_narrow_module::pit_gemm::pit_matmul_a_f16_m1x64_sm80_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 111616 bytes of shared memory";
+    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 110208 bytes of shared memory";
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));  // a CTA per output tile
     pit_matmul_a_f16_m1x64_sm80_narrow_module::pit_gemm::pit_matmul_a_f16_m1x64_sm80_narrow<<<grid, THREADS, SMEM, stream>>>(

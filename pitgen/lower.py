@@ -102,10 +102,10 @@ class GemmSpec:
             return self.stages * (self.bm + self.bn) * self.bk * DTYPES[dtype] + 1024 + 16 * self.stages
         pad = 16 // DTYPES[dtype]
         b = self.bk * (self.bn + pad) if self.b_smem_ncontig else self.bn * (self.bk + pad)
-        if self.a_mode == "rows":  # gathered rows, the fp32 accumulator, the ring of row ids
-            # (2 * stages steps), step lists (and accumulating, a flag per owned row)
+        if self.a_mode == "rows":  # gathered rows, the fp32 accumulator, step and row lists (and
+            # accumulating, a flag per owned row)
             lists = (self.threads * (4 + 2 * (self.bm // self.gather))
-                     + 4 * 2 * self.stages * self.gather + (self.bm if self.accumulate else 0))
+                     + 2 * (self.stages + 1) * self.gather + (self.bm if self.accumulate else 0))
             return (self.stages * (self.gather * (self.bk + pad) + b) * DTYPES[dtype]
                     + self.bm * (self.bn + 4) * 4 + lists)
         a = self.bm * (self.bk + pad) if self.a_smem_kcontig else self.bk * (self.bm + pad)
