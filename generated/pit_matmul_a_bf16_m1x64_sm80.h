@@ -14,7 +14,7 @@
  *                   inputs' slices m=i, so slices can be computed in any order (SRead) and written
  *                   back to their own positions (SWrite)
  * granularity: 1 along m x 64 along k of A: zeros are skipped in units of this size
- * tile:        512x32x32 (m x n x k), 8 warps, 4 stages, 110208 bytes of shared memory
+ * tile:        512x32x64 (m x n x k), 8 warps, 2 stages, 107904 bytes of shared memory
  * dtype:       bfloat16 operands, fp32 accumulation
  * arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
  * variants:    chosen per call from the extents and pointers:

@@ -230,8 +230,11 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
 #: active rows of A' (N/BN times), while the BM x BN fp32 accumulator must fit beside the
 #: pipeline: 512 x 32 reads B' half as often as 256 x 64 for the same accumulator, which is
 #: what sparse rows want (at 90% sparsity the A' reads are a fifth of the B' reads; at 99% a
-#: fiftieth). 110 KiB of shared memory in fp16: two CTAs per H100 SM.
-ROWS_SCHEDULE = (32, 32, 64, 4, 2, 4)
+#: fiftieth). BK up to 64: one stage per 1 x 64 k-tile, half the iterations of BK 32 with the
+#: same MMAs (H100, 4096^3 fp16, 512 x 32: 0.585 -> 0.421 ms at 90%, 0.522 -> 0.335 ms at 99%;
+#: an iteration costs about the same whatever its work, docs/performance.md). At most 110 KiB
+#: of shared memory in fp16: two CTAs per H100 SM.
+ROWS_SCHEDULE = (32, 64, 64, 4, 2, 4)
 ROWS_BM = (64, 128, 256, 512)
 
 
@@ -265,7 +268,8 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
     if schedule.bn:
         bn, wn = schedule.bn, max(1, min(8 // wm, schedule.bn // 16))
     wm, wn, stages = schedule.wm or wm, schedule.wn or wn, schedule.stages or stages
-    bk = schedule.bk or min(bk_max, -(-tk // kstep) * kstep)
+    # fp32 keeps BK 32: a 64-deep fp32 stage would cost the 512-row block (not measured)
+    bk = schedule.bk or min(bk_max if size == 2 else 32, -(-tk // kstep) * kstep)
     gather = min(gather, bm)
     if bk % kstep:
         raise PlanError(f"BK = {bk} does not fit the {dtype} mma shape (a multiple of {kstep})")
