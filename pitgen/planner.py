@@ -168,6 +168,8 @@ def _check_profile(prof: Any, src: str) -> None:
         entry = prof.get("kinds", {}).get(k, {})
         problems += [f"kinds.{k}.{f}" for f in ("fixed_ns", "ns_per_element")
                      if not number(entry.get(f))]
+        if "walk_ns_per_element" in entry and not number(entry["walk_ns_per_element"]):
+            problems.append(f"kinds.{k}.walk_ns_per_element")
     if problems:
         raise PlanError(f"profile {src} lacks or has invalid: {', '.join(problems)}")
 
@@ -325,7 +327,9 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
     k = profile["kinds"][key]
     cost = dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"]
     if kind != "dense":
-        cost += total * profile["index_ns_per_element"]
+        # the index pass, and the part of the kernel that visits all of S whatever its density
+        # (the row-owner kernel walks every k-tile of every row block: optional, default 0)
+        cost += total * (profile["index_ns_per_element"] + k.get("walk_ns_per_element", 0.0))
     waste = (covered - nnz) / nnz if nnz else (0.0 if covered == 0 else None)
     return Candidate(kind, axis, shape, nonzero, waste, dense_tiles, float(cost))
 

@@ -3,14 +3,18 @@ default; ``load_profile()`` prefers it over the analytic placeholder).
 
 For every kernel kind the tile kernel is timed (CUDA events, median, L2 flushed) on A[m,k] of
 --size^2 (fp16, B --size wide) at several micro-tile/block shapes and densities; the planner's
-own counts (dense tiles, elements of S computed) for each run are fitted by least squares to
-``time = fixed_ns * dense_tiles + ns_per_element * elements``. The index pass is fitted per
-element of S. The file names the device it was measured on.
+own counts (dense tiles, elements of S computed, elements of S) for each run are fitted by
+non-negative least squares to ``time = fixed_ns * dense_tiles + ns_per_element * elements +
+walk_ns_per_element * |S|`` (the last term: what a kernel pays whatever the density, as the
+row-owner kernel walks every k-tile of every row block; densities down to 1% pin it). The index
+pass is fitted per element of S. The file names the device it was measured on.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 from importlib import resources
 
@@ -35,6 +39,21 @@ UNIT_PROFILE = {"device": "unit costs (counts work)", "measured": False, "index_
                 "kinds": {k: {"fixed_ns": 0.0, "ns_per_element": 1.0} for k in KINDS}}
 
 
+def nonnegative_fit(X: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """Least squares of y on X's columns with every coefficient >= 0 (a cost model must not
+    grow cheaper with work): the best fit over the subsets of columns whose own fit is
+    non-negative; columns left out get 0."""
+    best, coef = math.inf, (0.0,) * X.shape[1]
+    for cols in itertools.chain.from_iterable(
+            itertools.combinations(range(X.shape[1]), r) for r in range(1, X.shape[1] + 1)):
+        c, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+        err = float(np.sum((X[:, cols] @ c - y) ** 2))
+        if (c >= 0).all() and err < best:
+            best, coef = err, tuple(float(c[cols.index(i)]) if i in cols else 0.0
+                                    for i in range(X.shape[1]))
+    return coef
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--size", type=int, default=4096)
@@ -52,7 +71,7 @@ def main() -> None:
         rows, times = [], []
         for micro in micros:
             unit = (1, 1) if micro == "dense" else tuple(int(v) for v in micro.split("x"))
-            for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1)):
+            for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1, 0.01)):
                 mask = block_mask((n, n), unit, density, gen)
                 A = A0 * mask.to(A0.dtype)
                 kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro)
@@ -63,7 +82,7 @@ def main() -> None:
                 elements = cand.cost
                 call.build_index(None)
                 t = timer(lambda: call.compute(None)) * 1e6  # ns
-                rows.append((cand.dense_tiles, elements))
+                rows.append((cand.dense_tiles, elements, A.numel()))
                 times.append(t)
                 if key != "dense":
                     index_pts.append(timer(lambda: call.build_index(None)) * 1e6 / A.numel())
@@ -71,17 +90,16 @@ def main() -> None:
                       f"{cand.dense_tiles} dense tiles", flush=True)
         X, y = np.asarray(rows, float), np.asarray(times)
         if len(set(map(tuple, rows))) < 2:  # dense: one point, all per element
-            fixed, per = 0.0, float(y[0] / X[0, 1])
+            fixed, per, walk = 0.0, float(y[0] / X[0, 1]), 0.0
         else:
-            (fixed, per), *_ = np.linalg.lstsq(X, y, rcond=None)
-            if fixed < 0 or per < 0:  # keep the model monotone
-                fixed, per = 0.0, float(np.median(y / X[:, 1]))
-        kinds[key] = {"fixed_ns": float(fixed), "ns_per_element": float(per)}
+            fixed, per, walk = nonnegative_fit(X, y)
+        kinds[key] = {"fixed_ns": fixed, "ns_per_element": per, "walk_ns_per_element": walk}
     profile = {
         "device": torch.cuda.get_device_name(), "measured": True, "dtype": "float16",
         "note": f"measured by scripts/measure_profile.py: A {n}x{n}, B {n} wide, fp16, "
                 f"median of {args.repeats}, L2 flushed; torch {torch.__version__}, pitgen {pitgen.__version__}",
         "units": {"fixed_ns": "ns per dense tile", "ns_per_element": "ns per element of S computed",
+                  "walk_ns_per_element": "ns per element of S, paid whatever the density",
                   "index_ns_per_element": "ns per element of S, paid once by every non-dense kind"},
         "kinds": kinds, "index_ns_per_element": float(np.median(index_pts)),
     }
