@@ -215,7 +215,7 @@ def test_statistics_match_brute_force(drawn, tk):
         key = {"block": "block", "k": "micro-reduction", "m": "micro-spatial"}[c.axis or c.kind]
         kind = prof["kinds"][key]
         want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
-            + m * k * prof["index_ns_per_element"]
+            + m * k * (prof["index_ns_per_element"] + kind.get("walk_ns_per_element", 0.0))
         assert c.cost == pytest.approx(want)
     costs = [c.cost for c in plan.candidates]
     assert costs == sorted(costs) and plan.choice is plan.candidates[0]
