@@ -231,7 +231,7 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
 #: pipeline: 512 x 32 reads B' half as often as 256 x 64 for the same accumulator, which is
 #: what sparse rows want (at 90% sparsity the A' reads are a fifth of the B' reads; at 99% a
 #: fiftieth). BK up to 64: one stage per 1 x 64 k-tile, half the iterations of BK 32 with the
-#: same MMAs (H100, 4096^3 fp16, 512 x 32: 0.585 -> 0.421 ms at 90%, 0.522 -> 0.335 ms at 99%;
+#: same MMAs (H100, 4096^3 fp16, 512 x 32: 0.574 -> 0.415 ms at 90%, 0.509 -> 0.330 ms at 99%;
 #: an iteration costs about the same whatever its work, docs/performance.md). At most 110 KiB
 #: of shared memory in fp16: two CTAs per H100 SM.
 ROWS_SCHEDULE = (32, 64, 64, 4, 2, 4)
