@@ -13,9 +13,43 @@ import pytest
 
 from pitgen.bench import (Ceilings, Progress, fmt, fmt_e, fmt_x, geomean, main, md_table, plot,
                           ratio, write_csv, write_json)
-from pitgen.bench import graphs, peers, rgcn, suite
+from pitgen.bench import graphs, matmul, peers, rgcn, suite
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the matmul benchmark's floor ---------------------------------------------------------------
+
+def test_matmul_traffic_by_granularity():
+    """HBM and gathered bytes of A (4096 x 4096) @ B (4096 x 1024), fp16, by unit shape."""
+    m = k = 4096
+    n, e = 1024, 2
+    whole = (m * k + k * n + m * n) * e
+    # 32 x 1 micro-tiles: each non-zero one pulls one B row of N through L2
+    assert matmul.traffic(1000, 900, (32, 1), m, k, n, e) == (
+        1000 * 32 * e + 900 * n * e + m * n * e, 1000 * n * e)
+    # dense in 32 x 64 blocks: every block row re-reads all of B
+    blocks = (m // 32) * (k // 64)
+    assert matmul.traffic(blocks, k // 64, (32, 64), m, k, n, e) == (whole, (m // 32) * k * n * e)
+    # rows (1 x 64): shared between rows, each active k-tile of B gathered once, never past B
+    assert matmul.traffic(5000, 10, (1, 64), m, k, n, e)[1] == 10 * 64 * n * e
+    assert matmul.traffic(m * k // 64, k // 64, (1, 64), m, k, n, e) == (whole, k * n * e)
+    # units larger than A are clipped to it; nothing non-zero: B and A untouched, C written
+    assert matmul.traffic(1, 1, (8192, 8192), 100, 50, 10, e) == ((100 * 50 + 50 * 10 + 1000) * e,
+                                                                   50 * 10 * e)
+    assert matmul.traffic(0, 0, (32, 1), m, k, n, e) == (m * n * e, 0)
+
+
+def test_unit_grid_matches_numpy():
+    torch = pytest.importorskip("torch")
+    rng = __import__("numpy").random.default_rng(0)
+    for shape, unit in [((64, 128), (32, 1)), ((70, 45), (32, 64)), ((5, 9), (1, 4)),
+                        ((3, 3), (8, 8))]:
+        mask = rng.random(shape) < 0.05
+        grid = matmul.unit_grid(torch.from_numpy(mask), unit).numpy()
+        want = [[mask[i:i + unit[0], j:j + unit[1]].any() for j in range(0, shape[1], unit[1])]
+                for i in range(0, shape[0], unit[0])]
+        assert grid.tolist() == want
 
 
 # -- report ------------------------------------------------------------------------------------
