@@ -198,10 +198,7 @@ class Module:
         """``name`` with its grid, block and shared memory fixed (PyCUDA's prepared call):
         ``bound(stream, *args)`` enqueues it with one pack and one driver call, for launch
         closures that decide everything but the pointers once per call signature."""
-        f = self._kernels.get(name) or self.function(name)
-        if smem > f.smem_limit:
-            f.set_smem_limit(smem)
-        return f.bind(grid, block, smem)
+        return self._ready(name, smem).bind(grid, block, smem)
 
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
                *args: Any, smem: int = 0) -> None:
@@ -209,10 +206,14 @@ class Module:
         ``smem`` bytes of dynamic shared memory; an empty grid launches nothing. Nothing waits."""
         if 0 in grid:
             return
+        self._ready(name, smem).launch(grid, block, stream, args, smem)
+
+    def _ready(self, name: str, smem: int) -> _Kernel:
+        """Kernel ``name``, allowed ``smem`` bytes of dynamic shared memory."""
         f = self._kernels.get(name) or self.function(name)
         if smem > f.smem_limit:
             f.set_smem_limit(smem)
-        f.launch(grid, block, stream, args, smem)
+        return f
 
 
 def _check(rc: int, what: str) -> None:
@@ -325,13 +326,13 @@ def load(source: str, signatures: Mapping[str, str]) -> Module:
     return mod
 
 
-def precompile(sources: Iterable[str], workers: int | None = None) -> int:
+def precompile(sources: Iterable[str]) -> int:
     """Compile ``sources`` into the on-disk cubin cache for this device's nvcc target (the
     one :func:`load` uses), nvcc processes in parallel threads; returns how many. Benchmarks
     and sweeps call this first so that their timings measure kernels, not first-use compiles."""
     target = compile_target(device_arch())   # in the caller's thread: its context is current
     todo = list(dict.fromkeys(sources))
-    with ThreadPoolExecutor(workers or os.cpu_count() or 2) as ex:
+    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
         list(ex.map(lambda src: compile_source(src, target), todo))
     return len(todo)
 

@@ -40,18 +40,6 @@ def test_matmul_traffic_by_granularity():
     assert matmul.traffic(0, 0, (32, 1), m, k, n, e) == (m * n * e, 0)
 
 
-def test_unit_grid_matches_numpy():
-    torch = pytest.importorskip("torch")
-    rng = __import__("numpy").random.default_rng(0)
-    for shape, unit in [((64, 128), (32, 1)), ((70, 45), (32, 64)), ((5, 9), (1, 4)),
-                        ((3, 3), (8, 8))]:
-        mask = rng.random(shape) < 0.05
-        grid = matmul.unit_grid(torch.from_numpy(mask), unit).numpy()
-        want = [[mask[i:i + unit[0], j:j + unit[1]].any() for j in range(0, shape[1], unit[1])]
-                for i in range(0, shape[0], unit[0])]
-        assert grid.tolist() == want
-
-
 # -- report ------------------------------------------------------------------------------------
 
 def test_number_formats():

@@ -40,17 +40,6 @@ def traffic(nonzero_units: int, active_k: int, unit: tuple[int, int], m: int, k:
     return hbm, gathered
 
 
-def unit_grid(mask, unit: tuple[int, int]):
-    """Which aligned units of ``mask`` (a 2-D torch bool tensor) hold a non-zero."""
-    import torch
-
-    m, k = mask.shape
-    uh, uw = unit
-    pad = torch.zeros(-(-m // uh) * uh, -(-k // uw) * uw, dtype=torch.bool, device=mask.device)
-    pad[:m, :k] = mask
-    return pad.view(pad.shape[0] // uh, uh, pad.shape[1] // uw, uw).any(3).any(1)
-
-
 def compile_times(micro: str) -> dict:
     """First compile (empty cache) and cached load, each in a new process."""
     code = (f"import time, torch, pitgen; A = torch.randn(256, 256, device='cuda', "
@@ -69,6 +58,7 @@ def run(r: Run) -> int:
 
     import pitgen
 
+    from ..index import tile_grid
     from .report import Progress
     from .timing import gather_rate
     from .workloads import block_mask
@@ -95,10 +85,10 @@ def run(r: Run) -> int:
             a = a0 * mask.to(a0.dtype)
             ref = a.float() @ b.float()
             ideal = (1 - sp / 100) * dense_ms
-            grid = unit_grid(mask, unit)
+            grid = tile_grid(mask.cpu().numpy(), unit)
             hbm, gathered = traffic(int(grid.sum()), int(grid.any(0).sum()), unit, n, n, n,
                                     a0.element_size())
-            floors = {"tensor": float(grid.float().mean()) * dense_ms,
+            floors = {"tensor": float(grid.mean()) * dense_ms,
                       "hbm": hbm / copy_rate, "gather": gathered / gather}
             bound = max(floors, key=floors.get)
             for micro in (gran, "auto"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import PlanError, ShapeError
-from ..operands import check_tensor, raw_key
+from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
@@ -202,12 +202,15 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
     of A's dtype; fp32 accumulation. ``out`` [rows, F] is overwritten. No host sync.
     ``spec``: the operator whose rules the launch relies on, when not SpMM's (RGCN runs its
     composed relations through the CSR, ELL or BSR body); its kernels must be SpMM's."""
-    import torch
     m = _matrix(a)
-    key = _launch_key(x, out, schedule, spec)
-    fast = m.launches.get(key) if key is not None else None
-    if fast is not None:
-        return fast(x, out)
+    launch = validated(m.launches, _launch_key(x, out, schedule, spec),
+                       lambda: _spmm_launch(m, x, schedule, out, spec))
+    return launch(x, out)
+
+
+def _spmm_launch(m: DeviceMatrix, x: Tensor, schedule: Mapping | None, out: Any,
+                 spec: OpSpec | None) -> _SpMMLaunch:
+    """The checked launch closure of ``spmm`` for this call signature."""
     if spec is not None and (m.fmt == "hyb" or dict(spec.kernels) != dict(SPMM.kernels)):
         raise PlanError(f"{spec.name} cannot launch SpMM's {m.fmt} kernels")
     n_rows, n_cols = m.shape
@@ -215,8 +218,9 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
     feat = int(x.shape[1])
     if out is not None:
         check_tensor("out", out, (m.dtype,), 2, (n_rows, feat))
+    launch = _SpMMLaunch((n_rows, feat))
     if n_rows == 0 or feat == 0:
-        return torch.empty((n_rows, feat), dtype=x.dtype, device=x.device) if out is None else out
+        return launch   # nothing to launch: out, or an empty one
     if n_rows * feat > 2**31 - 1 or n_cols * feat > 2**31 - 1:
         raise ShapeError(f"SpMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
     sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
@@ -224,7 +228,6 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
     vec = _vec_for(sched["vec"], feat, m.dtype, x, *(() if out is None else (out,)))
     ctx = spmm_context(m, sched, vec, feat)
     b, threads = m.buffers, sched["threads"]
-    launch = _SpMMLaunch((n_rows, feat))
     if m.fmt == "hyb":
         info = m.info
         kern = HYB_SPMM.module(ctx)
@@ -264,9 +267,7 @@ def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None
                     m.info["blocks"])
         launch.add(kern.bind("pit_spmm", (grid, 1, 1), (threads, 1, 1)),
                    (*args[:4], _X, _OUT, *args[4:], feat))
-    if key is not None:
-        m.launches[key] = launch
-    return launch(x, out)
+    return launch
 
 
 def _launch_key(x: Any, out: Any, schedule: Mapping | None, spec: OpSpec | None) -> tuple | None:
@@ -314,6 +315,8 @@ class _SpMMLaunch:
         import torch
         if out is None:
             out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        if not self.launches:
+            return out
         feat = self.out_shape[1]
         ws = torch.zeros((self.ws_rows, feat), dtype=torch.float32, device=x.device) \
             if self.ws_rows else out
