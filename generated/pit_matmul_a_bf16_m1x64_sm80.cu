@@ -191,6 +191,10 @@ pit_matmul_a_bf16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, i
 namespace pit_gemm {
 
 constexpr int BM = 512, BN = 32, BK = 64, G = 64, STAGES = 2;
+// The k-tile (the micro-tile's extent along k) and its BK-deep stages, fixed at compile time:
+// the walk divides by them every iteration. K below TK leaves stages past K: they load zeros.
+constexpr int TK = 64, SUB_N = (TK + BK - 1) / BK;
+static_assert(TK > 0, "rows mode has a k-tile");
 constexpr int THREADS = 256, WM = 4, WN = 2;
 constexpr int MI = G / (16 * WM), WTN = BN / WN, NI = WTN / 8, KSTEP = 16;
 constexpr int A_VEC = 8, B_VEC = 8;
@@ -239,7 +243,7 @@ __device__ __forceinline__ int block_scan(int v, int* total) {
 extern "C" __global__ void __launch_bounds__(THREADS)
 pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
            const int* __restrict__ counts, const int* __restrict__ ids,
-           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int tk)
+           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: TK */)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* acc_s = reinterpret_cast<float*>(smem_raw);                 // [BM][ACC_LD]
@@ -254,8 +258,7 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
     const int n0 = blockIdx.x * BN, rb = blockIdx.y, r0 = rb * BM;
     const int owned = min(BM, M - r0);                  // rows of this block inside C'
     const int nrb = (M + BM - 1) / BM;
-    const int nkt = K > 0 ? (K - 1) / tk + 1 : 0;
-    const int sub_n = (min(tk, K) + BK - 1) / BK;       // BK-deep stages per k-tile
+    const int nkt = K > 0 ? (K - 1) / TK + 1 : 0;
 
     for (int e = tid; e < owned * (ACC_LD / 4); e += THREADS)
         reinterpret_cast<float4*>(acc_s)[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -284,10 +287,10 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
         b_base[q] = (c < B_CHUNKS && n0 + n < N) ? b + (size_t)(n0 + n) * sb_n : nullptr;
     }
 
-    // Iteration `it` of a window is stage it % sub_n of step it / sub_n.
+    // Iteration `it` of a window is stage it % SUB_N of step it / SUB_N.
     int w0 = 0, iters = 0;
     auto step_rows = [&](int it, int& ktl) {  // the step's k-tile (in the window) and gathered rows
-        const int e = s_step[it / sub_n];
+        const int e = s_step[it / SUB_N];
         ktl = e / CHUNKS;
         return min(G, s_count[ktl] - (e % CHUNKS) * G);
     };
@@ -297,8 +300,8 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
     // kept for the step's later stages.
     int pend = -1;
     auto fetch = [&](int it) {
-        if (tid >= G || it >= iters || it % sub_n) return;
-        const int e = s_step[it / sub_n], ktl = e / CHUNKS, i = (e % CHUNKS) * G + tid;
+        if (tid >= G || it >= iters || it % SUB_N) return;
+        const int e = s_step[it / SUB_N], ktl = e / CHUNKS, i = (e % CHUNKS) * G + tid;
         pend = i < s_count[ktl] ? ids[((size_t)(w0 + ktl) * nrb + rb) * BM + i] : -1;
     };
     auto publish = [&](int it) {
@@ -312,7 +315,7 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
     auto load_stage = [&](int it) {
         int ktl;
         const int rows16 = (step_rows(it, ktl) + 15) & ~15;
-        const int kbeg = (w0 + ktl) * tk, klen = min(tk, K - kbeg), kin = (it % sub_n) * BK;
+        const int kbeg = (w0 + ktl) * TK, klen = min(TK, K - kbeg), kin = (it % SUB_N) * BK;
         const short* rows = s_rows + (it % RING) * G;
         elem_t* as = As + (it % STAGES) * A_STAGE;
         elem_t* bs = Bs + (it % STAGES) * B_STAGE;
@@ -345,7 +348,7 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
         const int first = block_scan(nst, &total);
         for (int ch = 0; ch < nst; ++ch) s_step[first + ch] = (unsigned short)(tid * CHUNKS + ch);
         __syncthreads();
-        iters = total * sub_n;
+        iters = total * SUB_N;
 
         for (int s = 0; s < STAGES; ++s) {
             fetch(s);
@@ -371,7 +374,7 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
             int ktl;
             const int groups = (step_rows(it, ktl) + 15) / 16;
             const int mine = groups > warp_m ? (groups - warp_m + WM - 1) / WM : 0;  // groups mi * WM + warp_m
-            const int sub = it % sub_n;
+            const int sub = it % SUB_N;
             if (sub == 0) {
                 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
@@ -410,7 +413,7 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
                     }
                 }
             }
-            if (sub == sub_n - 1 && mine > 0) {
+            if (sub == SUB_N - 1 && mine > 0) {
                 // The step's sums join their rows' accumulators. A step's rows are distinct and
                 // each warp adds its own (group, columns): no two threads touch one element.
                 const short* rows = s_rows + (it % RING) * G;
@@ -584,6 +587,10 @@ __device__ __forceinline__ void mma_tile(float (&d)[4], const uint32_t (&a)[4], 
 namespace pit_gemm {
 
 constexpr int BM = 512, BN = 32, BK = 64, G = 64, STAGES = 2;
+// The k-tile (the micro-tile's extent along k) and its BK-deep stages, fixed at compile time:
+// the walk divides by them every iteration. K below TK leaves stages past K: they load zeros.
+constexpr int TK = 64, SUB_N = (TK + BK - 1) / BK;
+static_assert(TK > 0, "rows mode has a k-tile");
 constexpr int THREADS = 256, WM = 4, WN = 2;
 constexpr int MI = G / (16 * WM), WTN = BN / WN, NI = WTN / 8, KSTEP = 16;
 constexpr int A_VEC = 1, B_VEC = 1;
@@ -632,7 +639,7 @@ __device__ __forceinline__ int block_scan(int v, int* total) {
 extern "C" __global__ void __launch_bounds__(THREADS)
 pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
            const int* __restrict__ counts, const int* __restrict__ ids,
-           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int tk)
+           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: TK */)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* acc_s = reinterpret_cast<float*>(smem_raw);                 // [BM][ACC_LD]
@@ -647,8 +654,7 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
     const int n0 = blockIdx.x * BN, rb = blockIdx.y, r0 = rb * BM;
     const int owned = min(BM, M - r0);                  // rows of this block inside C'
     const int nrb = (M + BM - 1) / BM;
-    const int nkt = K > 0 ? (K - 1) / tk + 1 : 0;
-    const int sub_n = (min(tk, K) + BK - 1) / BK;       // BK-deep stages per k-tile
+    const int nkt = K > 0 ? (K - 1) / TK + 1 : 0;
 
     for (int e = tid; e < owned * (ACC_LD / 4); e += THREADS)
         reinterpret_cast<float4*>(acc_s)[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -677,10 +683,10 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
         b_base[q] = (c < B_CHUNKS && n0 + n < N) ? b + (size_t)(n0 + n) * sb_n : nullptr;
     }
 
-    // Iteration `it` of a window is stage it % sub_n of step it / sub_n.
+    // Iteration `it` of a window is stage it % SUB_N of step it / SUB_N.
     int w0 = 0, iters = 0;
     auto step_rows = [&](int it, int& ktl) {  // the step's k-tile (in the window) and gathered rows
-        const int e = s_step[it / sub_n];
+        const int e = s_step[it / SUB_N];
         ktl = e / CHUNKS;
         return min(G, s_count[ktl] - (e % CHUNKS) * G);
     };
@@ -690,8 +696,8 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
     // kept for the step's later stages.
     int pend = -1;
     auto fetch = [&](int it) {
-        if (tid >= G || it >= iters || it % sub_n) return;
-        const int e = s_step[it / sub_n], ktl = e / CHUNKS, i = (e % CHUNKS) * G + tid;
+        if (tid >= G || it >= iters || it % SUB_N) return;
+        const int e = s_step[it / SUB_N], ktl = e / CHUNKS, i = (e % CHUNKS) * G + tid;
         pend = i < s_count[ktl] ? ids[((size_t)(w0 + ktl) * nrb + rb) * BM + i] : -1;
     };
     auto publish = [&](int it) {
@@ -705,7 +711,7 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
     auto load_stage = [&](int it) {
         int ktl;
         const int rows16 = (step_rows(it, ktl) + 15) & ~15;
-        const int kbeg = (w0 + ktl) * tk, klen = min(tk, K - kbeg), kin = (it % sub_n) * BK;
+        const int kbeg = (w0 + ktl) * TK, klen = min(TK, K - kbeg), kin = (it % SUB_N) * BK;
         const short* rows = s_rows + (it % RING) * G;
         elem_t* as = As + (it % STAGES) * A_STAGE;
         elem_t* bs = Bs + (it % STAGES) * B_STAGE;
@@ -738,7 +744,7 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
         const int first = block_scan(nst, &total);
         for (int ch = 0; ch < nst; ++ch) s_step[first + ch] = (unsigned short)(tid * CHUNKS + ch);
         __syncthreads();
-        iters = total * sub_n;
+        iters = total * SUB_N;
 
         for (int s = 0; s < STAGES; ++s) {
             fetch(s);
@@ -764,7 +770,7 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
             int ktl;
             const int groups = (step_rows(it, ktl) + 15) / 16;
             const int mine = groups > warp_m ? (groups - warp_m + WM - 1) / WM : 0;  // groups mi * WM + warp_m
-            const int sub = it % sub_n;
+            const int sub = it % SUB_N;
             if (sub == 0) {
                 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
@@ -803,7 +809,7 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
                     }
                 }
             }
-            if (sub == sub_n - 1 && mine > 0) {
+            if (sub == SUB_N - 1 && mine > 0) {
                 // The step's sums join their rows' accumulators. A step's rows are distinct and
                 // each warp adds its own (group, columns): no two threads touch one element.
                 const short* rows = s_rows + (it % RING) * G;

@@ -90,6 +90,7 @@ class GemmSpec:
     c_vec: bool = False  # wgmma: C rows in 16-byte stores (n contiguous, aligned, N % 8 == 0)
     gather: int = 0  # rows: active rows gathered per step (m16 groups of G // 16)
     c_mfast: bool = False  # rows: C written with adjacent threads on adjacent m (m contiguous)
+    tk: int = 0  # rows: the k-tile, the micro-tile's extent along k (a compile-time constant)
 
     @property
     def threads(self) -> int:
@@ -289,7 +290,7 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
               and layout.align_c % (2 * size) == 0)
     gemm = GemmSpec("pit_gemm", "rows", False, 1, c_pair, accumulate, bm, bn, bk, wm, wn, stages,
                     a_vec, b_vec, True, b_nc, gather=gather,
-                    c_mfast=not c_pair and layout.sc[0] == 1 and layout.sc[1] != 1)
+                    c_mfast=not c_pair and layout.sc[0] == 1 and layout.sc[1] != 1, tk=tk)
     gemm = _fit(gemm, dtype, schedule.stages is None, schedule.bn is None, schedule.bm is None)
     if gemm.smem_bytes(dtype) > SMEM_BUDGET:
         raise PlanError(f"the row-owner tile {gemm.bm}x{gemm.bn}x{bk} with {gemm.stages} stages "
