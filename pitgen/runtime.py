@@ -17,7 +17,7 @@ import hashlib
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -326,15 +326,37 @@ def load(source: str, signatures: Mapping[str, str]) -> Module:
     return mod
 
 
-def precompile(sources: Iterable[str]) -> int:
-    """Compile ``sources`` into the on-disk cubin cache for this device's nvcc target (the
-    one :func:`load` uses), nvcc processes in parallel threads; returns how many. Benchmarks
-    and sweeps call this first so that their timings measure kernels, not first-use compiles."""
+_NVCC_POOL: list[ThreadPoolExecutor] = []
+_NVCC_POOL_LOCK = threading.Lock()
+
+
+def _nvcc_pool() -> ThreadPoolExecutor:
+    """One pool of nvcc threads per process (compiles queued at exit still finish)."""
+    with _NVCC_POOL_LOCK:
+        if not _NVCC_POOL:
+            _NVCC_POOL.append(ThreadPoolExecutor(os.cpu_count() or 2,
+                                                 thread_name_prefix="pitgen-nvcc"))
+        return _NVCC_POOL[0]
+
+
+def compile_ahead(sources: Iterable[str]) -> list[Future]:
+    """Start compiling ``sources`` for this device's nvcc target (the one :func:`load` uses)
+    into the on-disk cubin cache, in background threads; returns their futures. A ``load`` of
+    one of them meanwhile waits for its compile (the cache's entry lock) instead of repeating
+    it. Callers that know their next kernels (the tuner) overlap nvcc with their GPU work."""
     target = compile_target(device_arch())   # in the caller's thread: its context is current
-    todo = list(dict.fromkeys(sources))
-    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        list(ex.map(lambda src: compile_source(src, target), todo))
-    return len(todo)
+    pool = _nvcc_pool()
+    return [pool.submit(compile_source, src, target) for src in dict.fromkeys(sources)]
+
+
+def precompile(sources: Iterable[str]) -> int:
+    """Compile ``sources`` as :func:`compile_ahead` does and wait for them; returns how many.
+    Benchmarks and sweeps call this first so that their timings measure kernels, not first-use
+    compiles. A compile error raises here."""
+    jobs = compile_ahead(sources)
+    for job in jobs:
+        job.result()
+    return len(jobs)
 
 
 def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:

@@ -183,6 +183,33 @@ def test_full_search_finds_the_optimum_and_never_repeats():
     assert res.trials == len(trials) == len(m.seen)
 
 
+def test_schedule_phases_are_prefetched_before_their_trials():
+    """A measure with prefetch() hears of each format's schedule phase (its best parameters,
+    the schedules not yet measured) before the phase's first trial, and never once the budget
+    is spent."""
+    clock = FakeClock()
+    m = fake_measure(clock, hyb_ms)
+    heard = []
+    m.prefetch = lambda cands: heard.append((len(m.seen), list(cands)))
+    trials = T.Search(space(), m, budget_s=1e9, clock=clock).run()
+    assert {cands[0].fmt for _, cands in heard} == set(T.FORMATS)
+    for before, cands in heard:
+        fmt, params = cands[0].fmt, cands[0].params
+        best = min((t for t in trials[:before] if t.fmt == fmt and t.status == "ok"),
+                   key=lambda t: t.ms)
+        assert all((c.fmt, c.params, c.phase) == (fmt, params, "schedule") for c in cands)
+        assert params == best.params
+        # none measured before the call; every one of them measured after it
+        assert not {c.ident for c in cands} & {c.ident for c in m.seen[:before]}
+        assert {c.ident for c in cands} <= {c.ident for c in m.seen[before:]}
+    # spent budget: the schedule phase is neither measured nor prefetched
+    clock, heard = FakeClock(), []
+    m = fake_measure(clock, hyb_ms)
+    m.prefetch = lambda cands: heard.append(cands)
+    trials = T.Search(space(), m, budget_s=0.35, clock=clock).run()
+    assert heard == [] and all(t.phase != "schedule" for t in trials)
+
+
 def test_budget_stops_refinements():
     clock = FakeClock()
     m = fake_measure(clock, hyb_ms, cost_s=1.0)

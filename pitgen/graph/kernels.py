@@ -196,6 +196,17 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
     return ctx
 
 
+def spmm_source(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None) -> str:
+    """The CUDA source that ``spmm(a, x, schedule)`` loads (``out`` left to the call): what a
+    caller that knows its next launches compiles ahead (``runtime.compile_ahead``)."""
+    m = _matrix(a)
+    check_tensor("x", x, (m.dtype,), 2, (m.shape[1], None))
+    feat = int(x.shape[1])
+    sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
+    ctx = spmm_context(m, sched, _vec_for(sched["vec"], feat, m.dtype, x), feat)
+    return (HYB_SPMM if m.fmt == "hyb" else SPMM).source(ctx)
+
+
 def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None,
          out: Any = None, spec: OpSpec | None = None) -> Any:
     """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import cache
 from ..errors import FileError, PitgenError, PlanError
+from ..runtime import compile_ahead
 from . import kernels as graph_ops
 from .device import DeviceCSR, to_format
 from .formats import BSR_BLOCKS, FORMATS
@@ -247,7 +248,8 @@ class Search:
     """Budgeted search: the default (parameters, schedule) of every format first, then the other
     parameters with the default schedule (formats round-robin, fastest first), then every
     schedule of each format's best parameters (fastest format first). The first trial always
-    runs; no trial starts once ``budget_s`` has passed."""
+    runs; no trial starts once ``budget_s`` has passed. A ``measure`` with a ``prefetch(cands)``
+    method hears of each format's schedule phase before its first trial (to compile ahead)."""
 
     def __init__(self, space: Space, measure: Callable[[TuneConfig], Trial], budget_s: float,
                  clock: Callable[[], float] = time.monotonic,
@@ -257,6 +259,7 @@ class Search:
         self.progress = progress
         self.trials: list[Trial] = []
         self._seen: set[tuple[str, str, str]] = set()
+        self._t0 = clock()
 
     def _best(self, fmt: str | None = None) -> Trial | None:
         ok = [t for t in self.trials if _usable(t) and (fmt is None or t.fmt == fmt)]
@@ -279,21 +282,28 @@ class Search:
             for f in list(queues):
                 if queues[f]:
                     yield queues[f].pop(0)
+        prefetch = getattr(self.measure, "prefetch", None)
         for f in self._ranked_formats():
             best = self._best(f)
             if best is None:
                 continue
-            for s in sp.schedules(f):
-                yield TuneConfig(f, best.params, s, "schedule")
+            cands = [TuneConfig(f, best.params, s, "schedule") for s in sp.schedules(f)]
+            if prefetch is not None and not self._spent():  # compile while the first ones time
+                prefetch([c for c in cands if c.ident not in self._seen])
+            yield from cands
+
+    def _spent(self) -> bool:
+        """The budget is over (never before the first measured trial)."""
+        return any(t.status != "skipped" for t in self.trials) \
+            and self.clock() - self._t0 >= self.budget_s
 
     def run(self) -> list[Trial]:
-        t0 = self.clock()
+        self._t0 = t0 = self.clock()
         for cand in self._phases():
             if cand.ident in self._seen:
                 continue
             self._seen.add(cand.ident)
-            if any(t.status != "skipped" for t in self.trials) \
-                    and self.clock() - t0 >= self.budget_s:
+            if self._spent():
                 break
             why = infeasible(cand.fmt, cand.params, self.space.stats)
             if why:
@@ -480,6 +490,22 @@ class _GpuMeasure:
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
         self.flush = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
         self._converted: dict[tuple[str, str], Any] = {}
+        #: conversion ms of a layout converted by prefetch, owed to its first trial
+        self._owed_ms: dict[tuple[str, str], float] = {}
+
+    def prefetch(self, cands: Sequence[TuneConfig]) -> None:
+        """Start nvcc on the SpMM kernels of ``cands`` (schedules of one format's parameters,
+        hence one layout) in background threads, so that the phase's trials time kernels while
+        the later ones compile. Any failure here is left to the trials, which log it."""
+        if self.op != "spmm" or not cands:
+            return
+        try:
+            m, ms = self._convert(cands[0])   # the phase's one layout, timed for its first trial
+            if ms is not None:
+                self._owed_ms[cands[0].conversion] = ms
+            compile_ahead(graph_ops.spmm_source(m, self.args[0], c.schedule) for c in cands)
+        except (PitgenError, RuntimeError):  # RuntimeError: torch's out of memory
+            return
 
     def _convert(self, c: TuneConfig) -> tuple[Any, float | None]:
         """Converts on a private DeviceCSR over the same buffers: to_format's cache on the
@@ -509,6 +535,8 @@ class _GpuMeasure:
         torch = self.torch
         try:
             m, conv_ms = self._convert(c)
+            if conv_ms is None:
+                conv_ms = self._owed_ms.pop(c.conversion, None)
             self._run(m, c.schedule)  # compiles (cached on disk) and warms up
             torch.cuda.synchronize()
         except PitgenError as e:
