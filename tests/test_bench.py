@@ -40,6 +40,35 @@ def test_matmul_traffic_by_granularity():
     assert matmul.traffic(0, 0, (32, 1), m, k, n, e) == (m * n * e, 0)
 
 
+
+def test_matmul_floor_judges_the_chosen_plan():
+    """A dense choice is judged against dense cuBLAS; a micro-tile choice against its own
+    units (here 64x1 units over a 32x1 mask: twice the rows per unit, half the units' B rows)."""
+    import numpy as np
+    mask = np.zeros((256, 128), dtype=bool)
+    mask[:32, 5] = True                        # one 32x1 unit
+    mask[64:96, 7] = True                      # another, in the same 64-row stripe as none
+    assert matmul.floor(mask, 64, 2, "dense", (64, 32), 0.2, 1e9, 1e9) == {"tensor": 0.2}
+    f32 = matmul.floor(mask, 64, 2, "micro", (32, 1), 1.0, 1e6, 1e6)
+    f64 = matmul.floor(mask, 64, 2, "micro", (64, 1), 1.0, 1e6, 1e6)
+    assert f32["tensor"] == pytest.approx(2 / (8 * 128)) and f64["tensor"] == pytest.approx(
+        2 / (4 * 128))
+    assert f32["gather"] == f64["gather"] == pytest.approx(2 * 64 * 2 / 1e6)
+    assert f32["hbm"] == pytest.approx((2 * 32 * 2 + 2 * 64 * 2 + 256 * 64 * 2) / 1e6)
+
+
+def nvcc_jobs(pool):
+    """The gather probe (pitgen/bench/probe.py) for sm_80 and sm_90a, at a slab width each."""
+    from pitgen import compiler
+    from pitgen.bench.probe import LOADS, PROBE
+    return [pool.submit(compiler.compile_source, PROBE.source({"piece": piece, "loads": LOADS}),
+                        arch) for piece, arch in ((256, "sm_80"), (128, "sm_90a"))]
+
+
+@pytest.mark.nvcc
+def test_gather_probe_compiles(nvcc):
+    assert all(len(job.result()) > 1000 for job in nvcc_jobs(nvcc))
+
 # -- report ------------------------------------------------------------------------------------
 
 def test_number_formats():

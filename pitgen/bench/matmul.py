@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .report import fmt, fmt_e, md_table, rel_err, write_json
 
@@ -40,6 +40,24 @@ def traffic(nonzero_units: int, active_k: int, unit: tuple[int, int], m: int, k:
     return hbm, gathered
 
 
+def floor(mask: Any, n: int, elem: int, kind: str, shape: tuple[int, ...], dense_ms: float,
+          copy_rate: float, gather_rate: float) -> dict[str, float]:
+    """The floors (ms) of the plan that runs, over its units of ``shape`` in the host ``mask`` of
+    A (B has ``n`` columns of ``elem`` bytes): tensor share of dense time, compulsory HBM bytes
+    at ``copy_rate``, gathered B rows at ``gather_rate`` (rates in bytes per ms). A dense plan's
+    floor is dense cuBLAS time: the chosen algorithm is what a floor judges."""
+    from ..index import tile_grid
+
+    if kind == "dense":
+        return {"tensor": dense_ms}
+    m, k = mask.shape
+    unit = (min(shape[0], m), min(shape[1], k))
+    grid = tile_grid(mask, unit)
+    hbm, gathered = traffic(int(grid.sum()), int(grid.any(0).sum()), unit, m, k, n, elem)
+    return {"tensor": float(grid.mean()) * dense_ms, "hbm": hbm / copy_rate,
+            "gather": gathered / gather_rate}
+
+
 def compile_times(micro: str) -> dict:
     """First compile (empty cache) and cached load, each in a new process."""
     code = (f"import time, torch, pitgen; A = torch.randn(256, 256, device='cuda', "
@@ -58,9 +76,8 @@ def run(r: Run) -> int:
 
     import pitgen
 
-    from ..index import tile_grid
     from .report import Progress
-    from .timing import gather_rate
+    from .probe import gather_rate
     from .workloads import block_mask
 
     n, timer, quick = r.args.size, r.timer, r.args.quick
@@ -74,7 +91,8 @@ def run(r: Run) -> int:
     dst = torch.empty_like(a0)
     copy_ms = timer(lambda: dst.copy_(a0))
     copy_rate = 2 * a0.nbytes / copy_ms               # bytes read + written per ms
-    gather = gather_rate(timer, b, 8 * n)             # B's rows, each ~8 times
+    gather = gather_rate(timer, b, 8 * n)             # B's rows, each ~8 times, in
+    #                                                   256-byte slabs
     progress = Progress(len(grans) * len(sps))
     rows = []
     for gran in grans:
@@ -85,12 +103,7 @@ def run(r: Run) -> int:
             a = a0 * mask.to(a0.dtype)
             ref = a.float() @ b.float()
             ideal = (1 - sp / 100) * dense_ms
-            grid = tile_grid(mask.cpu().numpy(), unit)
-            hbm, gathered = traffic(int(grid.sum()), int(grid.any(0).sum()), unit, n, n, n,
-                                    a0.element_size())
-            floors = {"tensor": float(grid.mean()) * dense_ms,
-                      "hbm": hbm / copy_rate, "gather": gathered / gather}
-            bound = max(floors, key=floors.get)
+            host_mask = mask.cpu().numpy()
             for micro in (gran, "auto"):
                 kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro)
                 out = torch.empty(n, n, device="cuda", dtype=torch.float16)
@@ -100,6 +113,9 @@ def run(r: Run) -> int:
                 compute_ms = timer(lambda: call.compute(None))
                 total = timer.both(lambda: kern(a, b, out=out), calls=50)
                 c = kern.plan.choice
+                floors = floor(host_mask, n, a0.element_size(), c.kind, c.shape, dense_ms,
+                               copy_rate, gather)
+                bound = max(floors, key=floors.get)
                 rows.append({
                     "granularity": gran, "sparsity": sp, "micro_tile": micro,
                     "choice": f"{c.kind} {'x'.join(map(str, c.shape))}", "index_ms": index_ms,
@@ -122,12 +138,13 @@ def run(r: Run) -> int:
     lines = [f"# Sparse matmul, fp16, {n}^3, {meta['device']}", "",
              f"dense cuBLAS {dense_ms:.4f} ms ({meta['dense_tflops']:.0f} TFLOP/s); copy of A "
              f"{copy_ms:.4f} ms ({copy_rate / 1e9:.2f} TB/s); gather of B's rows "
-             f"{gather / 1e9:.2f} TB/s (embedding_bag, each row ~8 times); first compile "
+             f"{gather / 1e9:.2f} TB/s (pitgen's probe, 256-byte slabs, each row ~8 times); first compile "
              f"{meta['first_compile_s']:.2f} s, cached load {meta['cached_load_s']:.3f} s; torch "
              f"{meta['torch']}, CUDA {meta['cuda']}; median of {timer.repeats}, L2 flushed; "
-             "host time per call measured apart (eager, back to back). Floor = the largest "
-             "of: the non-zero units' share of dense time (tensor), compulsory bytes at the "
-             "copy rate (hbm), B rows gathered per unit at the gather rate (gather)", ""]
+             "host time per call measured apart (eager, back to back). Floor of the chosen plan's "
+             "algorithm = the largest of: its non-zero units' share of dense time (tensor), "
+             "compulsory bytes at the copy rate (hbm), B rows gathered per unit at the gather "
+             "rate (gather); a dense choice's floor is dense cuBLAS", ""]
     lines += md_table(
         ["granularity", "sparsity", "micro_tile", "choice", "index ms", "compute ms", "total ms",
          "dense / total", "total / ideal", "floor ms (bound)", "total / floor", "index / copy",

@@ -146,20 +146,6 @@ def _copy_rate(timer: Timer, nbytes: int) -> float:
     return 2 * nbytes / timer(lambda: dst.copy_(src))
 
 
-def gather_rate(timer: Timer, source: Any, rows: int, bag: int = 64) -> float:
-    """Bytes per ms of gathering ``rows`` random rows of the 2-D ``source`` (each of its rows
-    about ``rows / len(source)`` times: after the first touch from HBM the rest come from L2,
-    as a sparse kernel's re-read operand does) and summing them ``bag`` at a time, so that
-    reads, not the output's writes, are timed: ``torch.nn.functional.embedding_bag``."""
-    import torch
-
-    g = torch.Generator(device=source.device).manual_seed(1)
-    idx = torch.randint(0, source.shape[0], (rows,), device=source.device, generator=g)
-    offsets = torch.arange(0, rows, bag, device=source.device)
-    ms = timer(lambda: torch.nn.functional.embedding_bag(idx, source, offsets, mode="sum"))
-    return rows * source.shape[1] * source.element_size() / ms
-
-
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
