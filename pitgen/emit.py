@@ -350,7 +350,7 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
         "tk": first.plan_shape[form.a_dims[1]] if g.a_mode == "rows" else 0,
         "index_kernel": f"{e.name}_index",
         # tiles one block of the index kernel tests, as pitgen.ops.matmul.Launcher launches it
-        "index_per_block": 256 if ix.kind == "micro" and ix.strategy == "thread" else 8,
+        "index_per_block": ix.per_block,
         "strides": _stride_names(op, form),
         "variants": variants,
     }

@@ -126,6 +126,12 @@ class IndexSpec:
     vec: int = 1  # block: elements per 16-byte test where the layout allows (checked at run time)
     id_block: int = 0  # micro: ids listed per run of this many (rows: the GEMM's row block)
 
+    @property
+    def per_block(self) -> int:
+        """Tiles one 256-thread index CTA tests: a thread each, a warp each, or (blocks) all
+        of it for one."""
+        return 1 if self.kind == "block" else 256 if self.strategy == "thread" else 8
+
 
 @dataclass(frozen=True)
 class ModuleSpec:
@@ -444,8 +450,7 @@ def geometry(spec: ModuleSpec, layout: Layout, sms: int = 132) -> Geometry:
             ids = cap
         if lines > GRID_Y_MAX:
             raise PlanError(f"{lines} tile groups exceed the grid limit {GRID_Y_MAX}")
-        per_block = 256 if ix.kind == "micro" and ix.strategy == "thread" else 8  # tiles a block tests
-        index_grid = ((ids + per_block - 1) // per_block, lines)
+        index_grid = ((ids + ix.per_block - 1) // ix.per_block, lines)
     grid: tuple[int, ...] = ((N + g.bn - 1) // g.bn, grid_m)
     if g.mainloop == "wgmma":
         grid = (max(1, min(grid[0] * grid[1], sms)), 1)
