@@ -238,8 +238,17 @@ pit_matmul_a_f16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / WN, warp_n = warp % WN;
-    const int n0 = blockIdx.x * BN;
-    const int mt = blockIdx.y;
+    // Tiles in groups of GN n-tiles x every m-tile, in launch order (x fastest): the CTAs
+    // resident at once share one slab of B' (GN * BN columns over all of K, about 8 MB) that
+    // stays in L2 while every m-tile's listed k rows multiply it. Taken m-tile by m-tile, each
+    // m-tile re-read its k rows of all of B', from HBM once B' outgrows L2.
+    const int tiles_n = gridDim.x, tiles_m = gridDim.y;
+    const long long slab = (long long)max(p.K, 1) * BN * (long long)sizeof(elem_t);
+    const int GN = (int)max(1LL, min((long long)tiles_n, (8LL << 20) / slab));
+    const int lin = blockIdx.y * tiles_n + blockIdx.x, per_group = GN * tiles_m;
+    const int g0 = (lin / per_group) * GN, cols = min(GN, tiles_n - g0), r_in = lin % per_group;
+    const int n0 = (g0 + r_in % cols) * BN;
+    const int mt = r_in / cols;
     const int m0 = mt * BM;
     const int cnt = p.counts[mt];
     const int iters = (cnt + BK - 1) / BK;
@@ -554,8 +563,17 @@ pit_matmul_a_f16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / WN, warp_n = warp % WN;
-    const int n0 = blockIdx.x * BN;
-    const int mt = blockIdx.y;
+    // Tiles in groups of GN n-tiles x every m-tile, in launch order (x fastest): the CTAs
+    // resident at once share one slab of B' (GN * BN columns over all of K, about 8 MB) that
+    // stays in L2 while every m-tile's listed k rows multiply it. Taken m-tile by m-tile, each
+    // m-tile re-read its k rows of all of B', from HBM once B' outgrows L2.
+    const int tiles_n = gridDim.x, tiles_m = gridDim.y;
+    const long long slab = (long long)max(p.K, 1) * BN * (long long)sizeof(elem_t);
+    const int GN = (int)max(1LL, min((long long)tiles_n, (8LL << 20) / slab));
+    const int lin = blockIdx.y * tiles_n + blockIdx.x, per_group = GN * tiles_m;
+    const int g0 = (lin / per_group) * GN, cols = min(GN, tiles_n - g0), r_in = lin % per_group;
+    const int n0 = (g0 + r_in % cols) * BN;
+    const int mt = r_in / cols;
     const int m0 = mt * BM;
     const int cnt = p.counts[mt];
     const int iters = (cnt + BK - 1) / BK;
