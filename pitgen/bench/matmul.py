@@ -91,8 +91,7 @@ def run(r: Run) -> int:
     dst = torch.empty_like(a0)
     copy_ms = timer(lambda: dst.copy_(a0))
     copy_rate = 2 * a0.nbytes / copy_ms               # bytes read + written per ms
-    gather = gather_rate(timer, b, 8 * n)             # B's rows, each ~8 times, in
-    #                                                   256-byte slabs
+    gather = gather_rate(timer, b, 8 * n)   # B's rows, each ~8 times, 256-byte slabs of 8 MB
     progress = Progress(len(grans) * len(sps))
     rows = []
     for gran in grans:
@@ -138,7 +137,7 @@ def run(r: Run) -> int:
     lines = [f"# Sparse matmul, fp16, {n}^3, {meta['device']}", "",
              f"dense cuBLAS {dense_ms:.4f} ms ({meta['dense_tflops']:.0f} TFLOP/s); copy of A "
              f"{copy_ms:.4f} ms ({copy_rate / 1e9:.2f} TB/s); gather of B's rows "
-             f"{gather / 1e9:.2f} TB/s (pitgen's probe, 256-byte slabs, each row ~8 times); first compile "
+             f"{gather / 1e9:.2f} TB/s (pitgen's probe: 256-byte slabs of random rows, each ~8 times, within an 8 MB slab of B); first compile "
              f"{meta['first_compile_s']:.2f} s, cached load {meta['cached_load_s']:.3f} s; torch "
              f"{meta['torch']}, CUDA {meta['cuda']}; median of {timer.repeats}, L2 flushed; "
              "host time per call measured apart (eager, back to back). Floor of the chosen plan's "

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..opspec import OpSpec, Permutation
 
-PROBE = OpSpec("gather probe", "probe.cu.j2", {"pit_gather_probe": "PPiiiP"},
+PROBE = OpSpec("gather probe", "probe.cu.j2", {"pit_gather_probe": "PPiiiiP"},
                (Permutation("B rows", "C[m,n] += A[m,k] * B[k,n]", "reduction", "B"),),
                ("float16", "bfloat16", "float32"))
 #: Pieces in flight per lane; enough to cover L2 latency at one CTA of 256 threads per 2 KB.
@@ -17,27 +17,35 @@ LOADS = 4
 THREADS = 256
 
 
-def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256) -> float:
+def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256,
+                window: int = 8 << 20) -> float:
     """Bytes per ms of reading ``rows`` random rows of the 2-D ``source`` (each of its rows
-    about ``rows / len(source)`` times, so after the first touch from HBM the rest come from L2)
-    in ``piece``-byte slabs (a multiple of 16 dividing 512 and the row's bytes)."""
+    about ``rows / len(source)`` times) in ``piece``-byte slabs (a multiple of 16 dividing
+    512), over its first columns up to ``window`` bytes in all: the slab of B' that the tile
+    kernels' CTAs share in L2, so after the first touch the reads come from L2, as theirs do."""
     import torch
 
     from ..runtime import TorchLaunch, device_sms
 
-    row_bytes = source.shape[1] * source.element_size()
-    if piece % 16 or 512 % piece or row_bytes % piece:
-        raise ValueError(f"piece {piece} B must be a multiple of 16 dividing 512 and the "
-                         f"row's {row_bytes} B")
+    if piece % 16 or 512 % piece:
+        raise ValueError(f"piece {piece} B must be a multiple of 16 dividing 512")
+    elem, n_rows = source.element_size(), source.shape[0]
+    if source.stride(1) != 1 or (source.stride(0) * elem) % 16 or source.data_ptr() % 16:
+        raise ValueError("the probe reads 16-byte vectors of rows: contiguous, aligned rows")
+    row_bytes = source.shape[1] * elem
+    width = max(piece, min(row_bytes, window // max(n_rows, 1)) // piece * piece)
+    if width > row_bytes:
+        raise ValueError(f"rows of {row_bytes} B are narrower than one {piece}-byte slab")
     g = torch.Generator(device=source.device).manual_seed(1)
-    ids = torch.randint(0, source.shape[0], (rows,), device=source.device, generator=g,
+    ids = torch.randint(0, n_rows, (rows,), device=source.device, generator=g,
                         dtype=torch.int32)
     sink = torch.zeros(1, dtype=torch.int32, device=source.device)
     mod = PROBE.module({"piece": piece, "loads": LOADS})
     grid = (8 * device_sms(),)
+    stride_vecs = source.stride(0) * elem // 16
 
     def probe() -> None:
         with TorchLaunch() as tl:
             mod.launch("pit_gather_probe", grid, (THREADS,), tl.stream, source.data_ptr(),
-                       ids.data_ptr(), rows, source.shape[0], row_bytes // 16, sink.data_ptr())
-    return rows * row_bytes / timer(probe)
+                       ids.data_ptr(), rows, n_rows, width // 16, stride_vecs, sink.data_ptr())
+    return rows * width / timer(probe)
