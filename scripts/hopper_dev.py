@@ -5,6 +5,8 @@ then GPU times of both against cuBLAS (pitgen.bench.timing.Timer). Prints one ta
     python3 scripts/hopper_dev.py --speed    times only
     python3 scripts/hopper_dev.py --once     one launch per wgmma variant (compute-sanitizer)
     python3 scripts/hopper_dev.py --profile  the 90% 128x128-block case twice (ncu)
+    --bn128: also time the wgmma kernel with BN 128 (and the stages that fit); --only=MICRO: time
+    only the cases of one granularity (e.g. --only=128x128)
 """
 from __future__ import annotations
 
@@ -99,9 +101,13 @@ def main() -> int:
             b = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
             dense = timer(lambda: torch.mm(a0, b))
             print(f"{n}^3 {dt} cuBLAS {dense:.4f} ms ({2 * n ** 3 / dense / 1e9:.0f} TFLOP/s)")
+            only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
             for micro, dens in (("dense", 1.0), ("128x128", 0.5), ("128x128", 0.1),
                                 ("128x1", 0.1), ("64x1", 0.1)):
-                for ml in ("wgmma", "mma_sync"):
+                if only and micro not in only:
+                    continue
+                for ml in ("wgmma", "mma_sync") + (("wgmma_bn128",) if "--bn128" in sys.argv
+                                                   else ()):
                     saved, hop = lower.WGMMA_ARCHS, lower._hopper
                     if ml == "mma_sync":
                         lower.WGMMA_ARCHS = ()

@@ -83,7 +83,8 @@ HOPPER_VARIANTS = [(d, f, k) for i, d in enumerate(("float16", "bfloat16"))
                    if (i + j + n) % 2 == 0]
 
 
-def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = False):
+def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = False,
+                   density: float | None = None):
     expr, sparse = FORMS[form_name]
     op = pitgen.parse(expr)
     f = gemm_form(op, sparse)
@@ -93,7 +94,7 @@ def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = Fal
         s[f.a_dims[0]], s[f.a_dims[1]] = 128, 128
         shape = tuple(s)
     return lower(op, sparse, kind, None, shape, dtype, _layout(op, f, 200, 520, 264),
-                 accumulate=accumulate, arch="sm_90")
+                 accumulate=accumulate, arch="sm_90", density=density)
 
 
 def test_hopper_devices_get_wgmma_where_the_plan_allows():
@@ -120,6 +121,20 @@ def test_hopper_devices_get_wgmma_where_the_plan_allows():
                                    schedule=Schedule(bn=64)),
     }
     assert {why: s.gemm.mainloop for why, s in keep.items()} == dict.fromkeys(keep, "mma_sync")
+
+
+def test_sparse_block_plans_take_the_narrow_wgmma_tile():
+    """BN 128 (more stages) for block plans measured at most NARROW_BLOCK_DENSITY dense; BN 256
+    for denser ones, unmeasured ones and dense plans."""
+    from pitgen.lower import NARROW_BLOCK_DENSITY as d
+    bn = {(kind, density): hopper_variant("float16", "AB", kind, density=density).gemm
+          for kind in HOPPER_KINDS for density in (0.05, d, 0.5, None)}
+    assert {k: (g.bn, g.mainloop) for k, g in bn.items()} == {
+        ("block", 0.05): (128, "wgmma"), ("block", d): (128, "wgmma"),
+        ("block", 0.5): (256, "wgmma"), ("block", None): (256, "wgmma"),
+        ("dense", 0.05): (256, "wgmma"), ("dense", d): (256, "wgmma"),
+        ("dense", 0.5): (256, "wgmma"), ("dense", None): (256, "wgmma")}
+    assert bn["block", 0.05].stages > bn["block", 0.5].stages
 
 
 def test_wgmma_grid_is_persistent():
@@ -226,7 +241,7 @@ def _compiles() -> dict[tuple, tuple[str, tuple[str, ...]]]:
 @functools.cache
 def _hopper_sources() -> tuple[str, ...]:
     """Each wgmma variant's source (every other one accumulating into C); sm_90a only."""
-    return tuple(render(hopper_variant(*v, accumulate=bool(i % 2)))
+    return tuple(render(hopper_variant(*v, accumulate=bool(i % 2), density=(0.1, None)[i // 2 % 2]))
                  for i, v in enumerate(HOPPER_VARIANTS))
 
 

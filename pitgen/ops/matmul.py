@@ -38,7 +38,7 @@ class Launcher:
     """
 
     def __init__(self, op: Operator, form: GemmForm,
-                 choices: list[tuple[str, str | None, tuple[int, ...]]], dtype: str,
+                 choices: list[tuple], dtype: str,
                  ops: dict[str, Operand],
                  out: Operand | None, accumulate: bool, schedule: Schedule = Schedule(),
                  vendor_dense: bool = True, mask: Operand | None = None):
@@ -352,7 +352,8 @@ class SparseKernel:
             if isinstance(self.micro_tile, str) and self.micro_tile == "auto":
                 order += [c for c in plan.candidates if c != plan.choice]  # dense is among them
             launcher = Launcher(self.operator, self.form,
-                                [(c.kind, c.axis, c.shape) for c in order], self.dtype, ops,
+                                [(c.kind, c.axis, c.shape, plan.density(c)) for c in order],
+                                self.dtype, ops,
                                 c_op, accumulate, self._schedule(plan),
                                 vendor_dense=self.vendor_dense, mask=m_op)
             if launcher.choice:
