@@ -98,10 +98,9 @@ class Launcher:
         lay, g = self.layout, self.spec.gemm
         #: the tile kernel's size arguments
         self.sizes = (M, N, K, *lay.sa, *lay.sb, *lay.sc, self.geo.tk)
-        #: int32 words of the index (counts, ids, and the wgmma kernel's m-tile order and
-        #: the counts in that order)
+        #: int32 words of the index (counts, ids, and the wgmma kernel's m-tile order)
         n = self.geo.groups
-        self.index_words = n + n * self.geo.cap + (2 * n if g.mainloop == "wgmma" else 0)
+        self.index_words = n + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
         #: per stream handle: index buffers that calls on that stream reuse (stream order
         #: keeps one call's index build behind the previous call's tile kernel)
         self._scratch: dict[tuple[int, str], Any] = {}
