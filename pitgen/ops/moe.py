@@ -23,7 +23,7 @@ from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, memset_d32
+from ..runtime import TorchLaunch, memset_d32, stream_counters
 from . import lazy_torch_classes
 from .library import ops, tracing
 
@@ -37,7 +37,7 @@ GEMM2 = "Y[t,o] += I[t,f] * W2[f,o]"
 MOE = OpSpec(
     "moe", "moe.cu.j2",
     # PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2
-    {"moe_count": "PiiPP", "moe_scan": "PiiPPPP", "moe_place": "PPPiiP",
+    {"moe_route": "PiiiPPPPPPP", "moe_place": "PPPiiPPi",
      "moe_gemm1": "PPPPPPPPPiiiii", "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq"},
     permutes=(
         # tokens gathered into per-expert row blocks (SRead), any order within an expert ...
@@ -101,7 +101,7 @@ class MoEPlan:
         """Template context of moe.cu.j2."""
         return {"dtype": self.dtype, "activation": self.activation, "id_type": self.id_type,
                 "bm": self.bm, "bn": self.bn, "bk": self.bk, "wm": self.wm, "wn": self.wn,
-                "stages": self.stages, "vec": self.vec}
+                "stages": self.stages, "vec": self.vec, "route_threads": INDEX_THREADS}
 
 
 def block_m(pairs: int, experts: int) -> int:
@@ -175,11 +175,12 @@ class _Launch:
     memory, and one scratch allocation laid out as the routing index's int32 words (counts,
     rank, offsets, row_pair, tile_e, tile_r, ntiles), the intermediate [pairs, F] and, for
     topk > 1, the fp32 sums [T, H], each at a 128-byte boundary. A steady-state call allocates
-    y and the scratch, clears three ranges with driver memsets (counts 0, row_pair -1, the
-    sums or y 0) and makes five or six launches: nothing else (issue 16's host time)."""
+    y and the scratch and makes four launches (routing, placing, the two expert GEMMs; top-k > 1:
+    a driver memset of the fp32 sums first and a finishing pass last): nothing else (issue 16's
+    host time). The routing counters live apart, per stream, zero between launches."""
 
-    __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "count",
-                 "scan", "place", "gemm1", "gemm2", "finish")
+    __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "route_index",
+                 "place", "gemm1", "gemm2", "finish")
 
     def __init__(self, plan: MoEPlan) -> None:
         kernels = MOE.module(plan)
@@ -194,23 +195,24 @@ class _Launch:
         ints, inter = _round(4 * self.words), _round(P * F * self.esize)
         self.bytes = (ints, inter, 0 if self.direct else T * H * 4)
         index, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
-        self.count = kernels.bind("moe_count", index, block)
-        self.scan = kernels.bind("moe_scan", (1, 1, 1), (1024, 1, 1))
+        self.route_index = kernels.bind("moe_route", index, block)
         self.place = kernels.bind("moe_place", index, block)
         self.gemm1 = kernels.bind("moe_gemm1", plan.gemm_grid(F), (plan.threads, 1, 1), plan.smem)
         self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), (plan.threads, 1, 1), plan.smem)
         self.finish = None if self.direct else kernels.bind(
             "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
 
-    def route(self, stream: int, ids: int, base: int) -> tuple[int, ...]:
-        """Enqueue the routing index build into the words at ``base``; their addresses."""
+    def route(self, stream: int, ids: int, base: int, device: Any, y: int = 0) -> tuple[int, ...]:
+        """Enqueue the routing index build into the words at ``base``; their addresses. ``y``
+        (top-1): the output, whose rows of tokens with an out-of-range id are zeroed."""
         plan = self.plan
         counts, rank, offsets, row_pair, tile_e, tile_r, ntiles = (base + o for o in self.offsets)
-        memset_d32(counts, 0, plan.experts, stream)
-        memset_d32(row_pair, 0xFFFFFFFF, self.sizes[3], stream)
-        self.count(stream, ids, plan.pairs, plan.experts, counts, rank)
-        self.scan(stream, counts, plan.experts, plan.max_tiles, offsets, tile_e, tile_r, ntiles)
-        self.place(stream, ids, rank, offsets, plan.pairs, plan.experts, row_pair)
+        pending = stream_counters(_PENDING.setdefault(device.index, {}), stream,
+                                  plan.experts + 1, device).data_ptr()
+        self.route_index(stream, ids, plan.pairs, plan.experts, plan.max_tiles, pending, counts,
+                         rank, offsets, tile_e, tile_r, ntiles)
+        self.place(stream, ids, rank, offsets, plan.pairs, plan.experts, row_pair, y,
+                   plan.hidden)
         return counts, rank, offsets, row_pair, tile_e, tile_r, ntiles
 
     def __call__(self, x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any,
@@ -227,11 +229,10 @@ class _Launch:
         ws = y.data_ptr() if self.direct else base + ints + inter
         with TorchLaunch() as launch:
             s = launch.stream
-            # zeros where no valid pair adds (direct: y itself, whole 32-bit words as H is even;
-            # else the fp32 sums)
-            memset_d32(ws, 0, T * H * (self.esize if self.direct else 4) // 4, s)
+            if not self.direct:  # the fp32 sums the experts add into start at zero
+                memset_d32(ws, 0, T * H, s)
             _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
-                s, expert_ids.data_ptr(), base)
+                s, expert_ids.data_ptr(), base, x.device, y.data_ptr() if self.direct else 0)
             idx = (row_pair, tile_e, tile_r, offsets, ntiles)
             self.gemm1(s, x.data_ptr(), w1.data_ptr(), 0 if b1 is None else b1.data_ptr(),
                        base + ints, *idx, T, topk, E, H, F)
@@ -241,6 +242,10 @@ class _Launch:
                 self.finish(s, ws, y.data_ptr(), np.int64(T * H))
         return y
 
+
+#: device index -> runtime.stream_counters cache of moe_route's expert counters and done
+#: counter (the kernel zeroes them again after use)
+_PENDING = cache.memo("moe.pending")
 
 #: MoEPlan -> its _Launch
 _LAUNCHES = cache.memo("moe.launches")
@@ -265,7 +270,7 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
     run = _launcher(plan)
     ints = torch.empty(run.words, dtype=torch.int32, device=expert_ids.device)
     with TorchLaunch() as launch:
-        run.route(launch.stream, expert_ids.data_ptr(), ints.data_ptr())
+        run.route(launch.stream, expert_ids.data_ptr(), ints.data_ptr(), expert_ids.device)
     counts, _, offsets, row_pair, tile_e, tile_r, ntiles = torch.split(ints, run.sizes)
     return Routing(counts, offsets, row_pair, tile_e, tile_r), ntiles
 
