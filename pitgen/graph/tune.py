@@ -607,8 +607,3 @@ def lookup(a: Any, op: str, feat: int, dtype: str, formats: Sequence[str] = FORM
     key = tune_key(op, feat, dtype, device or _device_name(), stats, formats)
     return load(key)
 
-
-def best(a: Any, op: str, feat: int, dtype: str, budget_s: float = 10,
-         formats: Sequence[str] = FORMATS) -> TuneResult:
-    """The cached choice for matrices like ``a``, else a search of ``budget_s`` (stored)."""
-    return lookup(a, op, feat, dtype, formats) or tune(a, op, feat, dtype, budget_s, formats)
