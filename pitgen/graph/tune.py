@@ -109,10 +109,9 @@ def tune_key(op: str, feat: int, dtype: str, device: str, stats: GraphStats,
 def tune_cache_dir() -> Path:
     """``$PITGEN_TUNE_CACHE`` or ``<pitgen cache>/tune``; :class:`FileError` when it cannot be
     created."""
-    root = os.environ.get("PITGEN_TUNE_CACHE")
-    if not root:
+    if not os.environ.get("PITGEN_TUNE_CACHE"):
         return cache.directory("tune")
-    return cache.make_directory(Path(root), "the tune cache", "PITGEN_TUNE_CACHE")
+    return cache.make_directory(cache.area_path("tune"), "the tune cache", "PITGEN_TUNE_CACHE")
 
 
 def cache_path(key: Mapping[str, Any]) -> Path:
