@@ -243,3 +243,65 @@ def clear() -> None:
             c.cache_clear()
         else:
             c.clear()
+
+
+# -- the on-disk areas (``pitgen cache info|clear``) --------------------------------------------
+
+#: What the cache directory holds: compiled kernels (cubins and the nvcc memo, the root's
+#: entry files), graph tuning results, generated graphs.
+AREAS = ("kernels", "tune", "graphs")
+
+
+def area_path(area: str) -> Path:
+    """Where ``area`` lives (not created): kernels at the root, tune in ``$PITGEN_TUNE_CACHE``
+    or ``<root>/tune``, graphs in ``<root>/graphs``; FileError for an unknown area."""
+    if area == "kernels":
+        return _root(None)
+    if area == "tune":
+        env = os.environ.get("PITGEN_TUNE_CACHE")
+        return Path(env) if env else _root("tune")
+    if area == "graphs":
+        return _root("graphs")
+    raise FileError(f"unknown cache area {area!r}; the areas are {', '.join(AREAS)}")
+
+
+def _area_files(area: str) -> list[Path]:
+    """The files of ``area``: the root's files for kernels (not its subfolders), every file
+    below the folder otherwise; none when the folder is missing."""
+    path = area_path(area)
+    if not path.is_dir():
+        return []
+    if area == "kernels":
+        return [p for p in path.iterdir() if p.is_file()]
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+def disk_usage() -> dict[str, dict[str, Any]]:
+    """Each on-disk area's folder, number of files and bytes (nothing is created)."""
+    out = {}
+    for area in AREAS:
+        files = _area_files(area)
+        size = 0
+        for p in files:
+            with contextlib.suppress(OSError):  # removed meanwhile by another process
+                size += p.stat().st_size
+        out[area] = {"path": str(area_path(area)), "files": len(files), "bytes": size}
+    return out
+
+
+def disk_clear(areas: tuple[str, ...] = AREAS) -> dict[str, int]:
+    """Remove the files of ``areas`` (their folders stay); the number removed per area.
+    Entries are rebuilt on demand (kernels recompiled, graphs generated, tuned results
+    searched again only when asked). A file that cannot be removed is a FileError."""
+    removed = {}
+    for area in areas:
+        files = _area_files(area)
+        for p in files:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise FileError(f"cannot remove {p}: {e.strerror or e}") from None
+        removed[area] = len(files)
+    return removed

@@ -23,11 +23,12 @@ import numpy as np
 from .emit import ARCH_SMEM, CATALOGUE, DEFAULT_ARCH, DEFAULT_DTYPE, Progress, Request, compile_objects, emit_all, jobs, listing, write
 from .errors import DeviceError, FileError, PitgenError
 from .expr import parse
-from . import graphs
+from . import cache, graphs
 from .graph.device import VALUE_DTYPES, DeviceCSR
 from .graph.formats import FORMATS, load_graph
 from .graph.kernels import OPS
-from .graph.tune import tune
+from .graph.model import decide
+from .graph.tune import GraphStats, tune
 from .lower import DTYPES
 from .planner import make_plan
 from .rules import analyse
@@ -131,6 +132,9 @@ def _tune(args: argparse.Namespace) -> None:
 
     except ImportError as e:
         raise DeviceError(f"pitgen tune runs on the GPU and needs torch: {e}") from None
+    stats = GraphStats.from_lengths(np.diff(np.asarray(csr.indptr, np.int64)), csr.shape[1])
+    _say(f"tune: the cost model (format='auto' without a search) picks "
+         f"{decide(stats, args.op, args.feat, args.dtype, args.formats).summary()}")
     a = DeviceCSR.from_host(csr, args.dtype)
     _say(f"tune: searching {args.op} (feat {args.feat}, {args.dtype}) over "
          f"{','.join(args.formats)} for up to {args.budget:g} s ...")
@@ -199,6 +203,34 @@ def _formats(text: str) -> list[str]:
         what = f"unknown format(s) {', '.join(map(repr, bad))}" if bad else "no format given"
         raise argparse.ArgumentTypeError(f"{what}; choose from {','.join(FORMATS)}")
     return items
+
+
+def _areas(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated cache areas of ``pitgen cache``, each one checked."""
+    items = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    bad = [a for a in items if a not in cache.AREAS]
+    if bad or not items:
+        what = f"unknown area(s) {', '.join(map(repr, bad))}" if bad else "no area given"
+        raise argparse.ArgumentTypeError(f"{what}; choose from {','.join(cache.AREAS)}")
+    return items
+
+
+def _cache(args: argparse.Namespace) -> None:
+    """``info``: each area's folder, files and size; ``clear``: remove them (folders stay)."""
+    if args.action == "clear":
+        removed = cache.disk_clear(args.only)
+        if args.json:
+            print(json.dumps({"removed": removed}, indent=2))
+            return
+        for area, n in removed.items():
+            print(f"{area}: removed {n} file(s) from {cache.area_path(area)}")
+        return
+    usage = {a: u for a, u in cache.disk_usage().items() if a in args.only}
+    if args.json:
+        print(json.dumps(usage, indent=2))
+        return
+    for area, u in usage.items():
+        print(f"{area:8s} {u['files']:6d} file(s) {u['bytes'] / 2**20:10.1f} MiB  {u['path']}")
 
 
 def _subcommand(sub: Any, name: str, summary: str, example: str,
@@ -270,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="seed of a synthetic graph")
     t.add_argument("--no-cache", action="store_true", help="do not store the result in the tune cache")
     t.add_argument("--json", action="store_true", help="the whole result, every trial included")
+
+    c = _subcommand(sub, "cache", "show or empty pitgen's on-disk cache (kernels, tune results, "
+                    "graphs)", "examples:\n  pitgen cache info\n  pitgen cache clear --only tune",
+                    _cache)
+    c.add_argument("action", choices=("info", "clear"), help="info: folders, files and bytes; "
+                   "clear: remove the files")
+    c.add_argument("--only", type=_areas, default=",".join(cache.AREAS),
+                   help=f"comma-separated areas (default {','.join(cache.AREAS)})")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
 
     sub.add_parser("bench", add_help=False, help="run the benchmark suite (pitgen.bench; "
                    "every argument goes to it: pitgen bench --help)")

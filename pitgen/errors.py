@@ -62,3 +62,12 @@ class DependencyError(PitgenError, ImportError):
 class BackwardError(PitgenError, RuntimeError):
     """An operator without a backward called on inputs that require grad while grad mode is on
     (the message names the operator): its result would have no grad path."""
+
+
+class PitgenWarning(UserWarning):
+    """Base of every warning pitgen emits on purpose (filter it with ``warnings``)."""
+
+
+class FormatWarning(PitgenWarning):
+    """An explicitly requested sparse format that the cost model (pitgen.graph.model) expects
+    to be many times slower than another on this graph; the message names the better one."""

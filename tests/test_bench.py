@@ -183,13 +183,19 @@ def test_graph_report(tmp_path):
            "schedule": {"groups": [8] * 7, "vec": 8, "threads": 256}, "tune_s": 0.5,
            "trials": 4, "convert_ms": 1.0, "pitgen_ms": 0.01, "csr_ms": 0.1, "peer_ms": 0.02,
            "rel_err": 3e-4, "csr_rel_err": 3e-4, "ok": True, "speedup": 2.0, "csr_speedup": 0.2,
-           "pitgen_wall_ms": 0.02, "peer_wall_ms": 0.03, "wall_speedup": 1.5}
+           "pitgen_wall_ms": 0.02, "peer_wall_ms": 0.03, "wall_speedup": 1.5,
+           "auto_choice": "csr", "auto_params": {}, "auto_source": "model", "plan_ms": 2.5,
+           "auto_schedule": {"group": 8, "vec": 8, "threads": 256, "unroll": 8},
+           "auto_ms": 0.04, "auto_wall_ms": 0.05, "auto_speedup": 0.5, "auto_rel_err": 3e-4}
     meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "cuda": "13.0", "date": "now",
             "copy_gb_s": 2976.0, "repeats": 10, "elapsed_s": 100.0}
     graphs.write(tmp_path, [row, {**row, "feat": 128, "speedup": 0.5, "ok": False}], meta,
                  ["reddit spmm float16 F=128"], ["a note"])
     md = (tmp_path / "graphs.md").read_text()
-    assert "NVIDIA H100 80GB HBM3" in md and "| spmm | float16 | 2 | 1.00x | 1.50x |" in md
+    # auto (model) vs peer 0.50x, model / tuned 0.25x, max plan ms, then tuned vs peer
+    assert "NVIDIA H100 80GB HBM3" in md and \
+        "| spmm | float16 | 2 | 0.50x | 0.25x | 2.5 | 1.00x | 1.50x |" in md
+    assert "| 0.0400 | 0.50x | csr() g8 v8 t256 u8 | 2.5 |" in md
     assert "| 0.0200 (0.0300) |" in md and "| 0.0100 (0.0200) |" in md
     assert "**missed**" in md and "MISMATCH" in md and "hyb(c=1,k=3) g8 v8 t256" in md
     assert "skipped (time budget --budget): reddit spmm float16 F=128" in md

@@ -169,3 +169,27 @@ def test_closed_pipe_exits_quietly():
     err = proc.stderr.read()
     proc.stderr.close()
     assert (proc.wait(timeout=60), err) == (141, b"")
+
+
+def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
+    """pitgen cache info lists the three areas (files, bytes, folder); clear --only empties the
+    chosen ones and leaves the others; an unknown area is a usage error (status 2)."""
+    monkeypatch.setenv("PITGEN_CACHE", str(tmp_path / "c"))
+    monkeypatch.delenv("PITGEN_TUNE_CACHE", raising=False)
+    (tmp_path / "c" / "tune").mkdir(parents=True)
+    (tmp_path / "c" / "graphs").mkdir()
+    (tmp_path / "c" / "kernel-entry").write_bytes(b"x" * 10)
+    (tmp_path / "c" / "tune" / "spmm-float16-64-ab.json").write_text("{}")
+    (tmp_path / "c" / "graphs" / "cora-seed0.npz").write_bytes(b"y" * 5)
+    assert main(["cache", "info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {a: (u["files"], u["bytes"]) for a, u in info.items()} == \
+        {"kernels": (1, 10), "tune": (1, 2), "graphs": (1, 5)}
+    assert main(["cache", "clear", "--only", "tune"]) == 0
+    assert "tune: removed 1 file(s)" in capsys.readouterr().out
+    assert main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels       1 file(s)" in out and "tune          0 file(s)" in out
+    assert (tmp_path / "c" / "graphs" / "cora-seed0.npz").exists()
+    assert main(["cache", "clear", "--only", "tune,nope"]) == 2
+    assert "unknown area(s) 'nope'" in capsys.readouterr().err

@@ -13,7 +13,8 @@ from hypothesis import given, strategies as st
 
 from pitgen import PlanError, ShapeError, compiler
 from pitgen.graph.formats import CSR, Hyb
-from pitgen.graph.kernels import (GROUPS, HYB_WIDTHS, SPMM_CUT, SPMM_PACKS, SPMM_UNROLL, _resolve,
+from pitgen.graph.kernels import (GROUPS, HYB_WIDTHS, SPMM_CUT, SPMM_PACKS, SPMM_UNROLL,
+                                  resolve_schedule,
                                   GRAPH_SDDMM, SPMM, default_schedule, schedule_space)
 from pitgen.graph.device import hyb_atomic
 from pitgen.render import render_template
@@ -47,16 +48,19 @@ def test_schedule_space_is_valid_and_holds_the_default(op, fmt, feat, dtype):
         groups = s["groups"] if "groups" in s else [s["group"]]
         assert ("groups" in s) == (op == "spmm" and fmt == "hyb")
         assert all(g in GROUPS for g in groups) and len(groups) in (1, HYB_WIDTHS)
-        assert _resolve(s, op, fmt, feat, dtype) == s
+        assert resolve_schedule(s, op, fmt, feat, dtype) == s
     assert len({repr(s) for s in space}) == len(space)
 
 
 def test_default_schedules():
+    # CSR: as many neighbours in flight as the group fetches, unroll * packs <= 8 (registers)
     assert default_schedule("spmm", "csr", 32, "float32") == {"group": 8, "vec": 4, "threads": 256,
-                                                              "unroll": SPMM_UNROLL, "packs": SPMM_PACKS}
+                                                              "unroll": 8, "packs": SPMM_PACKS}
     assert default_schedule("spmm", "csr", 512, "float16") == {"group": 32, "vec": 8,
-                                                              "threads": 256, "unroll": SPMM_UNROLL,
+                                                              "threads": 256, "unroll": 4,
                                                               "packs": SPMM_PACKS}
+    assert default_schedule("spmm", "csr", 8, "float16")["unroll"] == 4   # a group of 4 lanes
+    assert default_schedule("spmm", "ell", 32, "float32")["unroll"] == SPMM_UNROLL
     assert default_schedule("spmm", "ell", 33, "float16")["vec"] == 1
     assert default_schedule("sddmm", "hyb", 32, "float32") == {"group": 4, "vec": 4,
                                                               "threads": 256}
@@ -74,23 +78,23 @@ def test_schedule_errors():
     with pytest.raises(ShapeError, match="feature size"):
         schedule_space("spmm", "csr", 0, "float32")
     with pytest.raises(PlanError, match="unknown"):
-        _resolve({"warps": 2}, "spmm", "csr", 32, "float32")
+        resolve_schedule({"warps": 2}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="vec"):
-        _resolve({"vec": 8}, "spmm", "csr", 32, "float32")
+        resolve_schedule({"vec": 8}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="unroll"):
-        _resolve({"unroll": 3}, "spmm", "csr", 32, "float32")
+        resolve_schedule({"unroll": 3}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="packs"):
-        _resolve({"packs": 8}, "spmm", "hyb", 32, "float32")
+        resolve_schedule({"packs": 8}, "spmm", "hyb", 32, "float32")
     with pytest.raises(PlanError, match="cut"):
-        _resolve({"cut": "sort"}, "spmm", "hyb", 32, "float32")
+        resolve_schedule({"cut": "sort"}, "spmm", "hyb", 32, "float32")
     with pytest.raises(PlanError, match="unknown"):   # only hyb cuts rows
-        _resolve({"cut": "atomic"}, "spmm", "csr", 32, "float32")
+        resolve_schedule({"cut": "atomic"}, "spmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="unknown"):   # SDDMM has no gather loop to unroll
-        _resolve({"unroll": 4}, "sddmm", "csr", 32, "float32")
+        resolve_schedule({"unroll": 4}, "sddmm", "csr", 32, "float32")
     with pytest.raises(PlanError, match="groups"):
-        _resolve({"groups": [8, 8]}, "spmm", "hyb", 32, "float32")
+        resolve_schedule({"groups": [8, 8]}, "spmm", "hyb", 32, "float32")
     with pytest.raises(PlanError, match="threads"):
-        _resolve({"threads": 64}, "sddmm", "ell", 32, "float32")
+        resolve_schedule({"threads": 64}, "sddmm", "ell", 32, "float32")
 
 
 def test_hyb_atomic_rule():

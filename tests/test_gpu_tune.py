@@ -3,6 +3,8 @@ float64 NumPy references (pitgen.graph.formats.spmm / sddmm)."""
 from __future__ import annotations
 
 import os
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +14,9 @@ from hypothesis import strategies as st
 
 import pitgen
 from pitgen import reference as R
+from pitgen.errors import FormatWarning
 from pitgen.graph import formats as F
+from pitgen.graph import model as M
 from pitgen.graph import tune as T
 from pitgen.testing import assert_close, examples, poison, term_scale
 
@@ -119,11 +123,15 @@ def test_tune_matches_reference_and_caches(op, dtype, tune_cache, monkeypatch):
     def no_timing(*_a, **_k):
         raise AssertionError("a cache hit must not time anything")
     monkeypatch.setattr(T, "_GpuMeasure", no_timing)
-    hit = T.best(a, op, feat, dtype, budget_s=3.0)
+    hit = T.lookup(a, op, feat, dtype)
     assert hit.from_cache and (hit.fmt, hit.params, hit.schedule) == (res.fmt, res.params,
                                                                        res.schedule)
-    assert T.lookup(a, op, feat, dtype).fmt == res.fmt
     check(run_choice(hit, a, op, args), ref, dtype)
+    # format="auto" prefers the cached tuned result over the model, with or without tune=True
+    for search in (False, True):
+        c = M.plan(a, op, feat, dtype, tune_search=search)
+        assert c.source == "cache" and (c.fmt, c.params, c.schedule) == (res.fmt, res.params,
+                                                                          res.schedule)
 
 
 def test_tune_small_budget_still_answers():
@@ -137,21 +145,25 @@ def test_tune_small_budget_still_answers():
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 200), cols=st.integers(1, 200),
        feat=st.sampled_from([1, 3, 16, 33, 64]), kind=st.sampled_from(["power", "power", "empty",
                                                                        "full"]),
-       fmt=st.sampled_from(["csr", "ell", "bsr", "hyb", "auto"]),
+       fmt=st.sampled_from(["csr", "ell", "bsr", "hyb", "auto", "auto"]),
+       search=st.booleans(),
        dtype=st.sampled_from(["float32", "float16"]), op=st.sampled_from(["spmm", "sddmm"]))
-def test_compile_format_matches_reference(seed, rows, cols, feat, kind, fmt, dtype, op):
+def test_compile_format_matches_reference(seed, rows, cols, feat, kind, fmt, search, dtype, op):
+    """Every format, and auto from the model or (tune=True) from a short search."""
     rng = np.random.default_rng(seed)
     csr = graph(seed, rows, cols, kind)
     a, host = on_device(csr, dtype)
+    opts = {"tune": True, "budget_s": 0.5} if fmt == "auto" and search else {}
+    warnings.simplefilter("ignore", FormatWarning)   # ELL / BSR on skewed rows: warned, run
     if op == "spmm":
-        k = pitgen.compile(SPMM, sparse="A", format=fmt, dtype=dtype, budget_s=0.5)
+        k = pitgen.compile(SPMM, sparse="A", format=fmt, dtype=dtype, **opts)
         x, x64 = dense(rng, cols, feat, dtype)
         out = poison(torch.empty((rows, feat), dtype=x.dtype, device="cuda"))
         got = k(a, x, out=out)
         assert got.data_ptr() == out.data_ptr()
         ref = spmm_want(host, x64)
     else:
-        k = pitgen.compile(SDDMM, sparse="E", format=fmt, dtype=dtype, budget_s=0.5)
+        k = pitgen.compile(SDDMM, sparse="E", format=fmt, dtype=dtype, **opts)
         (u, u64), (v, v64) = dense(rng, rows, feat, dtype), dense(rng, cols, feat, dtype)
         got = k(u, v, sample=a)
         assert tuple(got.shape) == (csr.nnz,)
@@ -231,3 +243,63 @@ def test_bad_inputs_raise_pitgen_errors():
         T.tune(a, "spmm", 8, dtype, budget_s=1.0, formats=("csr", "coo"))
     with pytest.raises(pitgen.PlanError):
         T.tune(a, "gemm", 8, dtype, budget_s=1.0)
+
+
+@pytest.mark.parametrize("name,op,dtype,feat", [("ogbn-arxiv", "spmm", "float16", 64),
+                                                ("pubmed", "spmm", "float32", 128),
+                                                ("cora", "sddmm", "float32", 32)])
+def test_auto_plans_within_50ms_from_the_model(name, op, dtype, feat, tune_cache):
+    """First sight of a graph: format="auto" plans (row statistics on the GPU, one host sync,
+    the model) in at most 50 ms, with no search, and computes the float64 reference. Timed
+    after the kernels are compiled (on an equal copy of the graph: compile time is not
+    planning), on a fresh matrix object whose statistics nothing has seen."""
+    from pitgen.graphs import make_graph
+
+    rng = np.random.default_rng(2)
+    g = make_graph(name)
+    csr = F.CSR(g.shape, g.indptr, g.indices, rng.uniform(0.5, 1.5, g.nnz))
+    if op == "spmm":
+        x, x64 = dense(rng, csr.shape[1], feat, dtype)
+        ref = spmm_want(on_device(csr, dtype)[1], x64)
+    else:
+        (u, u64), (v, v64) = dense(rng, csr.shape[0], feat, dtype), \
+            dense(rng, csr.shape[1], feat, dtype)
+        ref = sddmm_want(on_device(csr, dtype)[1], u64, v64)
+    expr, sparse = (SPMM, "A") if op == "spmm" else (SDDMM, "E")
+    before = set(tune_cache.iterdir())
+
+    def run(k, a):
+        return k(a, x) if op == "spmm" else k(u, v, sample=a)
+
+    run(pitgen.compile(expr, sparse=sparse, format="auto", dtype=dtype),
+        on_device(csr, dtype)[0])  # compiles the chosen kernels and conversions
+    a, host = on_device(csr, dtype)
+    k = pitgen.compile(expr, sparse=sparse, format="auto", dtype=dtype)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fmt, params, sched, _ = k.choice(a, feat)
+    plan_ms = (time.perf_counter() - t) * 1e3
+    assert plan_ms <= 50.0, f"planning took {plan_ms:.1f} ms"
+    c = M.plan(a, op, feat, dtype)
+    assert c.source == "model" and (c.fmt, c.params, c.schedule) == (fmt, params, sched)
+    check(run(k, a), ref, dtype)
+    assert set(tune_cache.iterdir()) == before   # nothing searched, nothing stored
+
+
+def test_explicit_slow_format_warns_and_names_the_better_one():
+    """ELL on a power-law graph (padded to its longest row) and BSR on scattered columns are
+    modelled many times slower than hyb: a FormatWarning naming hyb, and the result is still
+    right; hyb itself and auto warn nothing."""
+    rng = np.random.default_rng(3)
+    csr = graph(4, 2000, 2000)   # modelled: ELL 23x hyb (and infeasible), BSR 29x
+    a, host = on_device(csr, "float32")
+    x, x64 = dense(rng, 2000, 32, "float32")
+    for fmt in ("ell", "bsr"):
+        k = pitgen.compile(SPMM, sparse="A", format=fmt, dtype="float32")
+        with pytest.warns(FormatWarning, match=r"slower than hyb\(c=1"):
+            got = k(a, x)
+        check(got, spmm_want(host, x64), "float32")
+    for fmt in ("hyb", "auto"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FormatWarning)
+            pitgen.compile(SPMM, sparse="A", format=fmt, dtype="float32")(a, x)

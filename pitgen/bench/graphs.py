@@ -7,9 +7,11 @@ processes while the GPU runs the smaller graphs, and kept in --graphs for the ne
 Cases: feature sizes 32-512 (reddit: 32-128, to fit the time), float32 and float16.
 Systems: SpMM against ``torch.sparse.mm`` on a sparse CSR tensor (cuSPARSE SpMM), SDDMM against
 ``torch.sparse.sampled_addmm`` (cuSPARSE SDDMM; a dtype it refuses, float16 in torch 2.11, is
-not run for SDDMM, and the notes say so); pitgen's choice from :func:`pitgen.graph.tune.tune`
-with a small per-case budget (a fresh tune cache, so every case really searches) and pitgen's
-default CSR kernel. Each pitgen result is checked against the peer's.
+not run for SDDMM, and the notes say so); pitgen's untuned ``format="auto"`` (the cost model of
+:func:`pitgen.graph.model.plan`, with its planning time: row statistics on the GPU, one host
+sync, the model), pitgen's choice from :func:`pitgen.graph.tune.tune` with a small per-case
+budget (a fresh tune cache, so every case really searches) and pitgen's default CSR kernel.
+Each pitgen result is checked against the peer's.
 
 Before timing, the kernels the tuner's first phases use are compiled in parallel threads into
 pitgen's cubin cache (nvcc is not counted inside the per-case budgets). The floor column is the
@@ -89,11 +91,13 @@ def floor_bytes(op: str, rows: int, cols: int, nnz: int, feat: int, elem: int) -
 
 def run_case(timer: Timer, copy_rate: float, name: str, a: Any, op: str, feat: int,
              dtype: str, budget: float) -> dict:
-    """One case of one graph: tuned pitgen, default CSR and the peer, each checked and timed."""
+    """One case of one graph: pitgen's model choice (untuned auto), tuned pitgen, default CSR
+    and the peer, each checked and timed."""
     import torch
 
     from pitgen.graph import kernels as graph_ops
     from pitgen.graph.device import DeviceCSR, to_format
+    from pitgen.graph.model import plan
     from pitgen.graph.tune import tune
 
     rows, cols = a.shape
@@ -103,6 +107,10 @@ def run_case(timer: Timer, copy_rate: float, name: str, a: Any, op: str, feat: i
     row = {"graph": name, "nodes": rows, "nnz": a.nnz, "op": op, "dtype": dtype,
            "feat": feat, "flop": 2 * a.nnz * feat}
     row["floor_ms"] = floor_bytes(op, rows, cols, a.nnz, feat, elem) / copy_rate
+    # before the search, whose result the tune cache would then answer with
+    auto = plan(a, op, feat, dtype)
+    row.update(auto_choice=auto.fmt, auto_params=auto.params, auto_schedule=auto.schedule,
+               auto_source=auto.source, plan_ms=auto.plan_ms)
     res = tune(a, op, feat, dtype, budget_s=budget)
     row.update(choice=res.fmt, params=res.params, schedule=res.schedule,
                tune_s=res.search_s, trials=res.trials)
@@ -111,6 +119,7 @@ def run_case(timer: Timer, copy_rate: float, name: str, a: Any, op: str, feat: i
                               and t.convert_ms is not None), None)
     # converted on a view of a: a's own conversion cache would keep every case's layout
     m = to_format(DeviceCSR(a.shape, a.indptr, a.indices, a.values), res.fmt, **res.params)
+    ma = to_format(DeviceCSR(a.shape, a.indptr, a.indices, a.values), auto.fmt, **auto.params)
     a_t = a.to_torch()
     t = timer
     if op == "spmm":
@@ -120,6 +129,8 @@ def run_case(timer: Timer, copy_rate: float, name: str, a: Any, op: str, feat: i
         ref = torch.sparse.mm(a_t, x)
         row["rel_err"] = rel_err(y, ref)
         row["csr_rel_err"] = rel_err(graph_ops.spmm(a, x), ref)
+        row["auto_rel_err"] = rel_err(graph_ops.spmm(ma, x, schedule=auto.schedule), ref)
+        model = t.both(lambda: graph_ops.spmm(ma, x, schedule=auto.schedule, out=y))
         mine = t.both(lambda: graph_ops.spmm(m, x, schedule=res.schedule, out=y))
         row["csr_ms"] = t(lambda: graph_ops.spmm(a, x, out=y))
         peer = t.both(lambda: torch.sparse.mm(a_t, x))
@@ -132,11 +143,15 @@ def run_case(timer: Timer, copy_rate: float, name: str, a: Any, op: str, feat: i
         row["rel_err"] = rel_err(e, ref)
         peer = t.both(lambda: torch.sparse.sampled_addmm(a_t, u, vt, beta=0.0, alpha=1.0))
         row["csr_rel_err"] = rel_err(graph_ops.sddmm(a, u, v), ref)
+        row["auto_rel_err"] = rel_err(graph_ops.sddmm(ma, u, v, schedule=auto.schedule), ref)
+        model = t.both(lambda: graph_ops.sddmm(ma, u, v, schedule=auto.schedule))
         mine = t.both(lambda: graph_ops.sddmm(m, u, v, schedule=res.schedule))
         row["csr_ms"] = t(lambda: graph_ops.sddmm(a, u, v))
     row["pitgen_ms"], row["pitgen_wall_ms"] = mine.gpu_ms, mine.wall_ms
+    row["auto_ms"], row["auto_wall_ms"] = model.gpu_ms, model.wall_ms
     row["peer_ms"], row["peer_wall_ms"] = peer.gpu_ms, peer.wall_ms
-    row["ok"] = row["rel_err"] <= TOL[dtype] and row["csr_rel_err"] <= TOL[dtype]
+    row["ok"] = all(row[k] <= TOL[dtype] for k in ("rel_err", "csr_rel_err", "auto_rel_err"))
+    row["auto_speedup"] = row["peer_ms"] / row["auto_ms"]
     row["speedup"] = row["peer_ms"] / row["pitgen_ms"]
     row["wall_speedup"] = row["peer_wall_ms"] / row["pitgen_wall_ms"]
     row["csr_speedup"] = row["peer_ms"] / row["csr_ms"]
@@ -234,13 +249,16 @@ def device_csr(path: str, dtype: str, seed: int = 0) -> Any:
 
 # -- report ----------------------------------------------------------------------------------
 
-def _choice(r: dict) -> str:
-    p = ",".join(f"{k}={v}" for k, v in r["params"].items())
-    s = r["schedule"]
+def _choice(r: dict, prefix: str = "") -> str:
+    """A row's tuned choice (or, with prefix "auto_", the model's) in a few characters."""
+    fmt_name = r[f"{prefix}choice"]
+    p = ",".join(f"{k}={v}" for k, v in r[f"{prefix}params"].items())
+    s = r[f"{prefix}schedule"]
     g = s.get("group", s.get("groups"))
     if isinstance(g, list):
         g = "/".join(map(str, sorted(set(g))))
-    return f"{r['choice']}({p}) g{g} v{s.get('vec')} t{s.get('threads')}"
+    u = f" u{s['unroll']}" if fmt_name == "csr" and "unroll" in s else ""
+    return f"{fmt_name}({p}) g{g} v{s.get('vec')} t{s.get('threads')}{u}"
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -256,6 +274,10 @@ def summary(rows: list[dict]) -> list[dict]:
                         "geomean_wall_speedup": geomean([r["wall_speedup"] for r in rs]),
                         "geomean_vs_default_csr": geomean([r["csr_ms"] / r["pitgen_ms"]
                                                            for r in rs]),
+                        "geomean_auto_speedup": geomean([r["auto_speedup"] for r in rs]),
+                        "geomean_auto_vs_tuned": geomean([r["pitgen_ms"] / r["auto_ms"]
+                                                          for r in rs]),
+                        "max_plan_ms": max(r["plan_ms"] for r in rs),
                         "target": TARGETS[op],
                         "met": None if gm is None else gm >= TARGETS[op],
                         "all_correct": all(r["ok"] for r in rs)})
@@ -267,19 +289,26 @@ def write(out: Path, rows: list[dict], meta: dict, skipped: list[str], notes: li
     summ = summary(rows)
     write_json(out / "graphs.json", {"meta": meta, "summary": summ, "rows": rows,
                                      "skipped": skipped, "notes": notes})
-    lines = ["# GNN SpMM / SDDMM: pitgen's tuned formats vs cuSPARSE",
+    lines = ["# GNN SpMM / SDDMM: pitgen's model choice (untuned auto) and tuned formats vs "
+             "cuSPARSE",
              "", f"Device: **{meta['device']}** (torch {meta['torch']}, CUDA {meta['cuda']}); "
              f"{meta['date']}; device copy rate {meta['copy_gb_s']:.0f} GB/s; run "
              f"{meta['elapsed_s']:.0f} s. Times: median of {meta['repeats']} runs (CUDA events, "
-             "L2 flushed). Speed-up = peer ms / pitgen ms. pitgen tuned = `pitgen.graph.tune.tune` "
+             "L2 flushed). Speed-up = peer ms / pitgen ms. auto (model) = untuned "
+             "`format=\"auto\"`: `pitgen.graph.model.plan`'s choice (row statistics on the GPU, "
+             "one host sync, then the cost model; plan ms = that planning, no conversion, no "
+             "compile); pitgen tuned = `pitgen.graph.tune.tune` "
              "with the per-case budget (fresh cache); default CSR = pitgen's CSR kernel with its "
              "default schedule. Floor = compulsory bytes at the copy rate. Wall: eager wall time "
              "per call, back to back (host launch cost included).", ""]
     lines += ["## Geometric-mean speed-ups", ""] + md_table(
-        ["op", "dtype", "cases", "tuned vs peer", "tuned vs peer, eager wall",
+        ["op", "dtype", "cases", "auto (model) vs peer", "auto (model) / tuned",
+         "max plan ms", "tuned vs peer", "tuned vs peer, eager wall",
          "default CSR vs peer", "tuned vs default CSR", "target", "met",
          "all results match the peer"],
-        [[s["op"], s["dtype"], s["cases"], f"{fmt(s['geomean_speedup'], 2)}x",
+        [[s["op"], s["dtype"], s["cases"], f"{fmt(s['geomean_auto_speedup'], 2)}x",
+          f"{fmt(s['geomean_auto_vs_tuned'], 2)}x", fmt(s["max_plan_ms"], 1),
+          f"{fmt(s['geomean_speedup'], 2)}x",
           f"{fmt(s.get('geomean_wall_speedup'), 2)}x",
           f"{fmt(s['geomean_csr_speedup'], 2)}x", f"{fmt(s['geomean_vs_default_csr'], 2)}x",
           f">= {s['target']}x", "-" if s["met"] is None else ("**met**" if s["met"] else
@@ -287,10 +316,13 @@ def write(out: Path, rows: list[dict], meta: dict, skipped: list[str], notes: li
           "yes" if s["all_correct"] else "NO"] for s in summ])
     lines += ["", "## Cases", ""] + md_table(
         ["graph", "nnz", "op", "dtype", "F", "floor ms", "peer ms (wall)", "default CSR ms",
+         "auto (model) ms", "auto vs peer", "auto choice", "plan ms",
          "pitgen ms (wall)", "vs peer", "wall vs peer", "choice", "convert ms",
          "tune s (trials)", "rel err"],
         [[r["graph"], r["nnz"], r["op"], r["dtype"], r["feat"], fmt(r["floor_ms"], 4),
           f"{fmt(r['peer_ms'], 4)} ({fmt(r.get('peer_wall_ms'), 4)})", fmt(r["csr_ms"], 4),
+          fmt(r["auto_ms"], 4), f"{fmt(r['auto_speedup'], 2)}x", _choice(r, "auto_"),
+          fmt(r["plan_ms"], 1),
           f"{fmt(r['pitgen_ms'], 4)} ({fmt(r.get('pitgen_wall_ms'), 4)})",
           f"{fmt(r['speedup'], 2)}x", f"{fmt(r.get('wall_speedup'), 2)}x", _choice(r),
           fmt(r["convert_ms"], 2),
@@ -349,7 +381,9 @@ def run(r: Run) -> int:
                                  case_budget(a.nnz, r.args.tune_budget))
                     rows.append(x)
                     gc.collect()  # this case's layouts (reference cycles with their source)
-                    print(f"{what}: pitgen {x['pitgen_ms']:.4f} ms ({_choice(x)}), peer "
+                    print(f"{what}: auto {x['auto_ms']:.4f} ms ({_choice(x, 'auto_')}, planned "
+                          f"in {x['plan_ms']:.1f} ms), tuned {x['pitgen_ms']:.4f} ms "
+                          f"({_choice(x)}), peer "
                           f"{x['peer_ms']:.4f} ms, csr {x['csr_ms']:.4f} ms, err "
                           f"{x['rel_err']:.1e} | {time.monotonic() - t0:.0f}s",
                           file=sys.stderr, flush=True)

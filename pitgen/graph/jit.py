@@ -9,8 +9,11 @@ Two forms are recognised, each derived through the rule engine:
   invariant (edges are computed in any order and written to their CSR slot). The edge pattern
   is passed at call time as ``sample=``.
 
-``format`` is "csr", "ell", "bsr", "hyb" or "auto" (:func:`pitgen.graph.tune.best`: the on-disk tune
-cache first, else a budgeted search whose result is stored).
+``format`` is "csr", "ell", "bsr", "hyb" or "auto" (:func:`pitgen.graph.model.plan`: a tuned result
+of the on-disk tune cache for a graph like this one, else the cost model, in well under 50 ms;
+the measured search runs only when asked: ``tune=True`` or ``budget_s``). An explicit format
+that the model expects to be WARN_RATIO times slower than its choice is warned about
+(:class:`pitgen.errors.FormatWarning`).
 """
 from __future__ import annotations
 
@@ -29,10 +32,13 @@ from . import kernels as graph_ops
 from .device import VALUE_DTYPES, DeviceCSR, to_format
 from .formats import CSR, FORMATS
 from .kernels import default_schedule
-from .tune import GraphStats, best, default_params
+from .model import plan, warn_if_slow
+from .tune import GraphStats, default_params
 
 #: Matrices (by identity) whose conversions a kernel object keeps alive.
 MAX_MATRICES = 4
+#: Seconds of a measured search asked for by ``tune=True`` alone.
+DEFAULT_BUDGET_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,20 @@ def as_device_csr(name: str, a: Any, dtype: str) -> Any:
                      f"sparse matrix or pitgen.graph.formats.CSR; got {type(a).__name__}")
 
 
+def search_settings(tune: bool, budget_s: float | None) -> tuple[bool, float]:
+    """(search?, budget) from a caller's ``tune`` and ``budget_s``: the measured search is
+    opt-in, by ``tune=True`` (budget 10 s unless given) or by an explicit positive
+    ``budget_s``; PlanError for a budget that is not a positive finite number."""
+    if not isinstance(tune, bool):
+        raise PlanError(f"tune must be True or False, got {tune!r}")
+    if budget_s is None:
+        return tune, DEFAULT_BUDGET_S
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or \
+            not 0 < budget_s < float("inf"):
+        raise PlanError(f"budget_s must be a positive finite number of seconds, got {budget_s!r}")
+    return True, float(budget_s)
+
+
 def _identity(a: Any) -> tuple:
     """Identity of a caller's matrix: the object, and for torch tensors its in-place version
     counter, so an edited tensor is converted again."""
@@ -138,13 +158,17 @@ class FormatKernel:
     of ``a``. The converted matrix and the format choice are kept per (matrix, feature width), so
     repeated calls with the same graph convert once (the matrix is treated as immutable; torch
     tensors edited in place are noticed; :meth:`forget` drops everything).
-    ``format='auto'`` synchronises with the host on the first call per matrix (tune-cache
-    lookup from row statistics, or a search of ``budget_s``); later calls do not."""
+    The first call per matrix synchronises with the host once, to read its row statistics
+    (computed on the GPU): ``format='auto'`` decides from them (a tuned result of the tune
+    cache, else the cost model; with ``tune=True`` or a ``budget_s``, a measured search of
+    ``budget_s`` seconds, default 10, when the cache has none), and an explicit format is
+    checked against the model (a FormatWarning when it is WARN_RATIO times slower). Hyb and ELL
+    conversions sync once more to size their layouts; later calls do not sync."""
 
     def __init__(self, expr: str | Operator, sparse: str, format: str = "auto",
-                 dtype: str = "float16", budget_s: float = 10.0,
+                 dtype: str = "float16", budget_s: float | None = None,
                  params: Mapping[str, Any] | None = None,
-                 schedule: Mapping[str, Any] | None = None):
+                 schedule: Mapping[str, Any] | None = None, tune: bool = False):
         self.operator = parse(expr) if isinstance(expr, str) else expr
         if format not in ("auto", *FORMATS):
             raise PlanError(f"unknown format {format!r} (choose auto, {', '.join(FORMATS)})")
@@ -152,8 +176,12 @@ class FormatKernel:
             raise PlanError(f"format kernels run {' or '.join(VALUE_DTYPES)}, not {dtype!r}")
         if format == "auto" and (params or schedule):
             raise PlanError("params= and schedule= need an explicit format, not 'auto'")
+        self.tune, self.budget_s = search_settings(tune, budget_s)
+        if self.tune and format != "auto":
+            raise PlanError(f"tune=/budget_s= search formats: they need format='auto', not "
+                            f"{format!r}")
         self.form = graph_form(self.operator, sparse)
-        self.format, self.dtype, self.budget_s = format, dtype, float(budget_s)
+        self.format, self.dtype = format, dtype
         self.params = dict(params) if params is not None else None
         self.schedule = dict(schedule) if schedule is not None else None
         self._mats: OrderedDict[tuple, tuple[Any, Any, dict]] = OrderedDict()
@@ -180,20 +208,20 @@ class FormatKernel:
             gc.collect()
         return csr, self._mats[key][2]
 
-    def choice(self, csr: Any, feat: int) -> tuple[str, dict, dict]:
-        """(format, params, schedule) for this DeviceCSR and feature width; may tune."""
+    def choice(self, csr: Any, feat: int) -> tuple[str, dict, dict, GraphStats | None]:
+        """(format, params, schedule, statistics) for this DeviceCSR and feature width: one
+        host sync for the row statistics; with ``tune``, a search when the tune cache has no
+        result. The statistics come back for an explicit format (``prepare`` checks it against
+        the model once its parameters are known to be valid), None with 'auto'."""
 
         if self.format == "auto":
-            r = best(csr, self.op, feat, self.dtype, self.budget_s)
-            return r.fmt, dict(r.params), dict(r.schedule)
-        if self.params is not None:
-            params = self.params
-        else:  # only ELL's width and hyb's k depend on the rows (one host sync)
-            stats = GraphStats.from_dict(csr.row_stats()) if self.format in ("ell", "hyb") else None
-            params = default_params(self.format, stats)
+            c = plan(csr, self.op, feat, self.dtype, self.tune, self.budget_s)
+            return c.fmt, c.params, c.schedule, None
+        stats = GraphStats.from_dict(csr.row_stats())
+        params = self.params if self.params is not None else default_params(self.format, stats)
         sched = self.schedule if self.schedule is not None else \
             default_schedule(self.op, self.format, feat, self.dtype)
-        return self.format, dict(params), dict(sched)
+        return self.format, dict(params), dict(sched), stats
 
     def prepare(self, name: str, a: Any, feat: int) -> tuple[Any, tuple[str, dict, dict]]:
         """The converted matrix and the choice for ``a`` at feature width ``feat`` (cached)."""
@@ -202,8 +230,12 @@ class FormatKernel:
             raise ShapeError(f"feature width must be >= 1, got {feat}")
         csr, per_feat = self._entry(name, a)
         if feat not in per_feat:
-            fmt, params, sched = self.choice(csr, feat)
+            fmt, params, sched, stats = self.choice(csr, feat)
             mat = csr if fmt == "csr" else to_format(csr, fmt, **params)
+            if stats is not None:  # an explicit format, its parameters valid (converted)
+                warn_if_slow(stats, self.op, feat, self.dtype, fmt, params,
+                             graph_ops.resolve_schedule(sched, self.op, fmt, feat, self.dtype),
+                             stacklevel=4)
             per_feat[feat] = (mat, (fmt, params, sched))
         return per_feat[feat]
 

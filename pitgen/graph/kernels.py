@@ -24,7 +24,8 @@ from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "SPMM_EXPR", "SDDMM_EXPR"]
+__all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "resolve_schedule", "SPMM_EXPR",
+           "SDDMM_EXPR"]
 
 GROUPS = (4, 8, 16, 32)
 THREADS = (128, 256)
@@ -92,7 +93,8 @@ def _useful_groups(feat: int, vec: int) -> list[int]:
 def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
     """Tunable schedules: ``group`` lanes per row (SpMM) or per edge (SDDMM), ``vec`` features
     per lane per load, ``threads`` per block; hyb SpMM has ``groups`` (lanes per bucket row,
-    by log2 of the bucket width) instead of ``group``: uniform, or growing with the width."""
+    by log2 of the bucket width) instead of ``group``: uniform, or growing with the width.
+    CSR SpMM's unroll follows its group (``csr_unroll``)."""
     _check(op, fmt, feat, dtype)
     out = []
     for vec in _vecs(feat, dtype):
@@ -106,16 +108,35 @@ def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
                 out += [{"groups": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL,
                          "packs": SPMM_PACKS, "cut": SPMM_CUT} for g in choices]
             elif op == "spmm":
-                out += [{"group": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL,
-                         "packs": SPMM_PACKS} for g in groups]
+                out += [{"group": g, "vec": vec, "threads": threads,
+                         "unroll": _unroll(fmt, g, vec, feat), "packs": SPMM_PACKS}
+                        for g in groups]
             else:
                 out += [{"group": g, "vec": vec, "threads": threads} for g in groups]
     return out
 
 
+def csr_unroll(group: int, packs: int) -> int:
+    """The CSR SpMM's neighbours in flight per lane: as many as the group fetches per chunk
+    (``group`` entries) while ``unroll * packs`` vectors stay at most 8 per lane (registers).
+    A CSR row is walked by one group, so the longest row's chain of dependent gathers bounds the
+    kernel: on H100 the default CSR times of docs/bench/graphs.md are 0.3 us per batch of
+    ``unroll`` gathers of the longest row on all five graphs measured (pitgen.graph.model),
+    so four times as many loads in flight cut that chain by up to 2.5x."""
+    return max(SPMM_UNROLL, min(8 // packs, group, UNROLLS[-1]))
+
+
+def _unroll(fmt: str, group: int, vec: int, feat: int) -> int:
+    """SpMM's unroll for a group of ``group`` lanes: ``csr_unroll`` for CSR, else SPMM_UNROLL."""
+    if fmt != "csr":
+        return SPMM_UNROLL
+    return csr_unroll(group, max(1, min(SPMM_PACKS, -(-feat // (group * vec)))))
+
+
 def default_schedule(op: str, fmt: str, feat: int, dtype: str) -> dict:
     """The widest vector F allows, and the smallest group that covers F in one pass (SpMM) or
-    in about four loads per lane (SDDMM); 256 threads. A member of ``schedule_space``."""
+    in about four loads per lane (SDDMM); 256 threads; CSR SpMM gathers ``csr_unroll``
+    neighbours at once (its time is its longest row's chain). A member of ``schedule_space``."""
     _check(op, fmt, feat, dtype)
     vec = _vecs(feat, dtype)[-1]
     loads = -(-feat // vec) if op == "spmm" else -(-feat // (4 * vec))
@@ -125,12 +146,13 @@ def default_schedule(op: str, fmt: str, feat: int, dtype: str) -> dict:
         return {"groups": [group] * HYB_WIDTHS, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL,
                 "packs": SPMM_PACKS, "cut": SPMM_CUT}
     if op == "spmm":
-        return {"group": group, "vec": vec, "threads": 256, "unroll": SPMM_UNROLL,
-                "packs": SPMM_PACKS}
+        return {"group": group, "vec": vec, "threads": 256,
+                "unroll": _unroll(fmt, group, vec, feat), "packs": SPMM_PACKS}
     return {"group": group, "vec": vec, "threads": 256}
 
 
-def _resolve(schedule: Mapping | None, op: str, fmt: str, feat: int, dtype: str) -> dict:
+def resolve_schedule(schedule: Mapping | None, op: str, fmt: str, feat: int,
+                     dtype: str) -> dict:
     """Validate a user schedule (unknown keys or values: PlanError); fill in defaults."""
     base = default_schedule(op, fmt, feat, dtype)
     if schedule is None:
@@ -202,7 +224,7 @@ def spmm_source(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None
     m = _matrix(a)
     check_tensor("x", x, (m.dtype,), 2, (m.shape[1], None))
     feat = int(x.shape[1])
-    sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
+    sched = resolve_schedule(schedule, "spmm", m.fmt, feat, m.dtype)
     ctx = spmm_context(m, sched, _vec_for(sched["vec"], feat, m.dtype, x), feat)
     return (HYB_SPMM if m.fmt == "hyb" else SPMM).source(ctx)
 
@@ -234,7 +256,7 @@ def _spmm_launch(m: DeviceMatrix, x: Tensor, schedule: Mapping | None, out: Any,
         return launch   # nothing to launch: out, or an empty one
     if n_rows * feat > 2**31 - 1 or n_cols * feat > 2**31 - 1:
         raise ShapeError(f"SpMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
-    sched = _resolve(schedule, "spmm", m.fmt, feat, m.dtype)
+    sched = resolve_schedule(schedule, "spmm", m.fmt, feat, m.dtype)
     # the vector width the operands' alignment allows (out is allocated 16-byte aligned)
     vec = _vec_for(sched["vec"], feat, m.dtype, x, *(() if out is None else (out,)))
     ctx = spmm_context(m, sched, vec, feat)
@@ -366,7 +388,7 @@ def sddmm(a: DeviceMatrix | DeviceCSR, u: Tensor, v: Tensor,
         return e.zero_()
     if max(n_rows, n_cols) * feat > 2**31 - 1:
         raise ShapeError(f"SDDMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
-    sched = _resolve(schedule, "sddmm", m.fmt, feat, dtype)
+    sched = resolve_schedule(schedule, "sddmm", m.fmt, feat, dtype)
     vec = _vec_for(sched["vec"], feat, dtype, u, v)
     threads, group = sched["threads"], sched["group"]
     ctx = {"dtype": dtype, "fmt": m.fmt, "vec": vec, "threads": threads, "group": group}

@@ -109,10 +109,9 @@ def tune_key(op: str, feat: int, dtype: str, device: str, stats: GraphStats,
 def tune_cache_dir() -> Path:
     """``$PITGEN_TUNE_CACHE`` or ``<pitgen cache>/tune``; :class:`FileError` when it cannot be
     created."""
-    root = os.environ.get("PITGEN_TUNE_CACHE")
-    if not root:
+    if not os.environ.get("PITGEN_TUNE_CACHE"):
         return cache.directory("tune")
-    return cache.make_directory(Path(root), "the tune cache", "PITGEN_TUNE_CACHE")
+    return cache.make_directory(cache.area_path("tune"), "the tune cache", "PITGEN_TUNE_CACHE")
 
 
 def cache_path(key: Mapping[str, Any]) -> Path:
@@ -607,8 +606,3 @@ def lookup(a: Any, op: str, feat: int, dtype: str, formats: Sequence[str] = FORM
     key = tune_key(op, feat, dtype, device or _device_name(), stats, formats)
     return load(key)
 
-
-def best(a: Any, op: str, feat: int, dtype: str, budget_s: float = 10,
-         formats: Sequence[str] = FORMATS) -> TuneResult:
-    """The cached choice for matrices like ``a``, else a search of ``budget_s`` (stored)."""
-    return lookup(a, op, feat, dtype, formats) or tune(a, op, feat, dtype, budget_s, formats)

@@ -11,8 +11,12 @@ autograd through one custom operator, ``pitgen::graph_spmm``:
   order (``pitgen::graph_sddmm``, pitgen's graph SDDMM kernel).
 
 A and Aᵀ run in a format of pitgen.graph (hyb by default: CSR's one group per row is slow on
-power-law rows; "auto" tunes), each converted on the GPU once per graph and feature width
-(:class:`GraphPlan`, one host sync per conversion); "csr" runs straight from the CSR tensors.
+power-law rows; "auto": a tuned result of the tune cache, else the cost model of
+pitgen.graph.model, or with ``tune=True`` a measured search), each converted on the GPU once
+per graph and feature width (:class:`GraphPlan`, one host sync per conversion); "csr" runs
+straight from the CSR tensors. An explicit format is checked against the cost model once per
+graph, feature width and dtype (one host sync for the row statistics; a FormatWarning when it is
+modelled ten times slower than the model's choice).
 The backward of ``graph_spmm`` is ``graph_spmm`` on Aᵀ, so gradients of gradients of X work.
 Aggregators: ``sum`` (edge values 1) and ``mean`` (1 / in-degree of the row), computed on the
 GPU from the pattern once per graph and dtype. After the first call per graph and feature
@@ -31,7 +35,9 @@ from ..errors import PlanError, ShapeError
 from ..graph.device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
 from ..graph.formats import FORMATS
 from ..graph.kernels import SPMM, default_schedule, sddmm, spmm
-from ..graph.tune import GraphStats, best, default_params
+from ..graph.jit import search_settings
+from ..graph.model import plan as auto_plan, warn_if_slow
+from ..graph.tune import GraphStats, default_params
 from ..operands import check_tensor
 from . import lazy_torch_classes
 
@@ -43,11 +49,14 @@ __all__ = ["AGGREGATORS", "SAGE_FORMATS", "DEFAULT_FORMAT", "GraphPlan", "aggreg
 
 AGGREGATORS = ("mean", "sum")
 #: The layouts the SpMMs of training may run: a format of pitgen.graph (converted on the GPU
-#: once per graph), or "auto" (the tune cache, else a search of AUTO_BUDGET_S, per direction).
+#: once per graph), or "auto" (the tune cache, else the cost model; with ``tune=True`` a search
+#: of AUTO_BUDGET_S per direction).
 SAGE_FORMATS = (*FORMATS, "auto")
 #: hyb(c=1, k from the mean row) balances power-law rows; CSR's one group per row does not.
 DEFAULT_FORMAT = "hyb"
 AUTO_BUDGET_S = 2.0
+#: DeviceCSR -> {(format, feature width, dtype)} already checked against the cost model.
+_CHECKED: "weakref.WeakKeyDictionary[DeviceCSR, set]" = weakref.WeakKeyDictionary()
 #: The graph tensors every call of ``pitgen::graph_spmm`` takes after (x, values): A's CSR and
 #: row ids, then Aᵀ's, then the two position maps (Aᵀ entry -> A entry, A entry -> Aᵀ entry),
 #: then the plan (0: CSR from these tensors; +k / -k: plan k's layout of A / of Aᵀ).
@@ -83,6 +92,14 @@ def _check_format(fmt: Any) -> str:
     if fmt not in SAGE_FORMATS:
         raise PlanError(f"unknown format {fmt!r}; choose one of {', '.join(SAGE_FORMATS)}")
     return fmt
+
+
+def _check_tune(fmt: str, tune: Any) -> bool:
+    """``tune`` is a bool, and True only with format "auto" (a search chooses a format)."""
+    search_settings(tune, None)
+    if tune and fmt != "auto":
+        raise PlanError(f"tune=True searches formats: it needs format='auto', not {fmt!r}")
+    return tune
 
 
 def aggregation_values(graph: DeviceCSR, aggr: str, dtype: str) -> Tensor:
@@ -121,30 +138,46 @@ class GraphPlan:
     ident: int = 0
 
 
-def _layout(csr: DeviceCSR, fmt: str, feat: int) -> tuple[DeviceMatrix, dict]:
-    """``csr`` in ``fmt`` (conversion cached on it) with the schedule for ``feat``: defaults,
-    or with "auto" the tune cache / a search. Conversions other than CSR sync the host once."""
+def _layout(csr: DeviceCSR, fmt: str, feat: int, tune: bool = False) -> tuple[DeviceMatrix, dict]:
+    """``csr`` in ``fmt`` (conversion cached on it) with the schedule for ``feat``: defaults
+    (checked against the cost model), or with "auto" the tune cache / the model (``tune``: a
+    search of AUTO_BUDGET_S when the cache has none). One host sync for the row statistics;
+    conversions other than CSR sync once more."""
     if fmt == "auto":
-        r = best(csr, "spmm", feat, csr.dtype, AUTO_BUDGET_S)
-        fmt, params, sched = r.fmt, dict(r.params), dict(r.schedule)
-    else:
-        stats = GraphStats.from_dict(csr.row_stats()) if fmt in ("ell", "hyb") else None
-        params, sched = default_params(fmt, stats), default_schedule("spmm", fmt, feat, csr.dtype)
+        c = auto_plan(csr, "spmm", feat, csr.dtype, tune, AUTO_BUDGET_S)
+        return to_format(csr, c.fmt, **c.params), c.schedule
+    stats = GraphStats.from_dict(csr.row_stats())
+    params, sched = default_params(fmt, stats), default_schedule("spmm", fmt, feat, csr.dtype)
+    warn_if_slow(stats, "spmm", feat, csr.dtype, fmt, params, sched, stacklevel=6)
     return to_format(csr, fmt, **params), sched
 
 
+def _check_csr(graph: DeviceCSR, feat: int, dtype: str) -> None:
+    """The cost model's check of format "csr" (which runs from the tensors, with no plan),
+    once per graph, feature width and dtype: one host sync for the row statistics."""
+    seen = _CHECKED.setdefault(graph, set())
+    if (feat, dtype) in seen:
+        return
+    seen.add((feat, dtype))
+    stats = GraphStats.from_dict(graph.row_stats())
+    warn_if_slow(stats, "spmm", feat, dtype, "csr", {},
+                 default_schedule("spmm", "csr", feat, dtype), stacklevel=5)
+
+
 def graph_plan(graph: DeviceCSR, values: Tensor, feat: int, fmt: str = DEFAULT_FORMAT,
-               owned: bool = False) -> GraphPlan:
+               owned: bool = False, tune: bool = False) -> GraphPlan:
     """The plan of ``graph`` with edge ``values`` (the aggregator's when ``owned``) at ``feat``
     features in format ``fmt``: A and Aᵀ converted on the GPU (Aᵀ from
     :meth:`DeviceCSR.transpose`), built on first use and kept with the graph. The first call
-    synchronises with the host (conversions; with "auto", tuning); later calls do not."""
+    synchronises with the host (row statistics, conversions; with "auto" and ``tune``, a
+    search); later calls do not."""
     _check_graph(graph)
     _check_format(fmt)
+    _check_tune(fmt, tune)
     dtype = str(values.dtype).replace("torch.", "")
     per = _PLANS.setdefault(graph, {})
     kind = ((values.data_ptr(), "owned") if owned else "values", dtype)
-    key = (*kind, fmt, feat)
+    key = (*kind, fmt, feat, tune)
     hit = per.get(key)
     if hit is None:
         if kind not in per:   # A and Aᵀ with these values: their conversions serve every width
@@ -155,8 +188,8 @@ def graph_plan(graph: DeviceCSR, values: Tensor, feat: int, fmt: str = DEFAULT_F
                                    values.detach().index_select(0, t.perm),
                                    rows=t.csr.row_ids()))
         a, at = per[kind]
-        fwd, fs = _layout(a, fmt, feat)
-        bwd, bs = _layout(at, fmt, feat)
+        fwd, fs = _layout(a, fmt, feat, tune)
+        bwd, bs = _layout(at, fmt, feat, tune)
         hit = per[key] = GraphPlan(fwd, fs, bwd, bs, owned, next(_IDS))
         for dead in [k for k, ref in _BY_ID.items() if ref() is None]:
             del _BY_ID[dead]
@@ -239,17 +272,20 @@ def _graph_tensors(graph: DeviceCSR) -> tuple:
 
 
 def graph_spmm(graph: DeviceCSR, x: Tensor, values: Tensor | None = None,
-               format: str = DEFAULT_FORMAT) -> Tensor:
+               format: str = DEFAULT_FORMAT, tune: bool = False) -> Tensor:
     """Y = A X [rows, F] with gradients to ``x`` and to ``values`` (edge values [nnz] in A's
     CSR order, ``graph.values`` when None), float32 or float16 with fp32 accumulation, A and Aᵀ
     in ``format`` (SAGE_FORMATS). The first call per graph and feature width builds Aᵀ and the
-    layouts on the GPU (conversions sync the host once); later calls do not sync."""
-    return _graph_spmm(graph, x, values, format, owned=False)
+    layouts on the GPU (row statistics and conversions sync the host); later calls do not
+    sync. ``tune``: with format "auto", a measured search when the tune cache has none."""
+    return _graph_spmm(graph, x, values, format, owned=False, tune=tune)
 
 
-def _graph_spmm(graph: DeviceCSR, x: Any, values: Any, fmt: str, owned: bool) -> Any:
+def _graph_spmm(graph: DeviceCSR, x: Any, values: Any, fmt: str, owned: bool,
+                tune: bool = False) -> Any:
     _check_graph(graph)
     _check_format(fmt)
+    _check_tune(fmt, tune)
     SPMM.derive()
     dtype = graph.dtype if values is None else str(values.dtype).replace("torch.", "")
     check_tensor("x", x, VALUE_DTYPES, 2, (graph.shape[1], None), contiguous=False)
@@ -267,19 +303,22 @@ def _graph_spmm(graph: DeviceCSR, x: Any, values: Any, fmt: str, owned: bool) ->
     values = values.contiguous()
     plan = 0
     if fmt != "csr" and feat > 0:
-        plan = graph_plan(graph, values, feat, fmt, owned).ident
+        plan = graph_plan(graph, values, feat, fmt, owned, tune).ident
+    elif feat > 0 and graph.nnz > 0:
+        _check_csr(graph, feat, dtype)
     return _ops()(x, values, *_graph_tensors(graph), plan)
 
 
 def aggregate(graph: DeviceCSR, x: Tensor, aggr: str = "mean",
-              format: str = DEFAULT_FORMAT) -> Tensor:
+              format: str = DEFAULT_FORMAT, tune: bool = False) -> Tensor:
     """The ``aggr`` ("mean" or "sum") of every node's neighbours' rows of ``x`` (the graph's
-    own values are not used), with autograd to ``x``; A and Aᵀ in ``format``."""
+    own values are not used), with autograd to ``x``; A and Aᵀ in ``format`` (``tune``: with
+    "auto", a measured search when the tune cache has none)."""
     _check_graph(graph)
     _check_aggr(aggr)
     check_tensor("x", x, VALUE_DTYPES, 2, (graph.shape[1], None), contiguous=False)
     vals = aggregation_values(graph, aggr, str(x.dtype).replace("torch.", ""))
-    return _graph_spmm(graph, x, vals, format, owned=True)
+    return _graph_spmm(graph, x, vals, format, owned=True, tune=tune)
 
 
 def sage_reference(indptr: Any, indices: Any, x: Any, w_neigh: Any, w_root: Any, bias: Any,
@@ -319,11 +358,12 @@ def _build_module_classes() -> dict[str, type]:
         takes a DeviceCSR (row i: the nodes node i aggregates from) and x [nodes, in]; trains
         (gradients to x and every parameter). With ``in > out`` the neighbour weight is applied
         before the aggregation (fewer features to gather; the same result: it is linear).
-        ``format``: the layout of A and Aᵀ (SAGE_FORMATS; hyb by default, "auto" tunes)."""
+        ``format``: the layout of A and Aᵀ (SAGE_FORMATS; hyb by default; "auto": the tune
+        cache or the cost model, and with ``tune=True`` a measured search)."""
 
         def __init__(self, in_channels: int, out_channels: int, aggr: str = "mean",
                      root_weight: bool = True, bias: bool = True, device: Any = None,
-                     dtype: Any = None, format: str = DEFAULT_FORMAT) -> None:
+                     dtype: Any = None, format: str = DEFAULT_FORMAT, tune: bool = False) -> None:
             super().__init__()
             for name, v in (("in_channels", in_channels), ("out_channels", out_channels)):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -331,6 +371,7 @@ def _build_module_classes() -> dict[str, type]:
             self.in_channels, self.out_channels = in_channels, out_channels
             self.aggr = _check_aggr(aggr)
             self.format = _check_format(format)
+            self.tune = _check_tune(format, tune)
             kw = {"device": device, "dtype": dtype}
             self.lin_l = nn.Linear(in_channels, out_channels, bias=bias, **kw)
             self.lin_r = nn.Linear(in_channels, out_channels, bias=False, **kw) \
@@ -338,7 +379,7 @@ def _build_module_classes() -> dict[str, type]:
 
         def propagate(self, graph: Any, x: Any) -> Any:
             """The neighbour aggregation (pitgen's SpMM; the benchmark's peer overrides it)."""
-            return aggregate(graph, x, self.aggr, self.format)
+            return aggregate(graph, x, self.aggr, self.format, self.tune)
 
         def forward(self, graph: Any, x: Any) -> Any:
             if x.dim() != 2 or x.shape[1] != self.in_channels:
@@ -355,7 +396,8 @@ def _build_module_classes() -> dict[str, type]:
 
         def extra_repr(self) -> str:
             return (f"{self.in_channels}, {self.out_channels}, aggr={self.aggr!r}, "
-                    f"root_weight={self.lin_r is not None}, format={self.format!r}")
+                    f"root_weight={self.lin_r is not None}, format={self.format!r}"
+                    f"{', tune=True' if self.tune else ''}")
 
     class GraphSAGE(nn.Module):
         """``layers`` SAGEConv layers (in -> hidden ... -> out), ReLU between them; ``conv``
@@ -363,13 +405,13 @@ def _build_module_classes() -> dict[str, type]:
 
         def __init__(self, in_channels: int, hidden: int, out_channels: int, layers: int = 2,
                      aggr: str = "mean", conv: type = SAGEConv, device: Any = None,
-                     dtype: Any = None, format: str = DEFAULT_FORMAT) -> None:
+                     dtype: Any = None, format: str = DEFAULT_FORMAT, tune: bool = False) -> None:
             super().__init__()
             if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
                 raise ShapeError(f"layers must be a positive integer, got {layers!r}")
             sizes = [in_channels] + [hidden] * (layers - 1) + [out_channels]
             self.convs = nn.ModuleList(conv(a, b, aggr, device=device, dtype=dtype,
-                                            format=format)
+                                            format=format, tune=tune)
                                        for a, b in zip(sizes, sizes[1:]))
 
         def forward(self, graph: Any, x: Any) -> Any:
