@@ -217,11 +217,11 @@ def dense_crossover(shape: tuple[int, int, int, int], weight: tuple[int, int, in
 _FLAGS: dict[int, Any] = {}
 
 
-def _check_x(x: Any) -> str:
+def _check_x(x: Any, device: bool = True) -> str:
+    """X's dtype, after checking its type, dtype, rank, size and (``device``) device."""
     import torch
     if not isinstance(x, torch.Tensor):
         raise ShapeError(f"x: expected a torch tensor, got {type(x).__name__}")
-    check_device("x", x)
     dtype = str(x.dtype).replace("torch.", "")
     if dtype not in DTYPES:
         raise ShapeError(f"x has dtype {dtype}; sparse_conv2d runs {' or '.join(DTYPES)}")
@@ -229,6 +229,8 @@ def _check_x(x: Any) -> str:
         raise ShapeError(f"x has {x.dim()} dims {tuple(x.shape)}; expected 4 [N, C, H, W]")
     if x.numel() >= INT32_MAX:
         raise ShapeError(f"x has {x.numel()} elements; the kernels' indices are int32")
+    if device:
+        check_device("x", x)
     return dtype
 
 
@@ -328,12 +330,12 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
 
 def _check_conv(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
                 groups: Any) -> ConvPlan:
-    """Every operand and option checked (pitgen errors naming the problem); the plan."""
+    """Every operand and option checked (pitgen errors naming the problem: types, dtypes and
+    shapes, then the plan, then devices); the plan."""
     import torch
-    dtype = _check_x(x)
+    dtype = _check_x(x, device=False)
     if not isinstance(weight, torch.Tensor):
         raise ShapeError(f"weight: expected a torch tensor, got {type(weight).__name__}")
-    check_device("weight", weight)
     if weight.dtype != x.dtype:
         raise ShapeError(f"weight has dtype {weight.dtype}, x {x.dtype}: they must match")
     if weight.dim() != 4:
@@ -342,16 +344,19 @@ def _check_conv(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilat
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise ShapeError(f"bias: expected a torch tensor or None, got {type(bias).__name__}")
-        check_device("bias", bias)
         if bias.dtype != x.dtype or tuple(bias.shape) != (weight.shape[0],):
             raise ShapeError(f"bias must be [{weight.shape[0]}] of {x.dtype}, got "
                              f"{tuple(bias.shape)} of {bias.dtype}")
     if not isinstance(groups, int) or isinstance(groups, bool):
         raise PlanError(f"sparse_conv2d: groups must be an int, got {groups!r}")
-    return plan_conv(dtype, layout_of_or_none(x) or "nchw", tuple(x.shape), tuple(weight.shape),
+    plan = plan_conv(dtype, layout_of_or_none(x) or "nchw", tuple(x.shape), tuple(weight.shape),
                      stride if isinstance(stride, int) else tuple(stride),
                      padding if isinstance(padding, int) else tuple(padding),
                      dilation if isinstance(dilation, int) else tuple(dilation), groups)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_device(name, t)
+    return plan
 
 
 def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1,
