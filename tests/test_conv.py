@@ -23,6 +23,11 @@ VARIANTS = [(cv.CONV_INDEX, cv.IndexConfig(d, lay)) for d in cv.DTYPES for lay i
 RESNET = (32, 256, 56, 56), (64, 256, 3, 3)
 
 
+def test_the_gathers_move_the_channels_as_the_rules_derive():
+    want = {f"channels of {o}, stride {s}": ("c",) for s in (1, 2) for o in ("X", "W")}
+    assert cv.CONV.derive() == cv.CONV_INDEX.derive() == want
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_channel_axis_is_the_invariant_reduction_and_the_window_is_not(stride):
     rules = analyse(cv.EXPRS[stride])
@@ -103,6 +108,16 @@ def test_variants_render_distinct_sources_with_their_kernels():
         for kernel in spec.kernels:
             assert f"{kernel}(" in src, (cfg, kernel)
         assert ("__nv_bfloat16 elem_t" in src) == (cfg.dtype == "bfloat16")
+
+
+def test_kernel_signatures_match_the_templates_parameters():
+    """Each OpSpec signature has one letter per kernel parameter: P for pointers, i for ints."""
+    import re
+    for (spec, cfg), src in zip(VARIANTS, _sources()):
+        for kernel, sig in spec.kernels.items():
+            params = re.search(rf"\b{kernel}\(([^)]*)\)", src).group(1).split(",")
+            kinds = "".join("P" if "*" in p else "i" for p in params)
+            assert kinds == sig, (kernel, kinds, sig)
 
 
 def test_generated_code_range_checks_every_channel_id():

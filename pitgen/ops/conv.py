@@ -32,8 +32,7 @@ from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import GRID_Y_MAX, INT32_MAX
 from ..operands import check_device
-from ..opspec import OpSpec
-from ..rules import analyse
+from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
 from .library import no_backward, ops
@@ -58,14 +57,19 @@ BM, STAGES = 128, 4
 #: Largest kernel extent (R, S) accepted: R*S k-taps per channel chunk, all runtime values.
 MAX_KERNEL = 7
 
+#: The gather and the GEMM's k loop take X's and W's channels in index order (SRead along c);
+#: the window axes r and s, which the rules leave fixed, are walked in place.
+GATHERS = tuple(Permutation(f"channels of {operand}, stride {stride}", expr, "reduction",
+                            operand, only=("c",))
+                for stride, expr in EXPRS.items() for operand in ("X", "W"))
 CONV_INDEX = OpSpec(
     "conv_index", "conv_index.cu.j2",
     {"pit_conv_index": "PiiiiPPPP", "pit_conv_gather": "PiiiiPPPiPiiiiiiiP"},
-    dtypes=DTYPES)
+    GATHERS, DTYPES)
 CONV = OpSpec(
     "conv", "conv.cu.j2",
-    {"pit_conv_gemm": "PPPPPiiiiiiiiiiiiiiiii"},
-    dtypes=DTYPES)
+    {"pit_conv_gemm": "PPPPP" + "i" * 17},
+    GATHERS, DTYPES)
 
 
 @dataclass(frozen=True)
@@ -113,15 +117,12 @@ def _pair(name: str, v: Any) -> tuple[int, int]:
     return pair[0], pair[1]
 
 
-@cache.lru("conv.rules", maxsize=4)
 def channel_axis(stride: int) -> str:
-    """The axis the gather permutes: c, invariant in the stride's expression (RuleError
-    otherwise); the window axes y and x must not be (they stay fixed)."""
-    rules = analyse(EXPRS[stride])
-    rules.require_invariant("c")
-    if rules.axes["y"].invariant or rules.axes["x"].invariant:  # a rule-engine regression
-        raise PlanError(f"{EXPRS[stride]}: the window axes y, x are reported invariant")
-    return "c"
+    """The axis the gather permutes for ``stride``, from the rule engine (once per process):
+    c, invariant in that stride's expression (RuleError otherwise)."""
+    axes = {CONV.derive()[f"channels of {operand}, stride {stride}"] for operand in ("X", "W")}
+    (axis,) = axes.pop()
+    return axis
 
 
 @cache.lru("conv.plans", maxsize=1024)
@@ -284,9 +285,10 @@ def layout_of_or_none(x: Any) -> str | None:
 
 
 def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, int],
-           padding: tuple[int, int]) -> tuple[Tensor, Tensor]:
+           padding: tuple[int, int], out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Index, gather and GEMM on validated operands (the body of ``pitgen::sparse_conv2d``):
-    Y and the device's active-channel count."""
+    Y and the device's active-channel count. ``out``: Y's buffer (the GPU tests poison it),
+    of Y's shape and dtype in x's memory format; a new one when None."""
     import torch
     layout = layout_of(x)
     dtype = str(x.dtype).replace("torch.", "")
@@ -296,7 +298,12 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     F, _, R, S = weight.shape
     P, Q = out_size(plan, H, W)
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    y = torch.empty((N, F, P, Q), dtype=x.dtype, device=x.device, memory_format=fmt)
+    y = torch.empty((N, F, P, Q), dtype=x.dtype, device=x.device, memory_format=fmt) \
+        if out is None else out
+    if tuple(y.shape) != (N, F, P, Q) or y.dtype != x.dtype or not y.is_contiguous(
+            memory_format=fmt):
+        raise ShapeError(f"out must be {(N, F, P, Q)} of {x.dtype} in x's memory format, got "
+                         f"{tuple(y.shape)} of {y.dtype} with strides {tuple(y.stride())}")
     if y.numel() == 0:   # N == 0: the plan refuses every other empty output
         return y, torch.zeros(1, dtype=torch.int32, device=x.device)
     if N * P * Q > INT32_MAX or -(-N * P * Q // BM) > INT32_MAX:
