@@ -3,7 +3,7 @@
 (nn.MultiheadAttention over a dynamic mask), ``MoE`` (a routed expert FFN block), and
 ``RGCNConv`` (a relational graph convolution, inference only), ``SAGEConv`` and ``GraphSAGE``
 (GraphSAGE, trainable: pitgen's graph SpMM with autograd), and ``SparseConv2d`` (nn.Conv2d
-skipping the input's all-zero channels, inference only).
+skipping the input's all-zero channels; cuDNN's backward).
 
 Resolved on first use, so ``import pitgen`` needs no torch."""
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """CPU tests of the sparse-channel convolution (pitgen.ops.conv): the rules it relies on (c
 invariant, the window axes not), planning and its refusals, the auto crossover, the index's
 vector width, every template variant rendered and compiled with nvcc for sm_80 and sm_90a, the
-ops' fake implementations (shapes, dtypes, memory formats), bad input raising pitgen errors,
-and the float64 references."""
+ops' fake implementations (shapes, dtypes, memory formats) and backward, bad input raising
+pitgen errors, and the float64 references."""
 from __future__ import annotations
 
 import functools
@@ -173,6 +173,22 @@ def test_ops_are_registered_with_fake_implementations():
         assert y.shape == (3, 7, 4, 5) and y.is_contiguous(memory_format=torch.channels_last)
         ids, count = pit.conv_channels(xl)
         assert ids.shape == (20,) and ids.dtype == i32 and count.shape == (1,)
+
+
+def test_backward_is_registered_and_propagates_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pitgen.ops.library import ops
+    pit = ops()
+    with FakeTensorMode():
+        x = torch.empty(2, 8, 9, 7, dtype=torch.float16).to(memory_format=torch.channels_last)
+        x.requires_grad_()
+        w = torch.empty(5, 8, 3, 3, dtype=torch.float16, requires_grad=True)
+        b = torch.empty(5, dtype=torch.float16, requires_grad=True)
+        y, count = pit.sparse_conv2d(x, w, b, [2, 2], [1, 1])
+        assert y.requires_grad and not count.requires_grad and y.shape == (2, 5, 5, 4)
+        y.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == (5,)
 
 
 def half(*shape):

@@ -4,7 +4,8 @@ only, -0.0); the convolution matches the float64 reference on drawn shapes that 
 multiples of any tile (1x1 and 3x3, stride 1 and 2, padding, bias, NCHW and channels_last, fp16
 and bf16) with its output poisoned and its workspace flooded with NaN first; repeated calls with
 other channels and other shapes on one stream (the index leaves its flags zero); no host sync;
-SparseConv2d in every mode; opcheck; the refusal of inputs requiring grad."""
+SparseConv2d in every mode and training; opcheck; the backward (cuDNN's) against conv2d's, dW
+of the zero channels exactly zero."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pitgen import testing as T
-from pitgen.errors import BackwardError
 from pitgen.ops import conv as cv
 from pitgen.reference import active_channels_reference, conv2d_reference
 
@@ -204,10 +204,12 @@ def test_module_modes_match_conv2d_and_auto_follows_the_density(monkeypatch):
         auto.density_limit = 1.0   # every density is at most the limit: pitgen again
         auto(x)
         assert calls
-    with pytest.raises(BackwardError, match="pitgen::sparse_conv2d has no backward"):
-        pitgen.nn.SparseConv2d(64, 32, 3, padding=1, mode="sparse").cuda().half()(x)
-    y = pitgen.nn.SparseConv2d(64, 32, 3, padding=1).cuda().half()(x)   # auto trains: cuDNN
-    assert y.requires_grad
+    trained = pitgen.nn.SparseConv2d(64, 32, 3, padding=1, mode="sparse").cuda().half()
+    trained.load_state_dict(dense.state_dict())
+    trained(x).float().sum().backward()
+    dense(x).float().sum().backward()
+    torch.testing.assert_close(trained.weight.grad, dense.weight.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(trained.bias.grad, dense.bias.grad, rtol=2e-2, atol=2e-2)
 
 
 def test_opcheck():
@@ -218,6 +220,9 @@ def test_opcheck():
     from pitgen.ops.library import ops
     pit = ops()
     torch.library.opcheck(pit.sparse_conv2d.default, (x, w, b, [1, 1], [1, 1]))
+    torch.library.opcheck(pit.sparse_conv2d.default,
+                          (x.clone().requires_grad_(), w.clone().requires_grad_(),
+                           b.clone().requires_grad_(), [1, 1], [1, 1]))
     torch.library.opcheck(pit.sparse_conv2d.default, (x.contiguous(), w, None, [2, 2], [0, 0]))
     # ids past count are undefined: no run-to-run comparison
     torch.library.opcheck(pit.conv_channels.default, (x,),
@@ -225,10 +230,22 @@ def test_opcheck():
                                       "test_faketensor"))
 
 
-def test_inputs_requiring_grad_are_refused():
-    x = torch.rand(1, 8, 5, 5, device="cuda", dtype=torch.float16, requires_grad=True)
-    w = torch.randn(4, 8, 3, 3, device="cuda").half()
-    with pytest.raises(BackwardError, match="pitgen::sparse_conv2d has no backward"):
-        cv.sparse_conv2d(x, w, padding=1)
-    with torch.no_grad():
-        assert cv.sparse_conv2d(x, w, padding=1).shape == (1, 4, 5, 5)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("stride, pad, R", [(1, 1, 3), (2, 0, 1), (2, 1, 3)])
+def test_backward_matches_conv2d(channels_last, stride, pad, R):
+    rng = np.random.default_rng(6)
+    x0, _ = activations(rng, (2, 20, 9, 10), 0.5, "float16", channels_last)
+    w0 = torch.randn(12, 20, R, R, device="cuda").half() / 10
+    b0 = torch.randn(12, device="cuda").half()
+    dy = torch.randn(cv.sparse_conv2d(x0, w0, b0, stride, pad).shape, device="cuda").half()
+    grads = []
+    for conv in (cv.sparse_conv2d, torch.nn.functional.conv2d):
+        x, w, b = (t.detach().clone().requires_grad_() for t in (x0, w0, b0))
+        y = conv(x, w, b, stride, pad)
+        y.backward(dy)
+        grads.append((y, x.grad, w.grad, b.grad))
+    for got, want, what in zip(grads[0], grads[1], ("y", "dx", "dw", "db")):
+        T.assert_close(got, want.double().cpu().numpy(), "float16", tol=TOL, what=what)
+    active = active_channels_reference(x0.double().cpu().numpy())
+    dead = sorted(set(range(20)) - set(active.tolist()))
+    assert not grads[0][2][:, dead].any()   # dW of the zero channels: exact zeros

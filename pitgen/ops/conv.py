@@ -21,7 +21,9 @@ Why gather a copy: with Xc dense and channel-contiguous every GEMM load is a 16-
 density the copy moves a tenth of X. From NCHW it reads only the active planes; from
 channels_last it reads X at sector granularity, close to all of it (docs/conv.md).
 
-No backward (:class:`~pitgen.errors.BackwardError` when an input requires grad).
+Backward (``pitgen::sparse_conv2d``'s autograd): dX and dW by cuDNN (``torch.nn.grad``), db a
+sum. dX is dense whatever X's channels (a transposed convolution), and dW's columns of zero
+channels come out as exact zeros; a dW over the active channels alone is not built.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..operands import check_device
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
-from .library import no_backward, ops
+from .library import ops
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -374,7 +376,7 @@ def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride:
     weight [F, C, R, S] (kernels up to 7x7), bias [F] or None, same dtype; stride 1 or 2;
     padding an int or pair in [0, kernel); dilation 1 and groups 1 (others: PlanError). The
     result is in x's memory format. A channel is skipped when it is zero in every sample (see
-    :func:`channel_index`). No backward: BackwardError when an input requires grad."""
+    :func:`channel_index`). Differentiable: dX, dW and db by cuDNN."""
     return _conv_count(x, weight, bias, stride, padding, dilation, groups)[0]
 
 
@@ -382,8 +384,6 @@ def _conv_count(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any, pad
                 dilation: Any, groups: Any) -> tuple[Tensor, Tensor]:
     """:func:`sparse_conv2d`'s checks and op: Y and the active-channel count (device)."""
     plan = _check_conv(x, weight, bias, stride, padding, dilation, groups)
-    no_backward("pitgen::sparse_conv2d", x, weight, bias,
-                hint="use torch.nn.functional.conv2d for training")
     if layout_of_or_none(x) is None:
         x = x.contiguous()
     return ops().sparse_conv2d(x, weight, bias, list(plan.stride), list(plan.padding))
@@ -412,9 +412,8 @@ def _build_module_class() -> Any:
         returning. While torch traces (torch.compile), "auto" runs pitgen.
         ``density_limit`` overrides the crossover. pitgen runs only what :func:`plan_conv`
         accepts (CUDA fp16/bf16, groups 1, dilation 1, stride 1 or 2, zero padding given as
-        ints): anything else runs cuDNN in "auto" and raises in "sparse". Training (grad
-        mode on and an input or parameter requiring grad) runs cuDNN in "auto" and raises
-        BackwardError in "sparse"."""
+        ints): anything else runs cuDNN in "auto" and raises in "sparse". Trains: the
+        backward is cuDNN's either way."""
 
         def __init__(self, *args: Any, mode: str = "auto", density_limit: float | None = None,
                      probe_every: int = 32, **kwargs: Any) -> None:
@@ -466,9 +465,7 @@ def _build_module_class() -> Any:
             if self.mode == "sparse":   # pitgen's errors name what it cannot run
                 return sparse_conv2d(x, self.weight, self.bias, self.stride, self.padding,
                                      self.dilation, self.groups)
-            training = torch.is_grad_enabled() and (
-                x.requires_grad or any(p.requires_grad for p in self.parameters()))
-            if self.mode == "dense" or training or not self._supported(x):
+            if self.mode == "dense" or not self._supported(x):
                 return super().forward(x)
             if torch.compiler.is_compiling():   # no Python state in a traced graph
                 return sparse_conv2d(x, self.weight, self.bias, self.stride, self.padding)

@@ -11,7 +11,7 @@
 ``pitgen::sddmm_out``               SDDMM into a caller's dense ``out`` (mutates it)
 ``pitgen::moe_ffn``                 the fused MoE FFN, with backward (:mod:`pitgen.ops.moe`)
 ``pitgen::moe_route``               its routing index (expert-sorted rows, tile list)
-``pitgen::sparse_conv2d``           conv2d skipping all-zero input channels, and their count
+``pitgen::sparse_conv2d``           conv2d skipping all-zero input channels, with backward
 ``pitgen::conv_channels``           its channel index alone (:mod:`pitgen.ops.conv`)
 ==================================  ==========================================================
 
@@ -348,6 +348,27 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         fmt = torch.contiguous_format if x.is_contiguous() else torch.channels_last
         return (torch.empty((N, F, P, Q), dtype=x.dtype, device=x.device, memory_format=fmt),
                 x.new_empty(1, dtype=torch.int32))
+
+    def conv_setup(ctx, inputs, output):
+        x, weight, bias, stride, padding = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.cfg = (list(stride), list(padding), bias is not None)
+
+    def conv_backward(ctx, dy, dcount):
+        # dX is a dense transposed convolution (the zero channels get gradients too) and dW's
+        # columns of zero channels are exact zeros: both run cuDNN (torch.nn.grad)
+        x, weight = ctx.saved_tensors
+        stride, padding, has_bias = ctx.cfg
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.nn.grad.conv2d_input(x.shape, weight, dy, stride, padding)
+        if ctx.needs_input_grad[1]:
+            dw = torch.nn.grad.conv2d_weight(x, weight.shape, dy, stride, padding)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum((0, 2, 3))
+        return dx, dw, db, None, None
+
+    sparse_conv2d.register_autograd(conv_backward, setup_context=conv_setup)
 
     @op("conv_channels", "(Tensor x) -> (Tensor, Tensor)")
     def conv_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
