@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import GRID_Y_MAX, INT32_MAX
-from ..operands import check_device
+from ..operands import check_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
@@ -380,10 +380,19 @@ def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride:
     return _conv_count(x, weight, bias, stride, padding, dilation, groups)[0]
 
 
+#: raw_key of the operands and the options -> their plan (validated once)
+_CHECKED: dict = {}
+
+
 def _conv_count(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any, padding: Any,
                 dilation: Any, groups: Any) -> tuple[Tensor, Tensor]:
-    """:func:`sparse_conv2d`'s checks and op: Y and the active-channel count (device)."""
-    plan = _check_conv(x, weight, bias, stride, padding, dilation, groups)
+    """:func:`sparse_conv2d`'s checks (memoised per operand signature and options: a steady
+    state call skips them) and op: Y and the active-channel count (device)."""
+    key = raw_key(x, weight, bias)
+    if key is not None:
+        key += (repr((stride, padding, dilation, groups)),)
+    plan = validated(_CHECKED, key,
+                     lambda: _check_conv(x, weight, bias, stride, padding, dilation, groups))
     if layout_of_or_none(x) is None:
         x = x.contiguous()
     return ops().sparse_conv2d(x, weight, bias, list(plan.stride), list(plan.padding))
