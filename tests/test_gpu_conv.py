@@ -45,8 +45,8 @@ def activations(rng, shape, sparsity, dtype, channels_last):
 
 def flood(*numels, dtype=torch.float16):
     """Fill and free blocks of these sizes, so that the caching allocator hands NaN-filled
-    memory to the next allocations of those sizes (the op's Xc and Wc): a slot the gather
-    leaves unwritten then shows as NaN in the output."""
+    memory to the next allocations of those sizes (the op's Xc and Wc workspace): a slot the
+    gather leaves unwritten then shows as NaN in the output."""
     blocks = [torch.full((n,), float("nan"), dtype=dtype, device="cuda") for n in numels]
     del blocks
 
@@ -96,7 +96,7 @@ def test_conv_matches_the_float64_reference(p):
         else torch.contiguous_format
     out = T.poison(torch.empty((N, F, P, Q), dtype=tdt, device="cuda", memory_format=fmt))
     cmax = -(-C // cv.CHUNK) * cv.CHUNK
-    flood(N * H * W * cmax, F * R * R * cmax, dtype=tdt)
+    flood((N * H * W + F * R * R) * cmax, dtype=tdt)   # the size of launch's workspace
     y, count = cv.launch(x, w, b, stride, pad, out=out)
     assert y is out
     want = conv2d_reference(x64, w.double().cpu().numpy(), None if b is None else

@@ -312,9 +312,9 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
         raise ShapeError(f"{N * P * Q} output pixels overflow the GEMM's int32 rows")
     cmax = -(-C // CHUNK) * CHUNK
     ids = torch.empty(C, dtype=torch.int32, device=x.device)
-    count = torch.empty(1, dtype=torch.int32, device=x.device)
-    xc = torch.empty(N * H * W * cmax, dtype=x.dtype, device=x.device)
-    wc = torch.empty(F * R * S * cmax, dtype=x.dtype, device=x.device)
+    count = torch.empty(1, dtype=torch.int32, device=x.device)   # an output: its own tensor
+    work = torch.empty((N * H * W + F * R * S) * cmax, dtype=x.dtype, device=x.device)
+    xc, wc = work[:N * H * W * cmax], work[N * H * W * cmax:]   # one allocation, both 64-byte aligned
     x_blocks = N * -(-H * W // TILE_P) if layout == "nchw" else -(-N * H * W // PIX)
     w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
     g = plan.gemm
