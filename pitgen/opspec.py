@@ -34,6 +34,9 @@ class Permutation:
     expr: str
     role: str
     operand: str
+    #: the axes moved, when only some of the operand's ``role`` axes are (a convolution gathers
+    #: its channels c, not the window's r and s); empty: all of them
+    only: tuple[str, ...] = ()
 
     def axes(self, rules: Rules) -> tuple[str, ...]:
         """The axes this permutation moves, from ``rules``; RuleError when one is not invariant
@@ -42,7 +45,8 @@ class Permutation:
             raise RuleError(f"{self.name}: role {self.role!r} is not one of {ROLES}")
         op = rules.operator
         indexed = op.access(self.operand).axes
-        axes = tuple(a for a in indexed if a in rules.axes and rules.axes[a].role == self.role)
+        axes = tuple(a for a in indexed if a in rules.axes and rules.axes[a].role == self.role
+                     and (not self.only or a in self.only))
         if not axes:
             raise RuleError(f"{self.name}: {self.operand} has no {self.role} axis in "
                             f"{op.text!r}")

@@ -323,3 +323,37 @@ def sddmm_hyb(h: Hyb, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     if not rows:
         return np.zeros(0)
     return _csr_order(h.shape, np.concatenate(rows), np.concatenate(cols), np.concatenate(vals))
+
+
+# -- sparse-channel convolution --------------------------------------------------------------
+
+
+def active_channels_reference(x: np.ndarray) -> np.ndarray:
+    """The GPU channel index in NumPy: int32 ids of the channels of X [N, C, H, W] holding a
+    non-zero in any sample, increasing (-0.0 counts as zero, NaN as non-zero)."""
+    x = np.asarray(x)
+    return np.flatnonzero((x != 0).any(axis=(0, 2, 3))).astype(np.int32)
+
+
+def conv2d_reference(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
+                     stride: tuple[int, int] = (1, 1),
+                     padding: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """``Y[n,f,p,q] = bias[f] + sum_{c,r,s} X[n,c,p*sh+r-ph,q*sw+s-pw] W[f,c,r,s]`` in float64
+    (zeros outside X), as torch's conv2d with dilation 1 and groups 1."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    N, C, H, W = x.shape
+    F, Cw, R, S = w.shape
+    if Cw != C:
+        raise ShapeError(f"weight has {Cw} input channels, x has {C}")
+    (sh, sw), (ph, pw) = stride, padding
+    P, Q = (H + 2 * ph - R) // sh + 1, (W + 2 * pw - S) // sw + 1
+    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw))
+    xp[:, :, ph:ph + H, pw:pw + W] = x
+    y = np.zeros((N, F, P, Q))
+    for r in range(R):
+        for s in range(S):
+            win = xp[:, :, r:r + sh * (P - 1) + 1:sh, s:s + sw * (Q - 1) + 1:sw]
+            y += np.einsum("ncpq,fc->nfpq", win, w[:, :, r, s])
+    if bias is not None:
+        y += np.asarray(bias, np.float64)[None, :, None, None]
+    return y

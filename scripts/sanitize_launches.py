@@ -98,3 +98,19 @@ xin = torch.randn(64, 128, device="cuda", dtype=torch.float16, requires_grad=Tru
 sparse_weight_linear(xin, w, torch.rand(96, 128, device="cuda") < 0.2).float().sum().backward()
 torch.cuda.synchronize()
 print("sparse training fwd+bwd: ok")
+
+from pitgen.ops.conv import channel_index, sparse_conv2d
+
+xc = torch.relu(torch.randn(3, 70, 9, 11, device="cuda", dtype=torch.float16))
+xc[:, torch.randperm(70, device="cuda")[:60]] = 0
+wconv = torch.randn(40, 70, 3, 3, device="cuda", dtype=torch.float16)
+with torch.no_grad():
+    for xin_c in (xc, xc.contiguous(memory_format=torch.channels_last)):   # index, gather, GEMM
+        y = sparse_conv2d(xin_c, wconv, padding=1)
+        ref = torch.nn.functional.conv2d(xin_c.float(), wconv.float(), padding=1)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, err
+        sparse_conv2d(xin_c, wconv[:, :, :1, :1].contiguous(), stride=2)
+        channel_index(xin_c)
+torch.cuda.synchronize()
+print("sparse-channel conv index + gather + GEMM (NCHW, channels_last): ok")

@@ -13,7 +13,7 @@ import pytest
 
 from pitgen.bench import (Ceilings, Progress, fmt, fmt_e, fmt_x, geomean, main, md_table, plot,
                           ratio, write_csv, write_json)
-from pitgen.bench import graphs, matmul, peers, rgcn, suite
+from pitgen.bench import conv, graphs, matmul, peers, rgcn, suite
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,6 +220,33 @@ def test_rgcn_report(tmp_path):
     assert "| float16 | 2 | 2.00x | 10.00x | >= 2.0x | **met** | NO |" in md
     assert "not run: fp32 refused" in md and "**WRONG**" in md and "| 0.250 / 0.125 |" in md
     assert "rgcn" in suite.PARTS and rgcn.flop(10, 4, 2, 3) == 2 * 4 * 2 * 3 + 2 * 10 * 2
+
+
+def test_conv_report(tmp_path):
+    def row(shape, sparsity, ratio, auto_ratio, ok=True):
+        t = {"gpu_ms": 0.1, "wall_ms": 0.2, "rel_err": 1e-3}
+        return {"shape": shape, "x": [32, 256, 56, 56], "weight": [64, 256, 3, 3],
+                "padding": 1, "sparsity": sparsity, "dtype": "float16", "density": 1 - sparsity,
+                "cudnn": {"nchw": t, "channels_last": t}, "cudnn_best": "channels_last",
+                "cudnn_ms": 0.1, "pitgen": {"nchw": t, "channels_last": t}, "pitgen_best": "nchw",
+                "pitgen_ms": 0.1 * ratio, "index_ms": {"nchw": 0.02, "channels_last": 0.03},
+                "compute_ms": 0.1 * ratio - 0.02, "ratio": ratio, "auto_ratio": auto_ratio,
+                "wall_ratio": 1.0, "floor_flops_ms": 0.01, "floor_bytes_ms": 0.02,
+                "floor_ms": 0.02, "auto": {**t, "path": "dense"}, "ok": ok}
+    meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.13", "cuda": "13.0", "date": "now",
+            "repeats": 10, "elapsed_s": 1.0}
+    rows = [row("56x56 3x3", 0.9, 0.3, 1.2), row("56x56 3x3", 0.0, 1.5, 1.02),
+            row("14x14 1x1", 0.9, 0.5, 1.0, ok=False), row("14x14 1x1", 0.0, 1.5, 1.1)]
+    conv.write(tmp_path, rows, meta)
+    md = (tmp_path / "conv.md").read_text()
+    assert "| pitgen / cuDNN, 56x56 3x3 at 90% | 0.30x | <= 0.35x | **met** |" in md
+    assert "| auto / cuDNN at 0%, geomean of shapes | 1.06x | <= 1.05x | **missed** |" in md
+    assert "| every result correct | NO |" in md and "**WRONG**" in md
+    assert "| 56x56 3x3 | 90% | 10% | 0.0300 (0.200) nchw | 0.0200 |" in md
+    doc = json.loads((tmp_path / "conv.json").read_text())
+    assert doc["summary"]["met_90"] is True and len(doc["rows"]) == 4
+    assert abs(doc["summary"]["ratio_90_geomean"] - (0.3 * 0.5) ** 0.5) < 1e-12
+    assert "conv" in suite.PARTS
 
 
 # -- peer suite: derived columns, targets, files -----------------------------------------------

@@ -40,6 +40,8 @@ PARTS = {
             "and torch._grouped_mm (rgcn.md)",
     "sage": "a GraphSAGE training step on the seven GNN graphs vs the same model on "
             "torch.sparse.mm (sage.md)",
+    "conv": "convolution over sparse input channels (ResNet-50 stage shapes at 0/50/90% zero "
+            "channels) vs cuDNN in both memory formats, and SparseConv2d's auto (conv.md)",
     "peers": "PIT's workloads (micro, seqlen, ffn, moe) vs cuBLAS, cuSPARSE, Triton BSR and stk "
              "(summary.md)",
 }

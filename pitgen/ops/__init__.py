@@ -1,5 +1,5 @@
-"""Model operators (matmul, MoE, attention, SDDMM, the training linear, RGCN), each declared as
-an :class:`pitgen.opspec.OpSpec`."""
+"""Model operators (matmul, MoE, attention, SDDMM, the training linear, RGCN, GraphSAGE, the
+sparse-channel convolution), each declared as an :class:`pitgen.opspec.OpSpec`."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping

@@ -11,6 +11,8 @@
 ``pitgen::sddmm_out``               SDDMM into a caller's dense ``out`` (mutates it)
 ``pitgen::moe_ffn``                 the fused MoE FFN, with backward (:mod:`pitgen.ops.moe`)
 ``pitgen::moe_route``               its routing index (expert-sorted rows, tile list)
+``pitgen::sparse_conv2d``           conv2d skipping all-zero input channels, with backward
+``pitgen::conv_channels``           its channel index alone (:mod:`pitgen.ops.conv`)
 ==================================  ==========================================================
 
 Every op has a fake (meta) implementation that propagates shapes and dtypes without touching
@@ -131,8 +133,8 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
     from torch.library import custom_op
 
     # by name, not ``from . import``: those modules import this one
-    linear, moe, sd = (importlib.import_module(f"{__package__}.{m}")
-                       for m in ("linear", "moe", "sddmm"))
+    linear, moe, sd, conv = (importlib.import_module(f"{__package__}.{m}")
+                             for m in ("linear", "moe", "sddmm", "conv"))
 
     def op(name: str, schema: str, mutates: tuple[str, ...] = ()) -> Any:
         # explicit schemas: this module's annotations are strings (postponed evaluation)
@@ -327,3 +329,51 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         return (expert_ids.new_empty(max(pairs, 1), dtype=i32),
                 expert_ids.new_empty(tiles, dtype=i32), expert_ids.new_empty(tiles, dtype=i32),
                 expert_ids.new_empty(num_experts + 1, dtype=i32), expert_ids.new_empty(1, dtype=i32))
+
+    # -- sparse-channel convolution ----------------------------------------------------------------
+
+    @op("sparse_conv2d",
+        "(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding) -> (Tensor, Tensor)")
+    def sparse_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      stride: list[int], padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        b = bias.contiguous() if bias is not None else None
+        return conv.launch(x, weight, b, tuple(stride), tuple(padding))
+
+    @sparse_conv2d.register_fake
+    def _(x, weight, bias, stride, padding):
+        N, _, H, W = x.shape
+        F, _, R, S = weight.shape
+        P = (H + 2 * padding[0] - R) // stride[0] + 1
+        Q = (W + 2 * padding[1] - S) // stride[1] + 1
+        fmt = torch.contiguous_format if x.is_contiguous() else torch.channels_last
+        return (torch.empty((N, F, P, Q), dtype=x.dtype, device=x.device, memory_format=fmt),
+                x.new_empty(1, dtype=torch.int32))
+
+    def conv_setup(ctx, inputs, output):
+        x, weight, bias, stride, padding = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.cfg = (list(stride), list(padding), bias is not None)
+
+    def conv_backward(ctx, dy, dcount):
+        # dX is a dense transposed convolution (the zero channels get gradients too) and dW's
+        # columns of zero channels are exact zeros: both run cuDNN (torch.nn.grad)
+        x, weight = ctx.saved_tensors
+        stride, padding, has_bias = ctx.cfg
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.nn.grad.conv2d_input(x.shape, weight, dy, stride, padding)
+        if ctx.needs_input_grad[1]:
+            dw = torch.nn.grad.conv2d_weight(x, weight.shape, dy, stride, padding)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum((0, 2, 3))
+        return dx, dw, db, None, None
+
+    sparse_conv2d.register_autograd(conv_backward, setup_context=conv_setup)
+
+    @op("conv_channels", "(Tensor x) -> (Tensor, Tensor)")
+    def conv_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return conv.index_launch(x)
+
+    @conv_channels.register_fake
+    def _(x):
+        return x.new_empty(x.shape[1], dtype=torch.int32), x.new_empty(1, dtype=torch.int32)
