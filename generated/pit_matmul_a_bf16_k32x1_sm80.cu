@@ -154,13 +154,15 @@ constexpr int L = 32;
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id)
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next)
 {
     const int g = blockIdx.y;
     const int x = blockIdx.x * blockDim.x + threadIdx.x;
     const bool in = x < n_id;
     int* const counter = counts + g;
     int* const out = ids + (size_t)g * n_id;
+    if (zero_next != nullptr && x == 0 && in)
+        zero_next[counter - counts] = 0;  // the other counts buffer, for the next launch
     elem_t v[L];
     bool nz = false;
     if (mask == nullptr) {  // the values themselves say which elements are non-zero
@@ -844,7 +846,7 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_index::pit_matmul_a_bf16_k32x1_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
-        reinterpret_cast<elem_t*>(ws + w.pack), nullptr, 0, 0);
+        reinterpret_cast<elem_t*>(ws + w.pack), nullptr, 0, 0, nullptr);
     return cudaGetLastError();
 }
 

@@ -154,11 +154,12 @@ constexpr int BL = 64, BKC = 64;
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_f16_block64x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id)
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next)
 {
     const int tid = threadIdx.x, g = blockIdx.y, x = blockIdx.x;
     const int nblk = (n_id + BKC - 1) / BKC;
     if (x >= nblk) return;  // the whole CTA
+    if (zero_next != nullptr && x == 0 && tid == 0) zero_next[g] = 0;  // the other counts buffer
     bool nz = false;
     constexpr int VEC = 8, ROWV = BKC / VEC, UNROLL = 8;  // 16-byte vectors per block row
     constexpr uint32_t VALUE_BITS = sizeof(elem_t) == 2 ? 0x7fff7fffu : 0x7fffffffu;  // sign bits off
@@ -822,7 +823,7 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_f16_block64x64_sm80_wide_module::pit_index::pit_matmul_a_f16_block64x64_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
-        nullptr, nullptr, 0, 0);
+        nullptr, nullptr, 0, 0, nullptr);
     return cudaGetLastError();
 }
 

@@ -155,7 +155,7 @@ constexpr int ID_BLOCK = 512;  // ids per list
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id)
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next)
 {
     const int g = blockIdx.y;
     const int lane = threadIdx.x & 31;
@@ -165,6 +165,8 @@ pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, in
     const size_t list = (size_t)g * ((n_id + ID_BLOCK - 1) / ID_BLOCK) + x / ID_BLOCK;
     int* const counter = counts + list;
     int* const out = ids + list * ID_BLOCK;
+    if (zero_next != nullptr && lane == 0 && x % ID_BLOCK == 0 && in)
+        zero_next[counter - counts] = 0;  // the other counts buffer, for the next launch
     constexpr int PER_LANE = (L + 31) / 32;
     constexpr bool pack_values = false;
     elem_t v[PER_LANE];
@@ -971,7 +973,7 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     const dim3 grid((unsigned)((p.M + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)((p.K + TK - 1) / TK));
     pit_matmul_a_f16_m1x64_sm80_wide_module::pit_index::pit_matmul_a_f16_m1x64_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_k, p.sa_m, p.K, p.M, counts, reinterpret_cast<int*>(ws + w.ids), nullptr,
-        nullptr, 0, 0);
+        nullptr, 0, 0, nullptr);
     return cudaGetLastError();
 }
 

@@ -190,6 +190,32 @@ def test_rows_every_m_to_65_one_kernel_across_masks(dtype):
                 assert torch.equal(acc[idle], base[idle]), (K, M, kind)
 
 
+@pytest.mark.parametrize("micro", ["32x1", "64x64", "128x128", "1x64"])
+def test_calls_reusing_the_index_alternate_counts_with_no_memset(micro):
+    """Back-to-back calls of one kernel reuse the launcher's index buffers: each index launch
+    zeroes the other half of its counts pair for the next one (no memset). Masks that change
+    from call to call (dense, empty, sparse, in a cycle longer than the pair) must each give
+    their own product, and the counts a call reports must be its own."""
+    rng = np.random.default_rng(21)
+    M, N, K = 256, 136, 320
+    tile = tuple(int(v) for v in micro.split("x"))
+    kern = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype="float16",
+                          micro_tile=micro)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    for i, kind in enumerate(("full", "micro", "empty", "micro", "full", "empty", "micro")):
+        mask = T.granular_mask(rng, (M, K), kind, tile, 0.2)
+        a = torch.from_numpy((rng.standard_normal((M, K)) * mask).astype(np.float32)
+                             ).to("cuda", torch.float16)
+        out = T.poison(torch.empty((M, N), dtype=torch.float16, device="cuda"))
+        assert kern(a, b, out=out) is out
+        check(out, a.double().cpu().numpy() @ b.double().cpu().numpy(), "float16",
+              T.term_scale(np.matmul, a, b))
+        call = kern._prepare((a, b), {}, out, False, None, reuse=True)
+        call.build_index(None)
+        expect = kern.index(a, b)[0]
+        assert torch.equal(call.counts.cpu(), expect.cpu()), (micro, i, kind)
+
+
 @pytest.mark.parametrize("form", ["A", "At", "sparseB", "sparseBt"])
 def test_rows_span_several_windows_and_row_blocks(form):
     """More k-tiles than a CTA lists at once (313 of 16 > 256), M' over several row blocks, the

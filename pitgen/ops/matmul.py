@@ -26,7 +26,7 @@ from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
 MATMUL = OpSpec("matmul", "module.cu.j2", {
     "pit_gemm": "PPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPiiiiiiiiii",
     "pit_gemm_sm90_order": "PPi",
-    "pit_build_index": "PiiiiPPPPii",
+    "pit_build_index": "PiiiiPPPPiiP",
     "pit_gemm_zero": "Piiii"}, dtypes=tuple(DTYPES))
 
 
@@ -116,6 +116,22 @@ class Launcher:
             buf = self._scratch[key] = Workspace(self.is_torch).alloc((words,), dtype)
         return buf
 
+    def counts_pair(self, stream: int | None) -> tuple[Any, Any]:
+        """(this launch's index counts, the next launch's) on ``stream``: the two halves of one
+        buffer zeroed once, taken in turn. Each index launch zeroes the other half for the launch
+        after it (stream order keeps the two apart), so calls that reuse their index buffers
+        enqueue no memset (one driver call fewer per call)."""
+        key = (stream or 0, "counts")
+        entry = self._scratch.get(key)
+        if entry is None:
+            n = self.geo.groups
+            buf = Workspace(self.is_torch).alloc((2, n), "int32")
+            memset_d32(Workspace.ptr(buf), 0, 2 * n, stream or 0)
+            entry = (buf, 0)
+        buf, half = entry
+        self._scratch[key] = (buf, 1 - half)
+        return buf[half], buf[1 - half]
+
 
     def tensor_maps(self, a_ptr: int, b_ptr: int) -> tuple[bytes, bytes]:
         """The wgmma kernel's TMA descriptors of A' and B' at these addresses, box for box as
@@ -147,13 +163,13 @@ class GemmCall:
         self.a_ptr, self.b_ptr = Workspace.ptr(a), Workspace.ptr(b)
         self.out = out if out is not None else Workspace(L.is_torch).alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
-        self._ints = self.pack = None
+        self._ints = self._counts = self.pack = None
         self.counts_ptr = self.ids_ptr = self.order_ptr = 0
 
     @property
     def counts(self) -> Any:
         """The index's per-group counts (None before build_index, or without an index)."""
-        return None if self._ints is None else self._ints[:self.L.geo.groups]
+        return self._counts
 
     @property
     def ids(self) -> Any:
@@ -176,7 +192,8 @@ class GemmCall:
 
     def build_index(self, stream: int | None) -> None:
         """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block).
-        counts, ids (and the wgmma kernel's m-tile order) share one int32 buffer."""
+        ids (and the wgmma kernel's m-tile order) and fresh counts share one int32 buffer; a
+        reusing call takes the launcher's counts pair instead, zeroed by the launch before."""
         L = self.L
         ix = L.spec.index
         if ix is None or L.vendor or L.M * L.N * L.K == 0:
@@ -185,18 +202,24 @@ class GemmCall:
         n, cap = geo.groups, geo.groups * geo.cap
         words = L.index_words
         self._ints = ints = self._buffer(stream, words, "int32")
-        self.counts_ptr = base = Workspace.ptr(ints)
+        base = Workspace.ptr(ints)
         self.ids_ptr = base + 4 * n
         pack = 0
         if ix.pack:
             self.pack = self._buffer(stream, cap * ix.long_extent, L.dtype)
             pack = Workspace.ptr(self.pack)
-        memset_d32(base, 0, n, stream)
+        if self.reuse:
+            self._counts, zero_next = L.counts_pair(stream)
+            self.counts_ptr, zero_ptr = Workspace.ptr(self._counts), Workspace.ptr(zero_next)
+        else:
+            self._counts, self.counts_ptr, zero_ptr = ints[:n], base, 0
+            memset_d32(base, 0, n, stream)
         L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
-                     *geo.index_args, base, self.ids_ptr, pack, self.mask_ptr, *L.mask_strides)
+                     *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
+                     *L.mask_strides, zero_ptr)
         if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
             self.order_ptr = base + 4 * (n + cap)
-            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream, base,
+            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream, self.counts_ptr,
                          self.order_ptr, n)
 
     def compute(self, stream: int | None) -> None:
