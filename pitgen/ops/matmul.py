@@ -116,21 +116,23 @@ class Launcher:
             buf = self._scratch[key] = Workspace(self.is_torch).alloc((words,), dtype)
         return buf
 
-    def counts_pair(self, stream: int | None) -> tuple[Any, Any]:
-        """(this launch's index counts, the next launch's) on ``stream``: the two halves of one
-        buffer zeroed once, taken in turn. Each index launch zeroes the other half for the launch
-        after it (stream order keeps the two apart), so calls that reuse their index buffers
-        enqueue no memset (one driver call fewer per call)."""
+    def counts_pair(self, stream: int | None) -> tuple[Any, int, int, int]:
+        """(buffer, half, its address, the other half's address) of the index counts for this
+        launch on ``stream``: the two halves of one [2, groups] buffer zeroed once, taken in
+        turn. Each index launch zeroes the other half for the launch after it (stream order
+        keeps the two apart), so calls that reuse their index buffers enqueue no memset (one
+        driver call fewer per call; addresses, not tensor views, to keep the call lean)."""
         key = (stream or 0, "counts")
         entry = self._scratch.get(key)
         if entry is None:
             n = self.geo.groups
             buf = Workspace(self.is_torch).alloc((2, n), "int32")
-            memset_d32(Workspace.ptr(buf), 0, 2 * n, stream or 0)
-            entry = (buf, 0)
-        buf, half = entry
-        self._scratch[key] = (buf, 1 - half)
-        return buf[half], buf[1 - half]
+            base = Workspace.ptr(buf)
+            memset_d32(base, 0, 2 * n, stream or 0)
+            entry = (buf, 0, base, base + 4 * n)
+        buf, half, this, other = entry
+        self._scratch[key] = (buf, 1 - half, other, this)
+        return buf, half, this, other
 
 
     def tensor_maps(self, a_ptr: int, b_ptr: int) -> tuple[bytes, bytes]:
@@ -163,13 +165,14 @@ class GemmCall:
         self.a_ptr, self.b_ptr = Workspace.ptr(a), Workspace.ptr(b)
         self.out = out if out is not None else Workspace(L.is_torch).alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
-        self._ints = self._counts = self.pack = None
+        self._ints = self.pack = None
+        self._counts: tuple[Any, int] | None = None  # (buffer, row): a [groups] row of it
         self.counts_ptr = self.ids_ptr = self.order_ptr = 0
 
     @property
     def counts(self) -> Any:
         """The index's per-group counts (None before build_index, or without an index)."""
-        return self._counts
+        return None if self._counts is None else self._counts[0][self._counts[1]]
 
     @property
     def ids(self) -> Any:
@@ -209,10 +212,10 @@ class GemmCall:
             self.pack = self._buffer(stream, cap * ix.long_extent, L.dtype)
             pack = Workspace.ptr(self.pack)
         if self.reuse:
-            self._counts, zero_next = L.counts_pair(stream)
-            self.counts_ptr, zero_ptr = Workspace.ptr(self._counts), Workspace.ptr(zero_next)
+            buf, half, self.counts_ptr, zero_ptr = L.counts_pair(stream)
+            self._counts = (buf, half)
         else:
-            self._counts, self.counts_ptr, zero_ptr = ints[:n], base, 0
+            self._counts, self.counts_ptr, zero_ptr = (ints[:n].reshape(1, n), 0), base, 0
             memset_d32(base, 0, n, stream)
         L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
                      *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
