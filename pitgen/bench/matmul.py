@@ -137,7 +137,8 @@ def run(r: Run) -> int:
     lines = [f"# Sparse matmul, fp16, {n}^3, {meta['device']}", "",
              f"dense cuBLAS {dense_ms:.4f} ms ({meta['dense_tflops']:.0f} TFLOP/s); copy of A "
              f"{copy_ms:.4f} ms ({copy_rate / 1e9:.2f} TB/s); gather of B's rows "
-             f"{gather / 1e9:.2f} TB/s (pitgen's probe: 256-byte slabs of random rows, each ~8 times, within an 8 MB slab of B); first compile "
+             f"{gather / 1e9:.2f} TB/s (pitgen's probe: 256-byte slabs of random rows, each ~8 "
+             "times, within an 8 MB slab of B); first compile "
              f"{meta['first_compile_s']:.2f} s, cached load {meta['cached_load_s']:.3f} s; torch "
              f"{meta['torch']}, CUDA {meta['cuda']}; median of {timer.repeats}, L2 flushed; "
              "host time per call measured apart (eager, back to back). Floor of the chosen plan's "

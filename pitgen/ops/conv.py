@@ -216,8 +216,9 @@ def dense_crossover(shape: tuple[int, int, int, int], weight: tuple[int, int, in
 
 # -- GPU ----------------------------------------------------------------------------------------
 
-#: stream handle -> int32 [1 + C] (done counter, channel flags) that the index kernel leaves zero
-_FLAGS: dict[int, Any] = {}
+#: device index -> runtime.stream_counters cache of int32 [1 + C] (done counter, channel flags)
+#: that the index kernel leaves zero (per device: the default stream's handle is 0 on every one)
+_FLAGS = cache.memo("conv.flags")
 
 
 def _check_x(x: Any, device: bool = True) -> str:
@@ -247,7 +248,7 @@ def _run_index(cfg: IndexConfig, x: Tensor, stream: int, ids: Tensor, count: Ten
     grid = _index_grid(cfg.layout, N, C, H * W)
     if grid == 0:
         return
-    flags = stream_counters(_FLAGS, stream, C + 1, x.device)
+    flags = stream_counters(_FLAGS.setdefault(x.device.index, {}), stream, C + 1, x.device)
     vec = vector_width(cfg.layout, C, H * W, x.data_ptr())
     CONV_INDEX.module(cfg).launch(
         "pit_conv_index", (grid, 1, 1), (INDEX_THREADS, 1, 1), stream, x.data_ptr(), N, C,
@@ -381,7 +382,7 @@ def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride:
 
 
 #: raw_key of the operands and the options -> their plan (validated once)
-_CHECKED: dict = {}
+_CHECKED = cache.memo("conv.checked")
 
 
 def _conv_count(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any, padding: Any,

@@ -166,7 +166,7 @@ class GemmCall:
         self.out = out if out is not None else Workspace(L.is_torch).alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
         self._ints = self.pack = None
-        self._counts: tuple[Any, int] | None = None  # (buffer, row): a [groups] row of it
+        self._counts: tuple[Any, Any] | None = None  # (buffer, index): the counts are buffer[index]
         self.counts_ptr = self.ids_ptr = self.order_ptr = 0
 
     @property
@@ -215,7 +215,7 @@ class GemmCall:
             buf, half, self.counts_ptr, zero_ptr = L.counts_pair(stream)
             self._counts = (buf, half)
         else:
-            self._counts, self.counts_ptr, zero_ptr = (ints[:n].reshape(1, n), 0), base, 0
+            self._counts, self.counts_ptr, zero_ptr = (ints, slice(0, n)), base, 0
             memset_d32(base, 0, n, stream)
         L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
                      *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
