@@ -4,13 +4,13 @@ checking their own runs compare against these."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import PlanError, ShapeError
 from .graph.formats import BSR, CSR, ELL, Hyb, Relational, check_dense_operand
-from .ops.attention import BM, BN, EMPTY, FULL, ORDER_BINS, PARTIAL
+from .ops.attention import BM, BN, EMPTY, FULL, GATHER_MAX, GATHERED, ORDER_BINS, PARTIAL
 from .ops.moe import ACTIVATIONS, Routing
 from .ops.sddmm import normalise_tile
 
@@ -40,12 +40,70 @@ def count_bins(counts: np.ndarray, n_kb: int) -> np.ndarray:
     return c if n_kb < ORDER_BINS else c * (ORDER_BINS - 1) // n_kb
 
 
-def block_order_reference(states: np.ndarray) -> np.ndarray:
-    """The query-block order per slice (int32 [slices, nQB]): by descending count class, ties
-    in ascending block order (the GPU's counting sort is stable, so it gives exactly this)."""
+def block_order_reference(states: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+    """The query-block order per slice (int32 [slices, nQB]): by descending count class of the
+    work (visited blocks: any state but EMPTY and GATHERED, plus ceil(counts / BN) gathered key
+    tiles), ties in ascending block order (the GPU's counting sort is stable, so it gives
+    exactly this)."""
     states = np.asarray(states)
-    bins = count_bins((states != EMPTY).sum(-1), states.shape[-1])
+    work = ((states != EMPTY) & (states != GATHERED)).sum(-1)
+    if counts is not None:
+        work = work + -(-np.asarray(counts, np.int64) // BN)
+    bins = count_bins(work, states.shape[-1])
     return np.argsort(-bins, axis=-1, kind="stable").astype(np.int32)
+
+
+def column_rows_reference(mask: np.ndarray, bm: int = BM) -> np.ndarray:
+    """uint64 [slices, nQB, Sk]: bit r of entry (s, qb, j) set when row qb * bm + r allows key j
+    (each query block's allowed columns and which of its rows allow them)."""
+    m = np.asarray(mask) != 0
+    sq, sk = m.shape[-2:]
+    m = m.reshape(-1, sq, sk)
+    nq = -(-sq // bm)
+    pad = np.zeros((m.shape[0], nq * bm, sk), bool)
+    pad[:, :sq] = m
+    rows = pad.reshape(m.shape[0], nq, bm, sk).transpose(0, 1, 3, 2)
+    packed = np.packbits(rows, axis=-1, bitorder="little")          # [s, nq, sk, bm / 8]
+    out = np.zeros((m.shape[0], nq, sk), np.uint64)
+    for byte in range(packed.shape[-1]):
+        out |= packed[..., byte].astype(np.uint64) << np.uint64(8 * byte)
+    return out
+
+
+class KeyIndex(NamedTuple):
+    """The index with gathered key tiles (``block_index``'s arrays, the keys of each query block
+    in ascending order, unused slots -1 with empty row masks)."""
+    states: np.ndarray   # uint8 [slices, nQB, nKB]
+    order: np.ndarray    # int32 [slices, nQB]
+    counts: np.ndarray   # int32 [slices, nQB]
+    keys: np.ndarray     # int32 [slices, nQB, GATHER_MAX * nKB]
+    bits: np.ndarray     # uint64 [slices, nQB, GATHER_MAX * nKB]
+
+
+def key_index_reference(mask: np.ndarray, gather_max: int = GATHER_MAX) -> KeyIndex:
+    """The GPU index's decision in NumPy. Per (slice, query block qb, key block kb), with the
+    allowed columns of the block = its keys allowed for at least one row of qb: EMPTY when none,
+    FULL when every in-range element is set, GATHERED when partial with at most ``gather_max``
+    allowed columns (they join qb's gathered keys, each with the mask of qb's rows allowing it),
+    else PARTIAL; the order by work (``block_order_reference`` with the gathered counts)."""
+    states = block_index_reference(mask)
+    rows = column_rows_reference(mask)
+    s, nq, nk = states.shape
+    sk = rows.shape[-1]
+    allowed = np.zeros((s, nq, nk * BN), bool)
+    allowed[..., :sk] = rows != 0
+    ncols = allowed.reshape(s, nq, nk, BN).sum(-1)
+    states = np.where((states == PARTIAL) & (ncols <= gather_max), GATHERED, states).astype(np.uint8)
+    take = allowed[..., :sk] & (np.repeat(states, BN, axis=-1)[..., :sk] == GATHERED)
+    cap = gather_max * nk
+    keys = np.full((s, nq, cap), -1, np.int32)
+    bits = np.zeros((s, nq, cap), np.uint64)
+    counts = take.sum(-1).astype(np.int32)
+    for i, j in np.ndindex(s, nq):
+        cols = np.flatnonzero(take[i, j])
+        keys[i, j, :cols.size] = cols
+        bits[i, j, :cols.size] = rows[i, j, cols]
+    return KeyIndex(states, block_order_reference(states, counts), counts, keys, bits)
 
 
 def _attention_operands(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,

@@ -9,13 +9,16 @@ order-free) the kernel can therefore walk a compact, unordered list of the non-e
 of its query block, which the GPU builds every call (no sort of key blocks, no host sync).
 
 Pipeline per call: index kernel (reads the mask once, 16-byte loads; writes a state byte per
-(mask slice, query block, key block): empty, partial or full; every entry is written, so
-nothing is reset first; the last CTA of each slice orders the query blocks by their count of
-non-empty key blocks, longest first) → attention kernel (CTAs in that order, since i is
-invariant too: the longest lists start first instead of finishing last; each compacts its row
-of states into a list in shared memory with warp ballots, then runs mma.sync m16n8k16 over it
-with a STAGES-deep cp.async pipeline; element mask only on partial blocks). Fully masked rows
-give zeros.
+(mask slice, query block, key block): empty, partial, full or gathered (a partial block whose
+allowed columns, keys allowed for some row of the query block, are at most GATHER_MAX: those
+keys move to the query block's gathered key list with a 64-bit row mask each, since j is
+invariant they can be visited in any grouping); every entry is written, so nothing is reset
+first; the last CTA of each slice orders the query blocks by their work, longest first) →
+attention kernel (CTAs in that order, since i is invariant too: the longest lists start first
+instead of finishing last; each compacts its row of states into a list in shared memory with
+warp ballots, then runs mma.sync m16n8k16 over it and then over its gathered key tiles of 64
+keys (K/V rows loaded by key id: SRead) with a STAGES-deep cp.async pipeline; element mask
+only on partial blocks, a row-bit test on gathered tiles). Fully masked rows give zeros.
 
 ``SparseAttention`` (a drop-in for ``torch.nn.MultiheadAttention(batch_first=True)``) is built
 on first access, so importing this module needs no torch.
@@ -61,8 +64,17 @@ STAGES_BWD = {64: 2, 128: 2}
 MIN_BLOCKS_BWD = {64: 3, 128: 1}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
-#: Index state bytes.
-EMPTY, PARTIAL, FULL = 0, 1, 2
+#: Index state bytes. GATHERED: a partial block whose allowed columns went to the gathered key
+#: tiles (the backward reads it as PARTIAL).
+EMPTY, PARTIAL, FULL, GATHERED = 0, 1, 2, 3
+#: A partial 64x64 block with at most this many allowed columns (keys allowed for at least one
+#: row of the query block) is gathered. Cost per visit: a partial block costs one block
+#: iteration with the element mask whatever its column count; its c allowed keys cost c / 64 of
+#: a gathered tile iteration (the same MMAs and a row-bit test). At 16 a gathered block costs at
+#: most a quarter of its visit, and the gathered list per query block is bounded by 16 * nKB
+#: slots (12 bytes each: id and row mask), 4.7% of the mask's bytes; blocks with more allowed
+#: columns (window edges, dense micro-tiles) stay partial, where the contiguous tile load wins.
+GATHER_MAX = 16
 #: Count classes of the query-block order (exact counts below this many key blocks).
 ORDER_BINS = INDEX_THREADS
 #: Bytes per row of a shared-memory mask tile: BN, padded so a warp's rows use distinct banks.
@@ -71,14 +83,18 @@ MASK_ROW = BN + 16
 
 # -- the operator -------------------------------------------------------------------------------
 
+#: The state bytes as the templates name them.
+STATE_NAMES = {"EMPTY": EMPTY, "PARTIAL": PARTIAL, "FULL": FULL, "GATHERED": GATHERED}
+
 ATTENTION = OpSpec(
     "attention", "attention.cu.j2",
-    {"pit_attn_index_vec": "PiiiPPPP", "pit_attn_index_byte": "PiiiPPPP",
-     "pit_attention": "PPPPPPPPiiiiiiif", "pit_attention_vec": "PPPPPPPPiiiiiiif"},
+    {"pit_attn_index_vec": "PiiiPPPPPPPPi", "pit_attn_index_byte": "PiiiPPPPPPPPi",
+     "pit_attention": "PPPPPPPPiiiiiiifPPPi", "pit_attention_vec": "PPPPPPPPiiiiiiifPPPi"},
     permutes=(
         # a CTA per (batch, head, query block), taken in any order: longest rows first
         Permutation("query blocks", SCORES, "spatial", "Q"),
-        # key blocks visited in any order, empty ones dropped (online softmax is order-free)
+        # key blocks visited in any order, empty ones dropped, the allowed keys of sparse
+        # partial blocks regrouped into gathered tiles (online softmax is order-free)
         Permutation("key blocks", OUTPUT, "reduction", "V")),
     dtypes=("float16", "bfloat16"))
 
@@ -149,6 +165,11 @@ class AttentionPlan:
         return self.mask_batch * self.mask_heads
 
     @property
+    def gather_cap(self) -> int:
+        """Gathered-key slots per (mask slice, query block): GATHER_MAX per key block."""
+        return GATHER_MAX * self.n_kb
+
+    @property
     def kpc(self) -> int:
         return INDEX_COLUMNS // self.bn
 
@@ -175,7 +196,8 @@ class AttentionPlan:
         """Template context (everything the CUDA source depends on)."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
-                "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW}
+                "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW,
+                "gather_max": GATHER_MAX, **STATE_NAMES}
 
     # -- backward --
 
@@ -209,7 +231,7 @@ class AttentionPlan:
         """Template context of the backward kernels."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "stages": STAGES_BWD[self.d],
-                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW}
+                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, **STATE_NAMES}
 
 
 @cache.lru("attention.plans")
@@ -333,10 +355,43 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
 
 class BlockIndex(NamedTuple):
     """What the index pass builds on the GPU: ``states`` uint8 [slices, nQB, nKB] (EMPTY,
-    PARTIAL, FULL per 64x64 block) and ``order`` int32 [slices, nQB], each slice's query blocks
-    by descending count of non-empty key blocks (the order the attention CTAs take them in)."""
+    PARTIAL, FULL or GATHERED per 64x64 block), ``order`` int32 [slices, nQB] (each slice's
+    query blocks by descending work: visited blocks + gathered tiles, the order the attention
+    CTAs take them in), and the gathered keys of each query block: ``counts`` int32
+    [slices, nQB], ``keys`` int32 [slices, nQB, cap] (key ids; the first ``counts`` are valid,
+    in no fixed order across key blocks) and ``bits`` int64 [slices, nQB, cap] (per key, bit r
+    set when row r of the query block allows it); cap = GATHER_MAX * nKB (0 for the static index
+    of a call without a mask)."""
     states: Any
     order: Any
+    counts: Any
+    keys: Any
+    bits: Any
+
+
+def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, Any, int]], int]:
+    """(field, shape, torch dtype name, byte offset) of each BlockIndex array in one buffer
+    (each at a 16-byte boundary: the gathered row masks load with cp.async), and its size."""
+    s, nq = plan.slices, plan.n_qb
+    fields = [("states", (s, nq, plan.n_kb), "uint8", 1), ("order", (s, nq), "int32", 4),
+              ("counts", (s, nq), "int32", 4), ("keys", (s, nq, cap), "int32", 4),
+              ("bits", (s, nq, cap), "int64", 8)]
+    out, off = [], 0
+    for name, shape, dtype, size in fields:
+        out.append((name, shape, dtype, off))
+        off += -(-math.prod(shape) * size // 16) * 16
+    return out, off
+
+
+def _index_views(plan: AttentionPlan, buf: Any) -> BlockIndex:
+    """The BlockIndex arrays as views of one uint8 buffer of ``_index_layout``'s size."""
+    import torch
+    layout, _ = _index_layout(plan, plan.gather_cap)
+    views = {}
+    for name, shape, dtype, off in layout:
+        n = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        views[name] = buf[off:off + n].view(getattr(torch, dtype)).view(shape)
+    return BlockIndex(**views)
 
 
 #: device index -> runtime.stream_counters cache of the index pass's row counts and done
@@ -378,8 +433,12 @@ def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
                   else np.full((1, plan.n_qb, plan.n_kb), FULL, np.uint8))
         # longest rows first, ties in block order (exact counts: the GPU's order bins them)
         order = np.argsort(-(states != EMPTY).sum(-1), axis=-1, kind="stable").astype(np.int32)
-        hit = _STATIC[key] = BlockIndex(torch.from_numpy(states).to(device),
-                                        torch.from_numpy(order).to(device))
+        n_qb = states.shape[1]
+        hit = _STATIC[key] = BlockIndex(
+            torch.from_numpy(states).to(device), torch.from_numpy(order).to(device),
+            torch.zeros((1, n_qb), dtype=torch.int32, device=device),   # nothing gathered
+            torch.zeros((1, n_qb, 0), dtype=torch.int32, device=device),
+            torch.zeros((1, n_qb, 0), dtype=torch.int64, device=device))
     return hit
 
 
@@ -389,24 +448,41 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     import torch
     if mask is None:
         raise PlanError("the index of a call without a mask is not built on the GPU")
-    states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
-                         device=mask.device)
-    order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
-    counters = stream_counters(_COUNTERS.setdefault(mask.device.index, {}), launch.stream,
-                               plan.slices * (plan.n_qb + 1), mask.device)
-    rowcount = counters.data_ptr()
-    done = rowcount + 4 * plan.slices * plan.n_qb
+    _, size = _index_layout(plan, plan.gather_cap)
+    idx = _index_views(plan, torch.empty(size, dtype=torch.uint8, device=mask.device))
+    counters = _counters(plan, _COUNTERS.setdefault(mask.device.index, {}), launch.stream,
+                         mask.device)
     vec = _vector_mask(plan, mask)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
-                   (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
-                   plan.n_kb, states.data_ptr(), rowcount, done, order.data_ptr())
-    return BlockIndex(states, order)
+                   (INDEX_THREADS, 1, 1), launch.stream,
+                   *_index_args(plan, mask.data_ptr(), counters, idx.states.data_ptr(),
+                                idx.order.data_ptr(), idx.counts.data_ptr(),
+                                idx.keys.data_ptr(), idx.bits.data_ptr()))
+    return idx
+
+
+def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> int:
+    """Address of the index pass's counters on ``stream`` (zero between launches): per slice and
+    query block the visited-block count, per slice the done counter, per slice and query block
+    the gathered-key count."""
+    return stream_counters(by_stream, stream, plan.slices * (2 * plan.n_qb + 1),
+                           device).data_ptr()
+
+
+def _index_args(plan: AttentionPlan, mask: int, counters: int, states: int, order: int,
+                counts: int, keys: int, bits: int) -> tuple:
+    """The index kernels' arguments (``_counters``' layout: rowcount, done, gathered counts)."""
+    done = counters + 4 * plan.slices * plan.n_qb
+    gacc = done + 4 * plan.slices
+    return (mask, plan.sq, plan.sk, plan.n_kb, states, counters, done, order, gacc, counts,
+            keys, bits, plan.gather_cap)
 
 
 def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
-    query-block order (as ``block_order_reference``)."""
+    query-block order and the gathered keys (as ``key_index_reference``; the keys of a query
+    block are a set: their order in the list varies between calls)."""
     if mask is None:
         raise ShapeError("block_index needs a mask")
     plan, mask = _check(q, k, v, mask)
@@ -416,13 +492,13 @@ def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
 
 def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
     """Check an index passed to sparse_attention (shapes, dtypes, device; its contents are
-    never trusted by the kernel)."""
+    never trusted by the kernel: ids and counts are range-checked before any address)."""
     import torch
-    want = {"states": ((plan.slices, plan.n_qb, plan.n_kb), torch.uint8),
-            "order": ((plan.slices, plan.n_qb), torch.int32)}
+    layout, _ = _index_layout(plan, plan.gather_cap)
+    want = {name: (shape, getattr(torch, dtype)) for name, shape, dtype, _ in layout}
     if not isinstance(index, BlockIndex):
-        raise ShapeError(f"index must be the BlockIndex (states, order) from block_index, got "
-                         f"{type(index).__name__}")
+        raise ShapeError(f"index must be the BlockIndex (states, order, counts, keys, bits) "
+                         f"from block_index, got {type(index).__name__}")
     for name, (shape, dtype) in want.items():
         x = getattr(index, name)
         if (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype
@@ -462,9 +538,8 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
     if out.numel() == 0 or plan.sk == 0:   # nothing to attend: zeros, lse -inf
         if lse is not None:
             lse.fill_(-math.inf)
-        empty = index or BlockIndex(
-            torch.zeros((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8, device=q.device),
-            torch.zeros((plan.slices, plan.n_qb), dtype=torch.int32, device=q.device))
+        empty = index or _index_views(plan, torch.zeros(_index_layout(plan, plan.gather_cap)[1],
+                                                        dtype=torch.uint8, device=q.device))
         return out.zero_(), lse, empty
     kernels = ATTENTION.module(plan)
     with TorchLaunch() as launch:
@@ -479,7 +554,9 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk, plan.heads,
-                       plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e), smem=plan.smem)
+                       plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e),
+                       idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
+                       idx.keys.shape[-1], smem=plan.smem)
     return out, lse, idx
 
 
@@ -544,12 +621,15 @@ def _ops() -> Any:
     @torch.library.custom_op(
         "pitgen::sparse_attention", mutates_args=(),
         schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? states, "
-               "Tensor? order, bool is_causal) -> (Tensor, Tensor, Tensor, Tensor)")
+               "Tensor? order, Tensor? counts, Tensor? keys, Tensor? bits, bool is_causal) "
+               "-> (Tensor, Tensor, Tensor, Tensor)")
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                states: Tensor | None, order: Tensor | None, is_causal: bool
+                states: Tensor | None, order: Tensor | None, counts: Tensor | None,
+                keys: Tensor | None, bits: Tensor | None, is_causal: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         plan, m = _check(q, k, v, mask)
-        given = None if states is None or order is None else BlockIndex(states, order)
+        parts = (states, order, counts, keys, bits)
+        given = None if any(x is None for x in parts) else BlockIndex(*parts)
         out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal)
         if m is None:           # the cached static index: outputs may not alias it either
             idx = BlockIndex(idx.states.clone(), idx.order.clone())
@@ -558,7 +638,7 @@ def _ops() -> Any:
         return out, lse, idx.states, idx.order
 
     @forward.register_fake
-    def _(q, k, v, mask, scale, states, order, is_causal):
+    def _(q, k, v, mask, scale, states, order, counts, keys, bits, is_causal):
         p = fake_plan(q, k, v, mask)
         return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
                 q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
@@ -581,7 +661,7 @@ def _ops() -> Any:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, scale, _, _, _ = inputs
+        q, k, v, mask, scale = inputs[:5]
         out, lse, states, order = output
         ctx.save_for_backward(q, k, v, mask, out, lse, states, order)
         ctx.scale = scale
@@ -591,7 +671,7 @@ def _ops() -> Any:
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = backward(dout, q, k, v, mask, out, lse, states, order, ctx.scale, dlse)
-        return dq, dk, dv, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * 8
 
     forward.register_autograd(grad, setup_context=setup_context)
     _OPS["forward"] = forward
@@ -620,9 +700,9 @@ class _EagerForward:
             (INDEX_THREADS, 1, 1))
         self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
                                    plan.attention_grid(), (plan.warps * 32, 1, 1), plan.smem)
-        states = plan.slices * plan.n_qb * plan.n_kb
-        #: the index buffer: states (uint8), then order (int32) at a 16-byte boundary
-        self.sizes = (states + 15) // 16 * 16, states + -states % 16 + 4 * plan.slices * plan.n_qb
+        #: the index buffer: states, order, counts, keys, bits (_index_layout)
+        layout, size = _index_layout(plan, plan.gather_cap)
+        self.sizes = tuple(off for _, _, _, off in layout) + (size,)
         self.counters = _COUNTERS.setdefault(device.index, {})
         self.mask_strides = plan.mask_strides
         self.default_scale = 1.0 / math.sqrt(plan.d)
@@ -645,22 +725,20 @@ class _EagerForward:
         with TorchLaunch() as launch:
             s = launch.stream
             if mask is None:
-                states, order, mptr = self.static.states.data_ptr(), \
-                    self.static.order.data_ptr(), 0
+                st = self.static
+                ptrs = tuple(x.data_ptr() for x in st)
+                mptr, cap = 0, 0
             else:
-                buf = torch.empty(self.sizes[1], dtype=torch.uint8, device=q.device)
-                states = buf.data_ptr()
-                order = states + self.sizes[0]
-                mptr = mask.data_ptr()
-                rowcount = stream_counters(self.counters, s, plan.slices * (plan.n_qb + 1),
-                                           q.device).data_ptr()
-                self.index(s, mptr, plan.sq, plan.sk, plan.n_kb, states, rowcount,
-                           rowcount + 4 * plan.slices * plan.n_qb, order)
+                buf = torch.empty(self.sizes[-1], dtype=torch.uint8, device=q.device)
+                ptrs = tuple(buf.data_ptr() + off for off in self.sizes[:-1])
+                mptr, cap = mask.data_ptr(), plan.gather_cap
+                self.index(s, *_index_args(plan, mptr, _counters(plan, self.counters, s, q.device),
+                                           *ptrs))
             sb, sh = self.mask_strides
             self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                        0 if lse is None else lse.data_ptr(), mptr, states, order, plan.sq,
+                        0 if lse is None else lse.data_ptr(), mptr, ptrs[0], ptrs[1], plan.sq,
                         plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
-                        scale * math.log2(math.e))
+                        scale * math.log2(math.e), ptrs[2], ptrs[3], ptrs[4], cap)
         return (out, lse) if lse is not None else out
 
 
@@ -712,7 +790,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
                 raise ShapeError("index is the block index of a mask; a call without one has none")
             _given_index(plan, index, q.device)
     if grad:
-        out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None, None)), is_causal)
+        out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None,) * 5), is_causal)
     else:
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
         if key is not None and _EagerForward.eligible(plan, q, mask, index):
