@@ -71,39 +71,85 @@ def column_rows_reference(mask: np.ndarray, bm: int = BM) -> np.ndarray:
 
 
 class KeyIndex(NamedTuple):
-    """The index with gathered key tiles (``block_index``'s arrays, the keys of each query block
-    in ascending order, unused slots -1 with empty row masks)."""
-    states: np.ndarray   # uint8 [slices, nQB, nKB]
+    """``block_index``'s arrays as NumPy computes them (unused slots: key -1 with an empty row
+    mask, dense row -1)."""
+    states: np.ndarray   # uint8 [slices, nQB, nKB]: the forward's decision
+    blocks: np.ndarray   # uint8 [slices, nQB, nKB]: block_index_reference (the backward's)
     order: np.ndarray    # int32 [slices, nQB]
     counts: np.ndarray   # int32 [slices, nQB]
-    keys: np.ndarray     # int32 [slices, nQB, GATHER_MAX * nKB]
-    bits: np.ndarray     # uint64 [slices, nQB, GATHER_MAX * nKB]
+    keys: np.ndarray     # int32 [slices, nQB, gather_max * nKB], ascending
+    bits: np.ndarray     # uint64 [slices, nQB, gather_max * nKB]
+    dense: np.ndarray    # uint64 [slices, nQB]
+    drows: np.ndarray    # int32 [slices, nQB * BM], ascending
+    dcount: np.ndarray   # int32 [slices]
+
+
+def _cut(rows: np.ndarray, rows_in: np.ndarray, out: np.ndarray, nk: int,
+         gather_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """(states, allowed columns per block) of every block over the rows of its query block that
+    are in range and not in ``out`` (uint64 [slices, nQB])."""
+    s, nq, sk = rows.shape
+    keep = (rows_in & ~out)[..., None]
+    rb = np.zeros((s, nq, nk * BN), np.uint64)
+    rb[..., :sk] = rows & keep
+    allowed = (rb != 0).reshape(s, nq, nk, BN)
+    ncols = allowed.sum(-1)
+    in_range = (np.arange(nk * BN) < sk).reshape(nk, BN)
+    full = ((rb.reshape(s, nq, nk, BN) == keep[..., None]) | ~in_range).all(-1)
+    states = np.where(ncols == 0, EMPTY, np.where(full, FULL, np.where(
+        ncols <= gather_max, GATHERED, PARTIAL))).astype(np.uint8)
+    return states, ncols
+
+
+def _work(states: np.ndarray, ncols: np.ndarray) -> np.ndarray:
+    """Visited blocks + gathered tiles per query block."""
+    visited = ((states == FULL) | (states == PARTIAL)).sum(-1)
+    return visited + -(-np.where(states == GATHERED, ncols, 0).sum(-1) // BN)
 
 
 def key_index_reference(mask: np.ndarray, gather_max: int = GATHER_MAX) -> KeyIndex:
-    """The GPU index's decision in NumPy. Per (slice, query block qb, key block kb), with the
-    allowed columns of the block = its keys allowed for at least one row of qb: EMPTY when none,
-    FULL when every in-range element is set, GATHERED when partial with at most ``gather_max``
-    allowed columns (they join qb's gathered keys, each with the mask of qb's rows allowing it),
-    else PARTIAL; the order by work (``block_order_reference`` with the gathered counts)."""
-    states = block_index_reference(mask)
+    """The GPU index's decision in NumPy. Per (slice, query block qb): its dense rows are the
+    in-range rows allowing every key; they leave qb (to dense-row tiles) when qb's work
+    (visited full/partial blocks + gathered tiles of BN keys) over the remaining rows is smaller
+    than over all its rows. Then per key block kb, over qb's remaining rows, with its allowed
+    columns = keys allowed for at least one of them: EMPTY when none, FULL when every remaining
+    row allows every in-range key, GATHERED when partial with at most ``gather_max`` allowed
+    columns (they join qb's gathered keys, ascending, each with the mask of qb's remaining rows
+    allowing it), else PARTIAL. The order: ``block_order_reference`` with the gathered counts;
+    ``blocks``: ``block_index_reference`` (all rows)."""
+    blocks = block_index_reference(mask)
     rows = column_rows_reference(mask)
-    s, nq, nk = states.shape
-    sk = rows.shape[-1]
-    allowed = np.zeros((s, nq, nk * BN), bool)
-    allowed[..., :sk] = rows != 0
-    ncols = allowed.reshape(s, nq, nk, BN).sum(-1)
-    states = np.where((states == PARTIAL) & (ncols <= gather_max), GATHERED, states).astype(np.uint8)
-    take = allowed[..., :sk] & (np.repeat(states, BN, axis=-1)[..., :sk] == GATHERED)
+    s, nq, nk = blocks.shape
+    sq, sk = np.asarray(mask).shape[-2:]
+    nrows = np.minimum(BM, sq - np.arange(nq) * BM)
+    rows_in = np.where(nrows >= 64, ~np.uint64(0),
+                       (np.uint64(1) << np.minimum(nrows, 63).astype(np.uint64)) - np.uint64(1))
+    rows_in = np.broadcast_to(rows_in.astype(np.uint64), (s, nq))
+    full = np.bitwise_and.reduce(rows, axis=-1) & rows_in if sk else np.zeros((s, nq), np.uint64)
+    none = np.zeros((s, nq), np.uint64)
+    work_all = _work(*_cut(rows, rows_in, none, nk, gather_max))
+    work_cut = _work(*_cut(rows, rows_in, full, nk, gather_max))
+    dense = np.where((full != 0) & (work_cut < work_all), full, none)
+    states, _ = _cut(rows, rows_in, dense, nk, gather_max)
+    kept = rows & (rows_in & ~dense)[..., None]
+    take = (kept != 0) & (np.repeat(states, BN, axis=-1)[..., :sk] == GATHERED)
     cap = gather_max * nk
     keys = np.full((s, nq, cap), -1, np.int32)
     bits = np.zeros((s, nq, cap), np.uint64)
     counts = take.sum(-1).astype(np.int32)
+    drows = np.full((s, nq * BM), -1, np.int32)
+    dcount = np.zeros(s, np.int32)
     for i, j in np.ndindex(s, nq):
         cols = np.flatnonzero(take[i, j])
         keys[i, j, :cols.size] = cols
-        bits[i, j, :cols.size] = rows[i, j, cols]
-    return KeyIndex(states, block_order_reference(states, counts), counts, keys, bits)
+        bits[i, j, :cols.size] = kept[i, j, cols]
+    for i in range(s):
+        moved = [qb * BM + r for qb in range(nq) for r in range(BM)
+                 if (int(dense[i, qb]) >> r) & 1]
+        drows[i, :len(moved)] = moved
+        dcount[i] = len(moved)
+    return KeyIndex(states, blocks, block_order_reference(states, counts), counts, keys, bits,
+                    dense, drows, dcount)
 
 
 def _attention_operands(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,

@@ -88,8 +88,8 @@ STATE_NAMES = {"EMPTY": EMPTY, "PARTIAL": PARTIAL, "FULL": FULL, "GATHERED": GAT
 
 ATTENTION = OpSpec(
     "attention", "attention.cu.j2",
-    {"pit_attn_index_vec": "PiiiPPPPPPPPi", "pit_attn_index_byte": "PiiiPPPPPPPPi",
-     "pit_attention": "PPPPPPPPiiiiiiifPPPi", "pit_attention_vec": "PPPPPPPPiiiiiiifPPPi"},
+    {"pit_attn_index_vec": "Piii" + "P" * 13 + "i", "pit_attn_index_byte": "Piii" + "P" * 13 + "i",
+     "pit_attention": "PPPPPPPPiiiiiiifPPPiPPP", "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPP"},
     permutes=(
         # a CTA per (batch, head, query block), taken in any order: longest rows first
         Permutation("query blocks", SCORES, "spatial", "Q"),
@@ -189,8 +189,14 @@ class AttentionPlan:
         return (-(-self.n_kb // self.kpc), self.n_qb, self.slices)
 
     def attention_grid(self) -> tuple[int, int, int]:
-        """(batch x head, rank in the query-block order): every head's longest rows first."""
+        """(batch x head, rank in the query-block order): every head's longest rows first (the
+        backward's dQ kernel)."""
         return (self.batch * self.heads, self.n_qb, 1)
+
+    def forward_grid(self) -> tuple[int, int, int]:
+        """(batch x head, y, z): z = 0 the dense-row tiles y (most do nothing; dispatched first),
+        z = 1 the query blocks by rank y in the order."""
+        return (self.batch * self.heads, self.n_qb, 2)
 
     def context(self) -> dict[str, Any]:
         """Template context (everything the CUDA source depends on)."""
@@ -354,28 +360,41 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
 
 
 class BlockIndex(NamedTuple):
-    """What the index pass builds on the GPU: ``states`` uint8 [slices, nQB, nKB] (EMPTY,
-    PARTIAL, FULL or GATHERED per 64x64 block), ``order`` int32 [slices, nQB] (each slice's
-    query blocks by descending work: visited blocks + gathered tiles, the order the attention
-    CTAs take them in), and the gathered keys of each query block: ``counts`` int32
-    [slices, nQB], ``keys`` int32 [slices, nQB, cap] (key ids; the first ``counts`` are valid,
-    in no fixed order across key blocks) and ``bits`` int64 [slices, nQB, cap] (per key, bit r
-    set when row r of the query block allows it); cap = GATHER_MAX * nKB (0 for the static index
-    of a call without a mask)."""
+    """What the index pass builds on the GPU. ``states`` uint8 [slices, nQB, nKB]: the forward's
+    decision per 64x64 block over the query block's rows that stay in it (EMPTY, PARTIAL, FULL
+    or GATHERED); ``blocks``: the plain block states over all rows (EMPTY, PARTIAL, FULL; what
+    the backward walks); ``order`` int32 [slices, nQB]: each slice's query blocks by descending
+    work (visited blocks + gathered tiles), the order the attention CTAs take them in; the
+    gathered keys of each query block: ``counts`` int32 [slices, nQB], ``keys`` int32
+    [slices, nQB, cap] (ascending key ids, the first ``counts`` valid) and ``bits`` int64
+    [slices, nQB, cap] (per key, bit r set when row r of the query block allows it), cap =
+    GATHER_MAX * nKB (0 for the static index of a call without a mask); the dense rows (rows
+    allowing every key, moved out of their query block into dense-row tiles): ``dense`` int64
+    [slices, nQB] (per query block, bit r: row r moved), ``drows`` int32 [slices, nQB * 64]
+    (their row ids, ascending; the first ``dcount`` valid) and ``dcount`` int32 [slices]."""
     states: Any
+    blocks: Any
     order: Any
     counts: Any
     keys: Any
     bits: Any
+    dense: Any
+    drows: Any
+    dcount: Any
 
 
-def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, Any, int]], int]:
-    """(field, shape, torch dtype name, byte offset) of each BlockIndex array in one buffer
-    (each at a 16-byte boundary: the gathered row masks load with cp.async), and its size."""
-    s, nq = plan.slices, plan.n_qb
-    fields = [("states", (s, nq, plan.n_kb), "uint8", 1), ("order", (s, nq), "int32", 4),
-              ("counts", (s, nq), "int32", 4), ("keys", (s, nq, cap), "int32", 4),
-              ("bits", (s, nq, cap), "int64", 8)]
+def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, str, int]], int]:
+    """(field, shape, torch dtype name, byte offset) of each BlockIndex array, then the index
+    pass's scratch (``cols``: per (slice, query block) each column's 64-bit mask of the rows
+    allowing it; ``work``: per query block its visited blocks + gathered tiles), in one buffer,
+    each at a 16-byte boundary (the gathered row masks load with cp.async); and its size."""
+    s, nq, nk = plan.slices, plan.n_qb, plan.n_kb
+    fields = [("states", (s, nq, nk), "uint8", 1), ("blocks", (s, nq, nk), "uint8", 1),
+              ("order", (s, nq), "int32", 4), ("counts", (s, nq), "int32", 4),
+              ("keys", (s, nq, cap), "int32", 4), ("bits", (s, nq, cap), "int64", 8),
+              ("dense", (s, nq), "int64", 8), ("drows", (s, nq * plan.bm), "int32", 4),
+              ("dcount", (s,), "int32", 4),
+              ("cols", (s, nq, nk * plan.bn), "int64", 8), ("work", (s, nq), "int32", 4)]
     out, off = [], 0
     for name, shape, dtype, size in fields:
         out.append((name, shape, dtype, off))
@@ -384,13 +403,15 @@ def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple,
 
 
 def _index_views(plan: AttentionPlan, buf: Any) -> BlockIndex:
-    """The BlockIndex arrays as views of one uint8 buffer of ``_index_layout``'s size."""
+    """The BlockIndex arrays as views of one uint8 buffer of ``_index_layout``'s size (the
+    scratch stays in the buffer, alive with the views)."""
     import torch
-    layout, _ = _index_layout(plan, plan.gather_cap)
     views = {}
-    for name, shape, dtype, off in layout:
-        n = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        views[name] = buf[off:off + n].view(getattr(torch, dtype)).view(shape)
+    for name, shape, dtype, off in _index_layout(plan, plan.gather_cap)[0]:
+        if name in BlockIndex._fields:
+            dt = getattr(torch, dtype)
+            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            views[name] = buf[off:off + n].view(dt).view(shape)
     return BlockIndex(**views)
 
 
@@ -434,48 +455,53 @@ def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
         # longest rows first, ties in block order (exact counts: the GPU's order bins them)
         order = np.argsort(-(states != EMPTY).sum(-1), axis=-1, kind="stable").astype(np.int32)
         n_qb = states.shape[1]
+        st = torch.from_numpy(states).to(device)
+
+        def zeros(*shape: int, dtype: Any = torch.int32) -> Any:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        # nothing gathered (no key list), no dense rows
         hit = _STATIC[key] = BlockIndex(
-            torch.from_numpy(states).to(device), torch.from_numpy(order).to(device),
-            torch.zeros((1, n_qb), dtype=torch.int32, device=device),   # nothing gathered
-            torch.zeros((1, n_qb, 0), dtype=torch.int32, device=device),
-            torch.zeros((1, n_qb, 0), dtype=torch.int64, device=device))
+            st, st, torch.from_numpy(order).to(device), zeros(1, n_qb), zeros(1, n_qb, 0),
+            zeros(1, n_qb, 0, dtype=torch.int64), zeros(1, n_qb, dtype=torch.int64),
+            zeros(1, n_qb * plan.bm), zeros(1))
     return hit
 
 
 def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIndex:
-    """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
-    fills."""
+    """Enqueue the index kernel on ``launch``'s stream; returns the index it fills."""
     import torch
     if mask is None:
         raise PlanError("the index of a call without a mask is not built on the GPU")
     _, size = _index_layout(plan, plan.gather_cap)
-    idx = _index_views(plan, torch.empty(size, dtype=torch.uint8, device=mask.device))
+    buf = torch.empty(size, dtype=torch.uint8, device=mask.device)
     counters = _counters(plan, _COUNTERS.setdefault(mask.device.index, {}), launch.stream,
                          mask.device)
     vec = _vector_mask(plan, mask)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream,
-                   *_index_args(plan, mask.data_ptr(), counters, idx.states.data_ptr(),
-                                idx.order.data_ptr(), idx.counts.data_ptr(),
-                                idx.keys.data_ptr(), idx.bits.data_ptr()))
-    return idx
+                   *_index_args(plan, mask.data_ptr(), counters, _offsets(plan), buf.data_ptr()))
+    return _index_views(plan, buf)
+
+
+def _offsets(plan: AttentionPlan) -> dict[str, int]:
+    """Byte offset of each array of the index buffer (``_index_layout``)."""
+    return {name: off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]}
 
 
 def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> int:
-    """Address of the index pass's counters on ``stream`` (zero between launches): per slice and
-    query block the visited-block count, per slice the done counter, per slice and query block
-    the gathered-key count."""
-    return stream_counters(by_stream, stream, plan.slices * (2 * plan.n_qb + 1),
-                           device).data_ptr()
+    """Address of the index pass's done counters on ``stream`` (zero between launches): one per
+    (slice, query block), then one per slice."""
+    return stream_counters(by_stream, stream, plan.slices * (plan.n_qb + 1), device).data_ptr()
 
 
-def _index_args(plan: AttentionPlan, mask: int, counters: int, states: int, order: int,
-                counts: int, keys: int, bits: int) -> tuple:
-    """The index kernels' arguments (``_counters``' layout: rowcount, done, gathered counts)."""
-    done = counters + 4 * plan.slices * plan.n_qb
-    gacc = done + 4 * plan.slices
-    return (mask, plan.sq, plan.sk, plan.n_kb, states, counters, done, order, gacc, counts,
-            keys, bits, plan.gather_cap)
+def _index_args(plan: AttentionPlan, mask: int, counters: int, offsets: dict[str, int],
+                base: int) -> tuple:
+    """The index kernels' arguments: the mask, sizes, the arrays of the buffer at ``base``, the
+    counters (``_counters``' layout) and the gathered capacity."""
+    arrays = [base + offsets[n] for n in ("states", "blocks", "order", "counts", "keys", "bits",
+                                          "dense", "drows", "dcount", "cols", "work")]
+    return (mask, plan.sq, plan.sk, plan.n_kb, *arrays, counters,
+            counters + 4 * plan.slices * plan.n_qb, plan.gather_cap)
 
 
 def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
@@ -495,10 +521,11 @@ def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
     never trusted by the kernel: ids and counts are range-checked before any address)."""
     import torch
     layout, _ = _index_layout(plan, plan.gather_cap)
-    want = {name: (shape, getattr(torch, dtype)) for name, shape, dtype, _ in layout}
+    want = {name: (shape, getattr(torch, dtype)) for name, shape, dtype, _ in layout
+            if name in BlockIndex._fields}
     if not isinstance(index, BlockIndex):
-        raise ShapeError(f"index must be the BlockIndex (states, order, counts, keys, bits) "
-                         f"from block_index, got {type(index).__name__}")
+        raise ShapeError(f"index must be the BlockIndex ({', '.join(BlockIndex._fields)}) from "
+                         f"block_index, got {type(index).__name__}")
     for name, (shape, dtype) in want.items():
         x = getattr(index, name)
         if (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype
@@ -550,19 +577,22 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                    else _given_index(plan, index, q.device))
         sb, sh = plan.mask_strides
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
-        kernels.launch(name, plan.attention_grid(), (plan.warps * 32, 1, 1),
+        kernels.launch(name, plan.forward_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk, plan.heads,
                        plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e),
                        idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
-                       idx.keys.shape[-1], smem=plan.smem)
+                       idx.keys.shape[-1], idx.dense.data_ptr(), idx.drows.data_ptr(),
+                       idx.dcount.data_ptr(), smem=plan.smem)
     return out, lse, idx
 
 
 def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any, out: Any,
-              lse: Any, idx: BlockIndex, scale: float, dlse: Any = None) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) over the forward's index: delta = rowsum(dO * O) - dlse and the key-block
+              lse: Any, blocks: Any, order: Any, scale: float,
+              dlse: Any = None) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) over the forward's plain block states (``BlockIndex.blocks``: every row of
+    a query block in it, no gathered keys or dense rows) and query-block order: delta = rowsum(dO * O) - dlse and the key-block
     order (most non-empty blocks over all slices first, so the longest columns do not finish
     last) as torch reductions on the stream, then the dQ kernel over query blocks in the
     forward's order and the dK/dV kernel over key blocks (each walking the column of the state
@@ -578,7 +608,7 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     if dlse is not None:   # d lse_i / d s_ij = P_ij: the lse gradient shifts delta
         delta = delta - dlse.float()
     delta = delta.contiguous()
-    columns = (idx.states != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
+    columns = (blocks != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
     kv_order = torch.argsort(columns, descending=True, stable=True).to(torch.int32)
     kernels = ATTENTION_BWD.module(plan.backward_context())
     vec = "_vec" if _vector_mask(plan, mask) else ""
@@ -589,11 +619,11 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     with TorchLaunch() as launch:
         kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, *args, dq.data_ptr(), _ptr(mask),
-                       idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk,
+                       blocks.data_ptr(), order.data_ptr(), plan.sq, plan.sk,
                        plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
         kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, *args, dk.data_ptr(), dv.data_ptr(), _ptr(mask),
-                       idx.states.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
+                       blocks.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
                        plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
     return dq, dk, dv
 
@@ -604,7 +634,8 @@ _OPS = cache.memo("attention.ops")
 
 
 def _ops() -> Any:
-    """The ``pitgen::sparse_attention`` op (forward: out, lse, states, order) with its fake and
+    """The ``pitgen::sparse_attention`` op (forward: out, lse, and for the backward the plain
+    block states and the order; a given index comes as its arrays) with its fake and
     autograd (``pitgen::sparse_attention_backward``), registered once per process on first use
     so that importing pitgen needs no torch."""
     hit = _OPS.get("forward")
@@ -621,24 +652,26 @@ def _ops() -> Any:
     @torch.library.custom_op(
         "pitgen::sparse_attention", mutates_args=(),
         schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? states, "
-               "Tensor? order, Tensor? counts, Tensor? keys, Tensor? bits, bool is_causal) "
+               "Tensor? blocks, Tensor? order, Tensor? counts, Tensor? keys, Tensor? bits, "
+               "Tensor? dense, Tensor? drows, Tensor? dcount, bool is_causal) "
                "-> (Tensor, Tensor, Tensor, Tensor)")
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                states: Tensor | None, order: Tensor | None, counts: Tensor | None,
-                keys: Tensor | None, bits: Tensor | None, is_causal: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                states: Tensor | None, blocks: Tensor | None, order: Tensor | None,
+                counts: Tensor | None, keys: Tensor | None, bits: Tensor | None,
+                dense: Tensor | None, drows: Tensor | None, dcount: Tensor | None,
+                is_causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         plan, m = _check(q, k, v, mask)
-        parts = (states, order, counts, keys, bits)
+        parts = (states, blocks, order, counts, keys, bits, dense, drows, dcount)
         given = None if any(x is None for x in parts) else BlockIndex(*parts)
         out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal)
-        if m is None:           # the cached static index: outputs may not alias it either
-            idx = BlockIndex(idx.states.clone(), idx.order.clone())
-        if given is not None:   # a custom op's outputs may not alias its inputs
-            idx = BlockIndex(idx.states.clone(), idx.order.clone())
-        return out, lse, idx.states, idx.order
+        if m is None or given is not None:
+            # outputs may alias neither the cached static index nor the op's inputs
+            return out, lse, idx.blocks.clone(), idx.order.clone()
+        return out, lse, idx.blocks, idx.order
 
     @forward.register_fake
-    def _(q, k, v, mask, scale, states, order, counts, keys, bits, is_causal):
+    def _(q, k, v, mask, scale, states, blocks, order, counts, keys, bits, dense, drows, dcount,
+          is_causal):
         p = fake_plan(q, k, v, mask)
         return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
                 q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
@@ -647,31 +680,30 @@ def _ops() -> Any:
     @torch.library.custom_op(
         "pitgen::sparse_attention_backward", mutates_args=(),
         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
-               "Tensor lse, Tensor states, Tensor order, float scale, Tensor? dlse) "
+               "Tensor lse, Tensor blocks, Tensor order, float scale, Tensor? dlse) "
                "-> (Tensor, Tensor, Tensor)")
     def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
-                 lse: Tensor, states: Tensor, order: Tensor, scale: float,
+                 lse: Tensor, blocks: Tensor, order: Tensor, scale: float,
                  dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         plan, m = _check(q, k, v, mask)
-        return _backward(plan, dout, q, k, v, m, out, lse, BlockIndex(states, order), scale,
-                         dlse)
+        return _backward(plan, dout, q, k, v, m, out, lse, blocks, order, scale, dlse)
 
     @backward.register_fake
-    def _(dout, q, k, v, mask, out, lse, states, order, scale, dlse):
+    def _(dout, q, k, v, mask, out, lse, blocks, order, scale, dlse):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         q, k, v, mask, scale = inputs[:5]
-        out, lse, states, order = output
-        ctx.save_for_backward(q, k, v, mask, out, lse, states, order)
+        out, lse, blocks, order = output
+        ctx.save_for_backward(q, k, v, mask, out, lse, blocks, order)
         ctx.scale = scale
 
     def grad(ctx: Any, dout: Tensor, dlse: Tensor | None, _s: Any, _o: Any) -> tuple:
-        q, k, v, mask, out, lse, states, order = ctx.saved_tensors
+        q, k, v, mask, out, lse, blocks, order = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(dout, q, k, v, mask, out, lse, states, order, ctx.scale, dlse)
-        return (dq, dk, dv) + (None,) * 8
+        dq, dk, dv = backward(dout, q, k, v, mask, out, lse, blocks, order, ctx.scale, dlse)
+        return (dq, dk, dv) + (None,) * (len(BlockIndex._fields) + 3)  # mask, scale, index, causal
 
     forward.register_autograd(grad, setup_context=setup_context)
     _OPS["forward"] = forward
@@ -699,10 +731,9 @@ class _EagerForward:
             "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
             (INDEX_THREADS, 1, 1))
         self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
-                                   plan.attention_grid(), (plan.warps * 32, 1, 1), plan.smem)
-        #: the index buffer: states, order, counts, keys, bits (_index_layout)
-        layout, size = _index_layout(plan, plan.gather_cap)
-        self.sizes = tuple(off for _, _, _, off in layout) + (size,)
+                                   plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem)
+        #: the index buffer (_index_layout): its size and the offsets of its arrays
+        self.sizes = _index_layout(plan, plan.gather_cap)[1], _offsets(plan)
         self.counters = _COUNTERS.setdefault(device.index, {})
         self.mask_strides = plan.mask_strides
         self.default_scale = 1.0 / math.sqrt(plan.d)
@@ -725,20 +756,21 @@ class _EagerForward:
         with TorchLaunch() as launch:
             s = launch.stream
             if mask is None:
-                st = self.static
-                ptrs = tuple(x.data_ptr() for x in st)
+                p = {name: x.data_ptr() for name, x in self.static._asdict().items()}
                 mptr, cap = 0, 0
             else:
-                buf = torch.empty(self.sizes[-1], dtype=torch.uint8, device=q.device)
-                ptrs = tuple(buf.data_ptr() + off for off in self.sizes[:-1])
+                size, offsets = self.sizes
+                buf = torch.empty(size, dtype=torch.uint8, device=q.device)
+                p = {name: buf.data_ptr() + off for name, off in offsets.items()}
                 mptr, cap = mask.data_ptr(), plan.gather_cap
                 self.index(s, *_index_args(plan, mptr, _counters(plan, self.counters, s, q.device),
-                                           *ptrs))
+                                           offsets, buf.data_ptr()))
             sb, sh = self.mask_strides
             self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                        0 if lse is None else lse.data_ptr(), mptr, ptrs[0], ptrs[1], plan.sq,
-                        plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
-                        scale * math.log2(math.e), ptrs[2], ptrs[3], ptrs[4], cap)
+                        0 if lse is None else lse.data_ptr(), mptr, p["states"], p["order"],
+                        plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
+                        scale * math.log2(math.e), p["counts"], p["keys"], p["bits"], cap,
+                        p["dense"], p["drows"], p["dcount"])
         return (out, lse) if lse is not None else out
 
 
@@ -790,7 +822,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
                 raise ShapeError("index is the block index of a mask; a call without one has none")
             _given_index(plan, index, q.device)
     if grad:
-        out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None,) * 5), is_causal)
+        out, lse, _, _ = _ops()(q, k, v, mask, scale,
+                                *(index or (None,) * len(BlockIndex._fields)), is_causal)
     else:
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
         if key is not None and _EagerForward.eligible(plan, q, mask, index):
