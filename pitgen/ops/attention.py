@@ -88,7 +88,7 @@ STATE_NAMES = {"EMPTY": EMPTY, "PARTIAL": PARTIAL, "FULL": FULL, "GATHERED": GAT
 
 ATTENTION = OpSpec(
     "attention", "attention.cu.j2",
-    {"pit_attn_index_vec": "Piii" + "P" * 13 + "i", "pit_attn_index_byte": "Piii" + "P" * 13 + "i",
+    {"pit_attn_index_vec": "Piii" + "P" * 14 + "i", "pit_attn_index_byte": "Piii" + "P" * 14 + "i",
      "pit_attention": "PPPPPPPPiiiiiiifPPPiPPP", "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPP"},
     permutes=(
         # a CTA per (batch, head, query block), taken in any order: longest rows first
@@ -489,9 +489,11 @@ def _offsets(plan: AttentionPlan) -> dict[str, int]:
 
 
 def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> int:
-    """Address of the index pass's done counters on ``stream`` (zero between launches): one per
-    (slice, query block), then one per slice."""
-    return stream_counters(by_stream, stream, plan.slices * (plan.n_qb + 1), device).data_ptr()
+    """Address of the index pass's counters on ``stream`` (zero between launches): per (slice,
+    query block) a 64-bit mask of the rows that miss some key, then per (slice, query block) and
+    per slice a done counter (int32)."""
+    return stream_counters(by_stream, stream, plan.slices * (3 * plan.n_qb + 1),
+                           device).data_ptr()
 
 
 def _index_args(plan: AttentionPlan, mask: int, counters: int, offsets: dict[str, int],
@@ -500,8 +502,9 @@ def _index_args(plan: AttentionPlan, mask: int, counters: int, offsets: dict[str
     counters (``_counters``' layout) and the gathered capacity."""
     arrays = [base + offsets[n] for n in ("states", "blocks", "order", "counts", "keys", "bits",
                                           "dense", "drows", "dcount", "cols", "work")]
-    return (mask, plan.sq, plan.sk, plan.n_kb, *arrays, counters,
-            counters + 4 * plan.slices * plan.n_qb, plan.gather_cap)
+    qdone = counters + 8 * plan.slices * plan.n_qb
+    return (mask, plan.sq, plan.sk, plan.n_kb, *arrays, counters, qdone,
+            qdone + 4 * plan.slices * plan.n_qb, plan.gather_cap)
 
 
 def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
