@@ -10,7 +10,8 @@ import numpy as np
 
 from .errors import PlanError, ShapeError
 from .graph.formats import BSR, CSR, ELL, Hyb, Relational, check_dense_operand
-from .ops.attention import BM, BN, EMPTY, FULL, GATHER_MAX, GATHERED, ORDER_BINS, PARTIAL
+from .ops.attention import (BM, BN, DENSE_ROWS_MAX, EMPTY, FULL, GATHER_MAX, GATHERED,
+                             ORDER_BINS, PARTIAL)
 from .ops.moe import ACTIVATIONS, Routing
 from .ops.sddmm import normalise_tile
 
@@ -109,9 +110,9 @@ def _work(states: np.ndarray, ncols: np.ndarray) -> np.ndarray:
 
 def key_index_reference(mask: np.ndarray, gather_max: int = GATHER_MAX) -> KeyIndex:
     """The GPU index's decision in NumPy. Per (slice, query block qb): its dense rows are the
-    in-range rows allowing every key; they leave qb (to dense-row tiles) when qb's work
-    (visited full/partial blocks + gathered tiles of BN keys) over the remaining rows is smaller
-    than over all its rows. Then per key block kb, over qb's remaining rows, with its allowed
+    in-range rows allowing every key; they leave qb (to dense-row tiles) when they are at most
+    DENSE_ROWS_MAX and qb's work (visited full/partial blocks + gathered tiles of BN keys) over
+    the remaining rows is smaller than over all its rows. Then per key block kb, over qb's remaining rows, with its allowed
     columns = keys allowed for at least one of them: EMPTY when none, FULL when every remaining
     row allows every in-range key, GATHERED when partial with at most ``gather_max`` allowed
     columns (they join qb's gathered keys, ascending, each with the mask of qb's remaining rows
@@ -129,7 +130,8 @@ def key_index_reference(mask: np.ndarray, gather_max: int = GATHER_MAX) -> KeyIn
     none = np.zeros((s, nq), np.uint64)
     work_all = _work(*_cut(rows, rows_in, none, nk, gather_max))
     work_cut = _work(*_cut(rows, rows_in, full, nk, gather_max))
-    dense = np.where((full != 0) & (work_cut < work_all), full, none)
+    few = np.vectorize(lambda x: 0 < bin(int(x)).count("1") <= DENSE_ROWS_MAX, otypes=[bool])
+    dense = np.where(few(full) & (work_cut < work_all), full, none) if full.size else none
     states, _ = _cut(rows, rows_in, dense, nk, gather_max)
     kept = rows & (rows_in & ~dense)[..., None]
     take = (kept != 0) & (np.repeat(states, BN, axis=-1)[..., :sk] == GATHERED)

@@ -33,7 +33,10 @@ def test_plan_decisions():
     assert (p.n_qb, p.n_kb, p.slices) == (16, 64, 12)
     assert p.mask_strides == (0, 1)
     assert p.index_grid() == (8, 16, 12) and p.attention_grid() == (24, 16, 1)
-    assert p.forward_grid() == (24, 16, 2)            # z = 0: dense-row tiles first
+    # z = 0: parts of dense-row tiles first (16 blocks x 4 rows / 64 = 1 tile x 8 parts)
+    assert (p.dense_tiles, p.dense_split) == (1, 8) and p.forward_grid() == (24, 16, 2)
+    assert p.dense_workspace == 24 * 1 * 8 * 64 * 130
+    assert A.plan_attention(1, 1, 64, 100, 64, "float16", (64, 100)).forward_grid() == (1, 2, 2)
     assert p.gather_cap == A.GATHER_MAX * 64
     # 2 stages of K, V and the mask tile (rows of BN + 16 bytes); the list
     assert p.smem == 2 * 2 * 64 * 128 * 2 + 2 * 64 * 80 + 4 * 64 <= 227 * 1024
@@ -116,7 +119,8 @@ def test_block_order_reference_puts_longest_rows_first(n_qb, n_kb, slices, densi
 
 def _key_index_by_loops(mask: np.ndarray, gather_max: int) -> dict:
     """The rule of docs/attention.md stated row by row and block by block: dense rows (allowing
-    every key) leave their query block when its work over the other rows is smaller; each key
+    every key), if at most DENSE_ROWS_MAX, leave their query block when its work over the other
+    rows is smaller; each key
     block's state over the rows that stay; its allowed columns gathered when few."""
     m = np.asarray(mask, bool).reshape(-1, *np.shape(mask)[-2:])
     slices, sq, sk = m.shape
@@ -150,7 +154,7 @@ def _key_index_by_loops(mask: np.ndarray, gather_max: int) -> dict:
             dense = [r for r in rows if m[s, r].all()]
             rest = [r for r in rows if r not in dense]
             states, cols, work = decide(s, qb, rows)
-            if dense and decide(s, qb, rest)[2] < work:
+            if 0 < len(dense) <= A.DENSE_ROWS_MAX and decide(s, qb, rest)[2] < work:
                 states, cols, _ = decide(s, qb, rest)
                 drows += dense
             else:
@@ -176,7 +180,7 @@ def _mask(rng: np.random.Generator, kind: str, sq: int, sk: int, density: float)
         return np.tril(np.ones((sq, sk), bool))
     if kind == "full_rows":   # some rows allow every key, the rest sparse
         m = T.tile_mask(rng, sq, sk, (1, 1), density * 0.1)
-        m[rng.random(sq) < 0.2] = True
+        m[rng.random(sq) < (0.05 if density < 0.5 else 0.2)] = True
         return m
     if kind == "granular":
         return T.granular_mask(rng, (sq, sk), str(rng.choice(T.MASK_KINDS)), (16, 16), density)
@@ -224,9 +228,12 @@ def test_key_index_moves_global_rows_and_gathers_global_keys():
     assert ref.dense[0, 1] == 1 << (100 - 64) and ref.blocks[0, 1].tolist() == [A.PARTIAL] * 8
     assert ref.states[0, 1].tolist() == [A.PARTIAL, A.PARTIAL, A.PARTIAL, A.EMPTY, A.GATHERED,
                                          A.EMPTY, A.EMPTY, A.EMPTY]
-    # a full mask: every row is dense, no block is visited by a query block
+    # a full mask: every row allows every key, but more than DENSE_ROWS_MAX per block: they stay
     full = R.key_index_reference(np.ones((100, 70), bool))
-    assert full.dcount.tolist() == [100] and (full.states == A.EMPTY).all()
+    assert full.dcount.tolist() == [0] and (full.states == A.FULL).all()
+    few = np.zeros((100, 300), bool)
+    few[[3, 5, 70], :] = True      # 2 in block 0, 1 in block 1: they leave
+    assert R.key_index_reference(few).drows[0, :3].tolist() == [3, 5, 70]
     # causal: moving the last row would not make its block cheaper, so it stays
     causal = R.key_index_reference(np.tril(np.ones((200, 200), bool)))
     assert causal.dcount.tolist() == [0] and (causal.dense == 0).all()

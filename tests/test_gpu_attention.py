@@ -34,7 +34,7 @@ def make_mask(rng: np.random.Generator, pattern: str, sq: int, sk: int, density:
         return T.longformer_mask(sq, sk, 0, T.random_global_tokens(rng, min(sq, sk), 2))
     if pattern == "full_rows":   # some rows allow every key, the rest scattered keys
         m = T.tile_mask(rng, sq, sk, (1, 1), density * 0.05)
-        m[rng.random(sq) < 0.2] = True
+        m[rng.random(sq) < 0.04] = True
         return m
     if pattern == "rows_masked":   # dense-ish, with whole rows masked out
         m = T.tile_mask(rng, sq, sk, (1, 1), 0.5)

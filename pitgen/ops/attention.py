@@ -75,6 +75,13 @@ EMPTY, PARTIAL, FULL, GATHERED = 0, 1, 2, 3
 #: slots (12 bytes each: id and row mask), 4.7% of the mask's bytes; blocks with more allowed
 #: columns (window edges, dense micro-tiles) stay partial, where the contiguous tile load wins.
 GATHER_MAX = 16
+#: A query block moves at most this many rows allowing every key (Longformer's and BigBird's
+#: global rows) to dense-row tiles, so a slice has at most nQB * DENSE_ROWS_MAX / 64 dense tiles
+#: (their grid and workspace are sized from shapes); more such rows stay in their block.
+DENSE_ROWS_MAX = 4
+#: Key-block ranges a dense-row tile is split into (its rows visit every key block: unsplit, its
+#: chain would be the longest in the grid), merged by the tile's last part.
+DENSE_SPLIT = 8
 #: Count classes of the query-block order (exact counts below this many key blocks).
 ORDER_BINS = INDEX_THREADS
 #: Bytes per row of a shared-memory mask tile: BN, padded so a warp's rows use distinct banks.
@@ -89,7 +96,8 @@ STATE_NAMES = {"EMPTY": EMPTY, "PARTIAL": PARTIAL, "FULL": FULL, "GATHERED": GAT
 ATTENTION = OpSpec(
     "attention", "attention.cu.j2",
     {"pit_attn_index_vec": "Piii" + "P" * 14 + "i", "pit_attn_index_byte": "Piii" + "P" * 14 + "i",
-     "pit_attention": "PPPPPPPPiiiiiiifPPPiPPP", "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPP"},
+     "pit_attention": "PPPPPPPPiiiiiiifPPPiPPPiiiPP",
+     "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPPiiiPP"},
     permutes=(
         # a CTA per (batch, head, query block), taken in any order: longest rows first
         Permutation("query blocks", SCORES, "spatial", "Q"),
@@ -170,6 +178,23 @@ class AttentionPlan:
         return GATHER_MAX * self.n_kb
 
     @property
+    def dense_split(self) -> int:
+        """Parts of a dense-row tile: DENSE_SPLIT key-block ranges, at most one block each."""
+        return min(DENSE_SPLIT, self.n_kb)
+
+    @property
+    def dense_tiles(self) -> int:
+        """Dense-row tiles per slice the grid and workspace hold (DENSE_ROWS_MAX per block)."""
+        return -(-self.n_qb * DENSE_ROWS_MAX // self.bm)
+
+    @property
+    def dense_workspace(self) -> int:
+        """float32 elements of the dense tiles' partial results: per (batch x head, tile,
+        part) the unnormalised output rows and each row's running max and sum."""
+        return (self.batch * self.heads * self.dense_tiles * self.dense_split
+                * self.bm * (self.d + 2))
+
+    @property
     def kpc(self) -> int:
         return INDEX_COLUMNS // self.bn
 
@@ -194,16 +219,17 @@ class AttentionPlan:
         return (self.batch * self.heads, self.n_qb, 1)
 
     def forward_grid(self) -> tuple[int, int, int]:
-        """(batch x head, y, z): z = 0 the dense-row tiles y (most do nothing; dispatched first),
-        z = 1 the query blocks by rank y in the order."""
-        return (self.batch * self.heads, self.n_qb, 2)
+        """(batch x head, y, z): z = 0 the parts y of the dense-row tiles (dispatched first;
+        those past the slice's dense rows do nothing), z = 1 the query blocks by rank y in the
+        order."""
+        return (self.batch * self.heads, max(self.n_qb, self.dense_tiles * self.dense_split), 2)
 
     def context(self) -> dict[str, Any]:
         """Template context (everything the CUDA source depends on)."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW,
-                "gather_max": GATHER_MAX, **STATE_NAMES}
+                "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, **STATE_NAMES}
 
     # -- backward --
 
@@ -496,6 +522,24 @@ def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) ->
                            device).data_ptr()
 
 
+#: device index -> runtime.stream_counters cache of the dense-row tiles' merge counters (the
+#: merging part zeroes its tile's again)
+_MERGE = cache.memo("attention.merge_counters")
+
+
+def _dense_args(plan: AttentionPlan, mask: Any, stream: int, device: Any) -> tuple[tuple, Any]:
+    """The attention kernel's dense-row tile arguments (nQB, parts per tile, tiles per slice,
+    workspace, merge counters) and the workspace tensor (kept alive by the caller until the
+    launch is enqueued); a call without a mask has no dense rows: null pointers."""
+    import torch
+    if mask is None:
+        return (plan.n_qb, plan.dense_split, plan.dense_tiles, 0, 0), None
+    ws = torch.empty(plan.dense_workspace, dtype=torch.float32, device=device)
+    merge = stream_counters(_MERGE.setdefault(device.index, {}), stream,
+                            plan.batch * plan.heads * plan.dense_tiles, device)
+    return (plan.n_qb, plan.dense_split, plan.dense_tiles, ws.data_ptr(), merge.data_ptr()), ws
+
+
 def _index_args(plan: AttentionPlan, mask: int, counters: int, offsets: dict[str, int],
                 base: int) -> tuple:
     """The index kernels' arguments: the mask, sizes, the arrays of the buffer at ``base``, the
@@ -580,6 +624,7 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                    else _given_index(plan, index, q.device))
         sb, sh = plan.mask_strides
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
+        dense, _ws = _dense_args(plan, mask, launch.stream, q.device)
         kernels.launch(name, plan.forward_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), _ptr(mask),
@@ -587,7 +632,7 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                        plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e),
                        idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
                        idx.keys.shape[-1], idx.dense.data_ptr(), idx.drows.data_ptr(),
-                       idx.dcount.data_ptr(), smem=plan.smem)
+                       idx.dcount.data_ptr(), *dense, smem=plan.smem)
     return out, lse, idx
 
 
@@ -769,11 +814,12 @@ class _EagerForward:
                 self.index(s, *_index_args(plan, mptr, _counters(plan, self.counters, s, q.device),
                                            offsets, buf.data_ptr()))
             sb, sh = self.mask_strides
+            dense, _ws = _dense_args(plan, mask, s, q.device)
             self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                         0 if lse is None else lse.data_ptr(), mptr, p["states"], p["order"],
                         plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
                         scale * math.log2(math.e), p["counts"], p["keys"], p["bits"], cap,
-                        p["dense"], p["drows"], p["dcount"])
+                        p["dense"], p["drows"], p["dcount"], *dense)
         return (out, lse) if lse is not None else out
 
 
