@@ -322,3 +322,23 @@ def _backward_jobs(pool, archs=ARCHS) -> list[Future]:
 def test_every_backward_variant_compiles(arch, nvcc):
     cubins = [job.result() for job in _backward_jobs(nvcc, [arch])]
     assert cubins and all(c[:4] == b"\x7fELF" for c in cubins)
+
+
+def test_bigbird_mask_and_the_benchmark_masks_work():
+    rng = np.random.default_rng(4)
+    m = T.bigbird_mask(rng, 300, 260, 32, np.array([5]), 7)
+    assert m[5].all() and m[:, 5].all()                                  # the global token
+    i, j = np.indices(m.shape)
+    assert m[np.abs(i - j) <= 16].all()                                  # the band
+    for r0 in range(0, 300, 64):   # each block of rows shares >= 7 random keys (+ the global)
+        assert m[r0:r0 + 64].all(axis=0).sum() >= 7
+    from pitgen.bench import attention as BA
+    masks = BA.masks(np.random.default_rng(0))
+    bigbird = masks[BA.BIGBIRD]
+    assert 0.11 < bigbird.mean() < 0.13                                  # ~12% of the pairs
+    work = BA.index_work(R.key_index_reference(bigbird))
+    # nearly every 64x64 block is touched, but the work is dense rows' tile + gathered tiles +
+    # the band's blocks: about a sixth of the blocks
+    assert (R.block_index_reference(bigbird) != A.EMPTY).mean() > 0.95
+    assert work["dense_rows"] == 16 and work["gathered_tiles"] > 0 and work["work_share"] < 0.2
+    assert BA.cases(list(masks))[-1] == (BA.BIGBIRD, 128)
