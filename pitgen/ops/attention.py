@@ -12,13 +12,16 @@ Pipeline per call: index kernel (reads the mask once, 16-byte loads; writes a st
 (mask slice, query block, key block): empty, partial, full or gathered (a partial block whose
 allowed columns, keys allowed for some row of the query block, are at most GATHER_MAX: those
 keys move to the query block's gathered key list with a 64-bit row mask each, since j is
-invariant they can be visited in any grouping); every entry is written, so nothing is reset
+invariant they can be visited in any grouping; and a query block's few rows allowing every key
+move to dense-row tiles, since i is invariant too); every entry is written, so nothing is reset
 first; the last CTA of each slice orders the query blocks by their work, longest first) →
 attention kernel (CTAs in that order, since i is invariant too: the longest lists start first
 instead of finishing last; each compacts its row of states into a list in shared memory with
 warp ballots, then runs mma.sync m16n8k16 over it and then over its gathered key tiles of 64
 keys (K/V rows loaded by key id: SRead) with a STAGES-deep cp.async pipeline; element mask
-only on partial blocks, a row-bit test on gathered tiles). Fully masked rows give zeros.
+only on partial blocks, a row-bit test on gathered tiles; dense-row tiles load Q rows by id,
+split their key blocks over several CTAs and merge, and write rows back by id: SWrite). Fully
+masked rows give zeros. docs/attention.md states the rule.
 
 ``SparseAttention`` (a drop-in for ``torch.nn.MultiheadAttention(batch_first=True)``) is built
 on first access, so importing this module needs no torch.
