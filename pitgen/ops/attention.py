@@ -718,7 +718,8 @@ def _ops() -> Any:
         if m is None or given is not None:
             # outputs may alias neither the cached static index nor the op's inputs
             return out, lse, idx.blocks.clone(), idx.order.clone()
-        return out, lse, idx.blocks, idx.order
+        # blocks and order are views of one index buffer; outputs may not alias each other
+        return out, lse, idx.blocks, idx.order.clone()
 
     @forward.register_fake
     def _(q, k, v, mask, scale, states, blocks, order, counts, keys, bits, dense, drows, dcount,
