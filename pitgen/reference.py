@@ -4,13 +4,14 @@ checking their own runs compare against these."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import PlanError, ShapeError
 from .graph.formats import BSR, CSR, ELL, Hyb, Relational, check_dense_operand
-from .ops.attention import BM, BN, EMPTY, FULL, ORDER_BINS, PARTIAL
+from .ops.attention import (BM, BN, DENSE_ROWS_MAX, EMPTY, FULL, GATHER_MAX, GATHERED,
+                             ORDER_BINS, PARTIAL)
 from .ops.moe import ACTIVATIONS, Routing
 from .ops.sddmm import normalise_tile
 
@@ -40,12 +41,117 @@ def count_bins(counts: np.ndarray, n_kb: int) -> np.ndarray:
     return c if n_kb < ORDER_BINS else c * (ORDER_BINS - 1) // n_kb
 
 
-def block_order_reference(states: np.ndarray) -> np.ndarray:
-    """The query-block order per slice (int32 [slices, nQB]): by descending count class, ties
-    in ascending block order (the GPU's counting sort is stable, so it gives exactly this)."""
+def block_order_reference(states: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+    """The query-block order per slice (int32 [slices, nQB]): by descending count class of the
+    work (visited blocks: any state but EMPTY and GATHERED, plus ceil(counts / BN) gathered key
+    tiles), ties in ascending block order (the GPU's counting sort is stable, so it gives
+    exactly this)."""
     states = np.asarray(states)
-    bins = count_bins((states != EMPTY).sum(-1), states.shape[-1])
+    work = ((states != EMPTY) & (states != GATHERED)).sum(-1)
+    if counts is not None:
+        work = work + -(-np.asarray(counts, np.int64) // BN)
+    bins = count_bins(work, states.shape[-1])
     return np.argsort(-bins, axis=-1, kind="stable").astype(np.int32)
+
+
+def column_rows_reference(mask: np.ndarray, bm: int = BM) -> np.ndarray:
+    """uint64 [slices, nQB, Sk]: bit r of entry (s, qb, j) set when row qb * bm + r allows key j
+    (each query block's allowed columns and which of its rows allow them)."""
+    m = np.asarray(mask) != 0
+    sq, sk = m.shape[-2:]
+    m = m.reshape(-1, sq, sk)
+    nq = -(-sq // bm)
+    pad = np.zeros((m.shape[0], nq * bm, sk), bool)
+    pad[:, :sq] = m
+    rows = pad.reshape(m.shape[0], nq, bm, sk).transpose(0, 1, 3, 2)
+    packed = np.packbits(rows, axis=-1, bitorder="little")          # [s, nq, sk, bm / 8]
+    out = np.zeros((m.shape[0], nq, sk), np.uint64)
+    for byte in range(packed.shape[-1]):
+        out |= packed[..., byte].astype(np.uint64) << np.uint64(8 * byte)
+    return out
+
+
+class KeyIndex(NamedTuple):
+    """``block_index``'s arrays as NumPy computes them (unused slots: key -1 with an empty row
+    mask, dense row -1)."""
+    states: np.ndarray   # uint8 [slices, nQB, nKB]: the forward's decision
+    blocks: np.ndarray   # uint8 [slices, nQB, nKB]: block_index_reference (the backward's)
+    order: np.ndarray    # int32 [slices, nQB]
+    counts: np.ndarray   # int32 [slices, nQB]
+    keys: np.ndarray     # int32 [slices, nQB, gather_max * nKB], ascending
+    bits: np.ndarray     # uint64 [slices, nQB, gather_max * nKB]
+    dense: np.ndarray    # uint64 [slices, nQB]
+    drows: np.ndarray    # int32 [slices, nQB * BM], ascending
+    dcount: np.ndarray   # int32 [slices]
+
+
+def _cut(rows: np.ndarray, rows_in: np.ndarray, out: np.ndarray, nk: int,
+         gather_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """(states, allowed columns per block) of every block over the rows of its query block that
+    are in range and not in ``out`` (uint64 [slices, nQB])."""
+    s, nq, sk = rows.shape
+    keep = (rows_in & ~out)[..., None]
+    rb = np.zeros((s, nq, nk * BN), np.uint64)
+    rb[..., :sk] = rows & keep
+    allowed = (rb != 0).reshape(s, nq, nk, BN)
+    ncols = allowed.sum(-1)
+    in_range = (np.arange(nk * BN) < sk).reshape(nk, BN)
+    full = ((rb.reshape(s, nq, nk, BN) == keep[..., None]) | ~in_range).all(-1)
+    states = np.where(ncols == 0, EMPTY, np.where(full, FULL, np.where(
+        ncols <= gather_max, GATHERED, PARTIAL))).astype(np.uint8)
+    return states, ncols
+
+
+def _work(states: np.ndarray, ncols: np.ndarray) -> np.ndarray:
+    """Visited blocks + gathered tiles per query block."""
+    visited = ((states == FULL) | (states == PARTIAL)).sum(-1)
+    return visited + -(-np.where(states == GATHERED, ncols, 0).sum(-1) // BN)
+
+
+def key_index_reference(mask: np.ndarray, gather_max: int = GATHER_MAX) -> KeyIndex:
+    """The GPU index's decision in NumPy. Per (slice, query block qb): its dense rows are the
+    in-range rows allowing every key; they leave qb (to dense-row tiles) when they are at most
+    DENSE_ROWS_MAX and qb's work (visited full/partial blocks + gathered tiles of BN keys) over
+    the remaining rows is smaller than over all its rows. Then per key block kb, over qb's remaining rows, with its allowed
+    columns = keys allowed for at least one of them: EMPTY when none, FULL when every remaining
+    row allows every in-range key, GATHERED when partial with at most ``gather_max`` allowed
+    columns (they join qb's gathered keys, ascending, each with the mask of qb's remaining rows
+    allowing it), else PARTIAL. The order: ``block_order_reference`` with the gathered counts;
+    ``blocks``: ``block_index_reference`` (all rows)."""
+    blocks = block_index_reference(mask)
+    rows = column_rows_reference(mask)
+    s, nq, nk = blocks.shape
+    sq, sk = np.asarray(mask).shape[-2:]
+    nrows = np.minimum(BM, sq - np.arange(nq) * BM)
+    rows_in = np.where(nrows >= 64, ~np.uint64(0),
+                       (np.uint64(1) << np.minimum(nrows, 63).astype(np.uint64)) - np.uint64(1))
+    rows_in = np.broadcast_to(rows_in.astype(np.uint64), (s, nq))
+    full = np.bitwise_and.reduce(rows, axis=-1) & rows_in if sk else np.zeros((s, nq), np.uint64)
+    none = np.zeros((s, nq), np.uint64)
+    work_all = _work(*_cut(rows, rows_in, none, nk, gather_max))
+    work_cut = _work(*_cut(rows, rows_in, full, nk, gather_max))
+    few = np.vectorize(lambda x: 0 < bin(int(x)).count("1") <= DENSE_ROWS_MAX, otypes=[bool])
+    dense = np.where(few(full) & (work_cut < work_all), full, none) if full.size else none
+    states, _ = _cut(rows, rows_in, dense, nk, gather_max)
+    kept = rows & (rows_in & ~dense)[..., None]
+    take = (kept != 0) & (np.repeat(states, BN, axis=-1)[..., :sk] == GATHERED)
+    cap = gather_max * nk
+    keys = np.full((s, nq, cap), -1, np.int32)
+    bits = np.zeros((s, nq, cap), np.uint64)
+    counts = take.sum(-1).astype(np.int32)
+    drows = np.full((s, nq * BM), -1, np.int32)
+    dcount = np.zeros(s, np.int32)
+    for i, j in np.ndindex(s, nq):
+        cols = np.flatnonzero(take[i, j])
+        keys[i, j, :cols.size] = cols
+        bits[i, j, :cols.size] = kept[i, j, cols]
+    for i in range(s):
+        moved = [qb * BM + r for qb in range(nq) for r in range(BM)
+                 if (int(dense[i, qb]) >> r) & 1]
+        drows[i, :len(moved)] = moved
+        dcount[i] = len(moved)
+    return KeyIndex(states, blocks, block_order_reference(states, counts), counts, keys, bits,
+                    dense, drows, dcount)
 
 
 def _attention_operands(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray,

@@ -80,6 +80,17 @@ def longformer_mask(sq: int, sk: int, window: int, global_tokens: np.ndarray) ->
     return m
 
 
+def bigbird_mask(rng: np.random.Generator, sq: int, sk: int, window: int,
+                 global_tokens: np.ndarray, random_keys: int, block: int = 64) -> np.ndarray:
+    """BigBird-style: a band |i - j| <= window // 2, global tokens (attending to every key and
+    attended by every query), and per ``block`` query rows ``random_keys`` random keys that
+    all rows of the block attend (BigBird's random attention, at key granularity)."""
+    m = longformer_mask(sq, sk, window, global_tokens)
+    for r0 in range(0, sq, block):
+        m[r0:r0 + block, rng.choice(sk, size=min(random_keys, sk), replace=False)] = True
+    return m
+
+
 def random_global_tokens(rng: np.random.Generator, seq: int, count: int) -> np.ndarray:
     """``count`` distinct token positions (Longformer's dynamic global tokens)."""
     return np.sort(rng.choice(seq, size=min(count, seq), replace=False))

@@ -32,7 +32,7 @@ for dtype in ("float16", "float32"):
 import numpy as np
 
 from pitgen.ops.attention import sparse_attention
-from pitgen.testing import tile_mask
+from pitgen.testing import bigbird_mask, random_global_tokens, tile_mask
 from pitgen.graph.device import DeviceCSR, to_format
 from pitgen.graph.kernels import sddmm as graph_sddmm, spmm
 from pitgen.ops.moe import moe_ffn
@@ -58,8 +58,11 @@ for d in (64, 128):
         k, v = (torch.randn(1, 2, sk, d, device="cuda", dtype=torch.float16) for _ in range(2))
         m = torch.from_numpy(tile_mask(rng, sq, sk, (1, 64), 0.7)).cuda()
         sparse_attention(q, k, v, m)
+        # gathered key tiles and a dense-row tile (global rows)
+        m = torch.from_numpy(bigbird_mask(rng, sq, sk, 32, random_global_tokens(rng, sq, 3), 6))
+        sparse_attention(q, k, v, m.cuda())
 torch.cuda.synchronize()
-print("attention d 64/128, byte and vector mask: ok")
+print("attention d 64/128, byte and vector mask, gathered keys, dense rows: ok")
 
 q = torch.randn(150, 64, device="cuda", dtype=torch.float16)
 k = torch.randn(170, 64, device="cuda", dtype=torch.float16)

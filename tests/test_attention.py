@@ -1,7 +1,8 @@
 """CPU tests of dynamic sparse attention: the rule derivation, plan decisions, the NumPy block
-index and float64 reference, the mask generators, rendering, and nvcc compilation of every
-variant (D 64/128 x fp16/bf16), each for sm_80 or sm_90 so that both archs meet every D and
-every dtype."""
+index, the gathered-key / dense-row decision against a row-by-row statement of its rule, the
+float64 reference, the mask generators, rendering, and nvcc compilation of every variant
+(D 64/128 x fp16/bf16), each for sm_80 or sm_90a (what Hopper builds) so that both archs meet
+every D and every dtype."""
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -17,7 +18,7 @@ import pitgen
 from pitgen.ops import attention as A
 from pitgen import compiler
 
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_80", "sm_90a")
 
 def test_derivation_uses_the_rules():
     # the axes the kernels permute come from the rule engine
@@ -33,6 +34,11 @@ def test_plan_decisions():
     assert (p.n_qb, p.n_kb, p.slices) == (16, 64, 12)
     assert p.mask_strides == (0, 1)
     assert p.index_grid() == (8, 16, 12) and p.attention_grid() == (24, 16, 1)
+    # z = 0: parts of dense-row tiles first (16 blocks x 4 rows / 64 = 1 tile x 8 parts)
+    assert (p.dense_tiles, p.dense_split) == (1, 8) and p.forward_grid() == (24, 16, 2)
+    assert p.dense_workspace == 24 * 1 * 8 * 64 * 130
+    assert A.plan_attention(1, 1, 64, 100, 64, "float16", (64, 100)).forward_grid() == (1, 2, 2)
+    assert p.gather_cap == A.GATHER_MAX * 64
     # 2 stages of K, V and the mask tile (rows of BN + 16 bytes); the list
     assert p.smem == 2 * 2 * 64 * 128 * 2 + 2 * 64 * 80 + 4 * 64 <= 227 * 1024
     assert A.plan_attention(3, 2, 5, 7, 64, "float16", (3, 2, 5, 7)).mask_strides == (2, 1)
@@ -112,6 +118,128 @@ def test_block_order_reference_puts_longest_rows_first(n_qb, n_kb, slices, densi
             assert (bins == counts[s, order[s]]).all()            # exact classes
 
 
+def _key_index_by_loops(mask: np.ndarray, gather_max: int) -> dict:
+    """The rule of docs/attention.md stated row by row and block by block: dense rows (allowing
+    every key), if at most DENSE_ROWS_MAX, leave their query block when its work over the other
+    rows is smaller; each key
+    block's state over the rows that stay; its allowed columns gathered when few."""
+    m = np.asarray(mask, bool).reshape(-1, *np.shape(mask)[-2:])
+    slices, sq, sk = m.shape
+    bm = bn = 64
+    nq, nk = -(-sq // bm), -(-sk // bn)
+
+    def decide(s, qb, rows):
+        states, cols, work_v, work_g = [], [], 0, 0
+        for kb in range(nk):
+            blk = m[s][rows][:, kb * bn:min((kb + 1) * bn, sk)]
+            allowed = [kb * bn + j for j in range(blk.shape[1]) if blk[:, j].any()]
+            if not allowed:
+                state = A.EMPTY
+            elif blk.all():
+                state = A.FULL
+            elif len(allowed) <= gather_max:
+                state = A.GATHERED
+            else:
+                state = A.PARTIAL
+            states.append(state)
+            cols.append(allowed if state == A.GATHERED else [])
+            work_v += state in (A.FULL, A.PARTIAL)
+            work_g += len(cols[-1])
+        return states, cols, work_v + -(-work_g // 64)
+
+    out = {name: [] for name in ("states", "keys", "bits", "drows")}
+    for s in range(slices):
+        drows = []
+        for qb in range(nq):
+            rows = list(range(qb * bm, min((qb + 1) * bm, sq)))
+            dense = [r for r in rows if m[s, r].all()]
+            rest = [r for r in rows if r not in dense]
+            states, cols, work = decide(s, qb, rows)
+            if 0 < len(dense) <= A.DENSE_ROWS_MAX and decide(s, qb, rest)[2] < work:
+                states, cols, _ = decide(s, qb, rest)
+                drows += dense
+            else:
+                rest = rows
+            keys = [j for c in cols for j in c]
+            out["states"].append(states)
+            out["keys"].append(keys)
+            out["bits"].append([sum(1 << (r - qb * bm) for r in rest if m[s, r, j])
+                                for j in keys])
+        out["drows"].append(drows)
+    return out
+
+
+MASKS = ("tile", "longformer", "bigbird", "causal", "full_rows", "granular")
+
+
+def _mask(rng: np.random.Generator, kind: str, sq: int, sk: int, density: float) -> np.ndarray:
+    if kind == "longformer":
+        return T.longformer_mask(sq, sk, 24, T.random_global_tokens(rng, min(sq, sk), 3))
+    if kind == "bigbird":
+        return T.bigbird_mask(rng, sq, sk, 16, T.random_global_tokens(rng, min(sq, sk), 2), 5)
+    if kind == "causal":
+        return np.tril(np.ones((sq, sk), bool))
+    if kind == "full_rows":   # some rows allow every key, the rest sparse
+        m = T.tile_mask(rng, sq, sk, (1, 1), density * 0.1)
+        m[rng.random(sq) < (0.05 if density < 0.5 else 0.2)] = True
+        return m
+    if kind == "granular":
+        return T.granular_mask(rng, (sq, sk), str(rng.choice(T.MASK_KINDS)), (16, 16), density)
+    return T.tile_mask(rng, sq, sk, (1, int(rng.choice([1, 8, 64]))), density)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sq=st.integers(1, 200), sk=st.integers(1, 260), lead=st.sampled_from([(), (2,)]),
+       kind=st.sampled_from(MASKS), density=st.floats(0, 1), gather_max=st.sampled_from([4, 16]),
+       seed=st.integers(0, 1000))
+def test_key_index_reference_follows_the_rule(sq, sk, lead, kind, density, gather_max, seed):
+    rng = np.random.default_rng(seed)
+    mask = np.stack([_mask(rng, kind, sq, sk, density)
+                     for _ in range(int(np.prod(lead, dtype=int)))]).reshape(*lead, sq, sk)
+    ref = R.key_index_reference(mask, gather_max)
+    spec = _key_index_by_loops(mask, gather_max)
+    s, nq, nk = ref.states.shape
+    assert ref.states.tolist() == np.reshape(spec["states"], (s, nq, nk)).tolist()
+    np.testing.assert_array_equal(ref.blocks, R.block_index_reference(mask))
+    for i, j in np.ndindex(s, nq):
+        n = ref.counts[i, j]
+        assert ref.keys[i, j, :n].tolist() == spec["keys"][i * nq + j]
+        assert [int(b) for b in ref.bits[i, j, :n]] == spec["bits"][i * nq + j]
+        assert (ref.keys[i, j, n:] == -1).all() and (ref.bits[i, j, n:] == 0).all()
+    for i in range(s):
+        assert ref.drows[i, :ref.dcount[i]].tolist() == spec["drows"][i]
+        assert (ref.drows[i, ref.dcount[i]:] == -1).all()
+        moved = [qb * 64 + r for qb in range(nq) for r in range(64) if int(ref.dense[i, qb]) >> r & 1]
+        assert moved == spec["drows"][i]
+    np.testing.assert_array_equal(ref.order, R.block_order_reference(ref.states, ref.counts))
+
+
+def test_key_index_moves_global_rows_and_gathers_global_keys():
+    sq = sk = 512
+    mask = T.longformer_mask(sq, sk, 64, np.array([100, 300]))
+    ref = R.key_index_reference(mask)
+    assert ref.drows[0, :ref.dcount[0]].tolist() == [100, 300]     # the global rows move out
+    # rows 0..63: the band (reaching key 95) and the global keys 100, 300; key 300 is alone in
+    # its block, so gathered
+    assert ref.states[0, 0].tolist() == [A.PARTIAL, A.PARTIAL, A.EMPTY, A.EMPTY, A.GATHERED,
+                                         A.EMPTY, A.EMPTY, A.EMPTY]
+    assert ref.keys[0, 0, :ref.counts[0, 0]].tolist() == [300]
+    assert int(ref.bits[0, 0, 0]) == 2 ** 64 - 1                  # every row of the block
+    # rows 64..127 lose row 100, which made every block of theirs non-empty
+    assert ref.dense[0, 1] == 1 << (100 - 64) and ref.blocks[0, 1].tolist() == [A.PARTIAL] * 8
+    assert ref.states[0, 1].tolist() == [A.PARTIAL, A.PARTIAL, A.PARTIAL, A.EMPTY, A.GATHERED,
+                                         A.EMPTY, A.EMPTY, A.EMPTY]
+    # a full mask: every row allows every key, but more than DENSE_ROWS_MAX per block: they stay
+    full = R.key_index_reference(np.ones((100, 70), bool))
+    assert full.dcount.tolist() == [0] and (full.states == A.FULL).all()
+    few = np.zeros((100, 300), bool)
+    few[[3, 5, 70], :] = True      # 2 in block 0, 1 in block 1: they leave
+    assert R.key_index_reference(few).drows[0, :3].tolist() == [3, 5, 70]
+    # causal: moving the last row would not make its block cheaper, so it stays
+    causal = R.key_index_reference(np.tril(np.ones((200, 200), bool)))
+    assert causal.dcount.tolist() == [0] and (causal.dense == 0).all()
+
+
 def test_count_bins_scale_long_rows_onto_the_classes():
     assert R.count_bins(np.array([0, 5, 255]), 255).tolist() == [0, 5, 255]
     assert R.count_bins(np.array([0, 5, 256, 1000, 2000]), 1000).tolist() == [0, 1, 65, 255, 255]
@@ -167,7 +295,7 @@ def test_every_variant_compiles(arch, nvcc):
 
 # -- the backward kernels (pitgen/ops/attention.py ATTENTION_BWD) ------------------------------
 
-BACKWARD_VARIANTS = {"sm_80": (64, "float16"), "sm_90": (128, "bfloat16")}
+BACKWARD_VARIANTS = {"sm_80": (64, "float16"), "sm_90a": (128, "bfloat16")}
 
 
 def _backward_source(d: int, dtype: str) -> str:
@@ -195,3 +323,23 @@ def _backward_jobs(pool, archs=ARCHS) -> list[Future]:
 def test_every_backward_variant_compiles(arch, nvcc):
     cubins = [job.result() for job in _backward_jobs(nvcc, [arch])]
     assert cubins and all(c[:4] == b"\x7fELF" for c in cubins)
+
+
+def test_bigbird_mask_and_the_benchmark_masks_work():
+    rng = np.random.default_rng(4)
+    m = T.bigbird_mask(rng, 300, 260, 32, np.array([5]), 7)
+    assert m[5].all() and m[:, 5].all()                                  # the global token
+    i, j = np.indices(m.shape)
+    assert m[np.abs(i - j) <= 16].all()                                  # the band
+    for r0 in range(0, 300, 64):   # each block of rows shares >= 7 random keys (+ the global)
+        assert m[r0:r0 + 64].all(axis=0).sum() >= 7
+    from pitgen.bench import attention as BA
+    masks = BA.masks(np.random.default_rng(0))
+    bigbird = masks[BA.BIGBIRD]
+    assert 0.11 < bigbird.mean() < 0.13                                  # ~12% of the pairs
+    work = BA.index_work(R.key_index_reference(bigbird))
+    # nearly every 64x64 block is touched, but the work is dense rows' tile + gathered tiles +
+    # the band's blocks: about a sixth of the blocks
+    assert (R.block_index_reference(bigbird) != A.EMPTY).mean() > 0.95
+    assert work["dense_rows"] == 16 and work["gathered_tiles"] > 0 and work["work_share"] < 0.2
+    assert BA.cases(list(masks))[-1] == (BA.BIGBIRD, 128)

@@ -1,6 +1,8 @@
-"""GPU tests of dynamic sparse attention: the GPU block index equals the NumPy index, the fused
-kernel matches float64 NumPy on every mask pattern (poisoned outputs), the module matches
-nn.MultiheadAttention with the same weights, and bad input raises pitgen errors."""
+"""GPU tests of dynamic sparse attention: the GPU index (block states, gathered keys, dense
+rows, order) equals the NumPy decision exactly, the fused kernel matches float64 NumPy on every
+mask pattern (poisoned outputs), gathered key tiles and dense-row tiles included, corrupt index
+contents stay in bounds, the module matches nn.MultiheadAttention with the same weights, and bad
+input raises pitgen errors."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
 
 PATTERNS = ("block64", "block128", "micro1x64", "micro16x16", "longformer", "rows_masked",
-            "empty", "full", "element")
+            "empty", "full", "element", "bigbird", "global", "full_rows")
 
 
 def make_mask(rng: np.random.Generator, pattern: str, sq: int, sk: int, density: float) -> np.ndarray:
@@ -26,6 +28,14 @@ def make_mask(rng: np.random.Generator, pattern: str, sq: int, sk: int, density:
         return T.granular_mask(rng, (sq, sk), pattern, density=density)
     if pattern == "longformer":
         return T.longformer_mask(sq, sk, 32, T.random_global_tokens(rng, min(sq, sk), 3))
+    if pattern == "bigbird":     # gathered keys (random, global) and dense rows (global)
+        return T.bigbird_mask(rng, sq, sk, 32, T.random_global_tokens(rng, min(sq, sk), 3), 6)
+    if pattern == "global":      # global tokens only: dense rows, single gathered columns
+        return T.longformer_mask(sq, sk, 0, T.random_global_tokens(rng, min(sq, sk), 2))
+    if pattern == "full_rows":   # some rows allow every key, the rest scattered keys
+        m = T.tile_mask(rng, sq, sk, (1, 1), density * 0.05)
+        m[rng.random(sq) < 0.04] = True
+        return m
     if pattern == "rows_masked":   # dense-ish, with whole rows masked out
         m = T.tile_mask(rng, sq, sk, (1, 1), 0.5)
         m[rng.random(sq) < 0.4] = False
@@ -78,10 +88,21 @@ def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, d
 
 
 def check_index(idx, mask):
-    """The GPU index equals the NumPy one: states, and the stable longest-first order."""
-    states = R.block_index_reference(mask)
-    np.testing.assert_array_equal(idx.states.cpu().numpy(), states)
-    np.testing.assert_array_equal(idx.order.cpu().numpy(), R.block_order_reference(states))
+    """The GPU index equals the NumPy decision (key_index_reference) exactly: states, plain
+    block states, the stable longest-first order, each query block's gathered keys and row
+    masks (ascending) and the dense rows."""
+    ref = R.key_index_reference(mask)
+    got = {name: x.cpu().numpy() for name, x in idx._asdict().items()}
+    for name in ("states", "blocks", "order", "counts", "dcount"):
+        np.testing.assert_array_equal(got[name], getattr(ref, name), err_msg=name)
+    np.testing.assert_array_equal(got["blocks"], R.block_index_reference(mask))
+    np.testing.assert_array_equal(got["dense"].view(np.uint64), ref.dense)
+    for i, j in np.ndindex(ref.counts.shape):
+        n = ref.counts[i, j]
+        np.testing.assert_array_equal(got["keys"][i, j, :n], ref.keys[i, j, :n])
+        np.testing.assert_array_equal(got["bits"][i, j, :n].view(np.uint64), ref.bits[i, j, :n])
+    for i, n in enumerate(ref.dcount):
+        np.testing.assert_array_equal(got["drows"][i, :n], ref.drows[i, :n])
 
 
 @pytest.mark.parametrize("sq, sk", [(64 * 12, 64 * 300),     # nKB >= ORDER_BINS: scaled classes
@@ -120,13 +141,16 @@ def test_mask_changes_every_call_and_index_reuse():
         T.assert_close(A.sparse_attention(q, k, v, tm), ref, "float16")
         idx = A.block_index(q, k, v, tm)
         T.assert_close(A.sparse_attention(q, k, v, tm, index=idx), ref, "float16")
-        # any state byte but EMPTY and FULL reads as partial: masked element by element, exact
-        junk = torch.randint(3, 256, (1, 4, 4), dtype=torch.uint8, device="cuda")
-        T.assert_close(A.sparse_attention(q, k, v, tm, index=A.BlockIndex(junk, idx.order)), ref,
+        # any state byte but EMPTY, FULL and GATHERED (its keys come from the gathered list)
+        # reads as partial: masked element by element, exact
+        junk = torch.randint(4, 256, (1, 4, 4), dtype=torch.uint8, device="cuda")
+        junk = torch.where(idx.states == A.GATHERED, idx.states, junk)
+        T.assert_close(A.sparse_attention(q, k, v, tm, index=idx._replace(states=junk)), ref,
                        "float16")
-        # order entries out of range are dropped, not followed (their rows stay unwritten)
+        # order entries out of range are dropped, not followed (their rows stay unwritten, but
+        # for rows moved to dense-row tiles)
         bad = torch.tensor([[3, -1, 1 << 30, 0]], dtype=torch.int32, device="cuda")
-        out = A.sparse_attention(q, k, v, tm, index=A.BlockIndex(idx.states, bad))
+        out = A.sparse_attention(q, k, v, tm, index=idx._replace(order=bad))
         T.assert_close(out[:, :, list(range(64)) + list(range(192, 256))],
                        ref[:, :, list(range(64)) + list(range(192, 256))], "float16")
 
@@ -192,11 +216,13 @@ def test_bad_input_is_refused_clearly():
         A.sparse_attention(q, k, v, m, index=torch.zeros(1, 1, 1, dtype=torch.uint8, device="cuda"))
     good = A.block_index(q, k, v, m)
     with pytest.raises(pitgen.ShapeError, match="index.states"):
-        A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states.int(), good.order))
+        A.sparse_attention(q, k, v, m, index=good._replace(states=good.states.int()))
     with pytest.raises(pitgen.ShapeError, match="index.order"):
-        A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states, good.order[:, :0]))
+        A.sparse_attention(q, k, v, m, index=good._replace(order=good.order[:, :0]))
     with pytest.raises(pitgen.ShapeError, match="index.order is on cpu"):
-        A.sparse_attention(q, k, v, m, index=A.BlockIndex(good.states, good.order.cpu()))
+        A.sparse_attention(q, k, v, m, index=good._replace(order=good.order.cpu()))
+    with pytest.raises(pitgen.ShapeError, match="index.keys"):
+        A.sparse_attention(q, k, v, m, index=good._replace(keys=good.keys[..., :1]))
     mod = pitgen.ops.attention.SparseAttention(128, 2).cuda().half()
     x = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
     with pytest.raises(pitgen.PlanError, match="need_weights"):
@@ -214,3 +240,81 @@ def test_empty_problems():
     q, k, v = operands(rng, 1, 1, 5, 0, 64, "float16")
     out = A.sparse_attention(q, k, v, torch.ones(5, 0, dtype=torch.bool, device="cuda"))
     assert out.shape == (1, 1, 5, 64) and not out.any()
+
+
+@settings(max_examples=T.examples(15), deadline=None)
+@given(b=st.integers(1, 2), hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
+       sq=st.sampled_from([64, 130, 333, 700]), sk=st.sampled_from([64, 200, 512, 777]),
+       d=st.sampled_from([64, 128]), dtype=st.sampled_from(["float16", "bfloat16"]),
+       pattern=st.sampled_from(["bigbird", "global", "full_rows", "longformer"]),
+       mask_dims=st.sampled_from([2, 3, 4]), seed=st.integers(0, 2 ** 16))
+def test_gathered_keys_and_dense_rows_match_float64_reference(b, hkv, group, sq, sk, d, dtype,
+                                                              pattern, mask_dims, seed):
+    """Masks whose index gathers keys and moves dense rows, at sizes with many key blocks:
+    outputs and lse (poisoned first) against float64, GQA, every mask form, the index exact."""
+    rng = np.random.default_rng(seed)
+    h = hkv * group
+    lead = {2: (), 3: (h,), 4: (b, h)}[mask_dims]
+    mask = np.stack([make_mask(rng, pattern, sq, sk, 0.3)
+                     for _ in range(int(np.prod(lead, dtype=int)))]).reshape(*lead, sq, sk)
+    tdt = getattr(torch, dtype)
+    q = torch.from_numpy(rng.standard_normal((b, h, sq, d)).astype(np.float32)).to("cuda", tdt)
+    k, v = (torch.from_numpy(rng.standard_normal((b, hkv, sk, d)).astype(np.float32)).to("cuda", tdt)
+            for _ in range(2))
+    tmask = torch.from_numpy(mask).cuda()
+    with pytest.MonkeyPatch.context() as mp:
+        poison(mp)
+        out, lse = A.sparse_attention(q, k, v, tmask, return_lse=True)
+    args = [x.double().cpu().numpy() for x in (q, k, v)]
+    T.assert_close(out, R.attention_reference(*args, mask), dtype)
+    _, ref_lse = R.attention_probabilities(args[0], args[1], mask)
+    got = lse.cpu().numpy()
+    dead = np.isinf(ref_lse)
+    assert np.isneginf(got[dead]).all()
+    T.assert_close(got[~dead], ref_lse[~dead], dtype, what="lse")
+    check_index(A.block_index(q, k, v, tmask), mask)
+
+
+def test_bigbird_index_gathers_and_moves_rows():
+    """The benchmark's kind of mask at a small size: most partial blocks become gathered keys,
+    the global rows move to a dense-row tile, and the result is right."""
+    rng = np.random.default_rng(3)
+    s = 1024
+    mask = T.bigbird_mask(rng, s, s, 128, T.random_global_tokens(rng, s, 4), 48)
+    q, k, v = operands(rng, 1, 2, s, s, 64, "float16")
+    tmask = torch.from_numpy(mask).cuda()
+    idx = A.block_index(q, k, v, tmask)
+    check_index(idx, mask)
+    assert int(idx.dcount[0]) == 4 and (idx.states == A.GATHERED).sum() > (idx.states == A.PARTIAL).sum()
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+    T.assert_close(A.sparse_attention(q, k, v, tmask), ref, "float16")
+
+
+def test_corrupt_gathered_and_dense_entries_stay_in_bounds():
+    """Ids and counts of a given index are range-checked before any address: key ids outside
+    [0, Sk) are masked zero rows, counts are clamped, dense row ids outside [0, Sq) are neither
+    loaded nor written. On a mask with no gathered key and no dense row the result is exact."""
+    rng = np.random.default_rng(11)
+    sq, sk = 200, 300
+    mask = T.tile_mask(rng, sq, sk, (64, 64), 0.5)
+    mask[:, 0] = False            # no row allows every key; partial blocks keep 63 columns
+    q, k, v = operands(rng, 1, 2, sq, sk, 64, "float16")
+    tm = torch.from_numpy(mask).cuda()
+    idx = A.block_index(q, k, v, tm)
+    assert not idx.counts.any() and not idx.dcount.any()
+    cap = idx.keys.shape[-1]
+    bad = idx._replace(
+        counts=torch.full_like(idx.counts, 2 ** 31 - 1),
+        keys=torch.randint(sk, 2 ** 31 - 1, idx.keys.shape, dtype=torch.int32, device="cuda")
+        * torch.where(torch.rand(idx.keys.shape, device="cuda") < 0.5, -1, 1).int(),
+        bits=torch.full_like(idx.bits, -1),
+        drows=torch.where(torch.arange(idx.drows.numel(), device="cuda").view_as(idx.drows) % 2 == 0,
+                          -5, sq + 7).int(),
+        dcount=torch.full_like(idx.dcount, 2 ** 31 - 1))
+    assert cap > 0
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+    with pytest.MonkeyPatch.context() as mp:
+        poison(mp)
+        out = A.sparse_attention(q, k, v, tm, index=bad)
+    torch.cuda.synchronize()
+    T.assert_close(out, ref, "float16")

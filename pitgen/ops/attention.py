@@ -9,13 +9,19 @@ order-free) the kernel can therefore walk a compact, unordered list of the non-e
 of its query block, which the GPU builds every call (no sort of key blocks, no host sync).
 
 Pipeline per call: index kernel (reads the mask once, 16-byte loads; writes a state byte per
-(mask slice, query block, key block): empty, partial or full; every entry is written, so
-nothing is reset first; the last CTA of each slice orders the query blocks by their count of
-non-empty key blocks, longest first) → attention kernel (CTAs in that order, since i is
-invariant too: the longest lists start first instead of finishing last; each compacts its row
-of states into a list in shared memory with warp ballots, then runs mma.sync m16n8k16 over it
-with a STAGES-deep cp.async pipeline; element mask only on partial blocks). Fully masked rows
-give zeros.
+(mask slice, query block, key block): empty, partial, full or gathered (a partial block whose
+allowed columns, keys allowed for some row of the query block, are at most GATHER_MAX: those
+keys move to the query block's gathered key list with a 64-bit row mask each, since j is
+invariant they can be visited in any grouping; and a query block's few rows allowing every key
+move to dense-row tiles, since i is invariant too); every entry is written, so nothing is reset
+first; the last CTA of each slice orders the query blocks by their work, longest first) →
+attention kernel (CTAs in that order, since i is invariant too: the longest lists start first
+instead of finishing last; each compacts its row of states into a list in shared memory with
+warp ballots, then runs mma.sync m16n8k16 over it and then over its gathered key tiles of 64
+keys (K/V rows loaded by key id: SRead) with a STAGES-deep cp.async pipeline; element mask
+only on partial blocks, a row-bit test on gathered tiles; dense-row tiles load Q rows by id,
+split their key blocks over several CTAs and merge, and write rows back by id: SWrite). Fully
+masked rows give zeros. docs/attention.md states the rule.
 
 ``SparseAttention`` (a drop-in for ``torch.nn.MultiheadAttention(batch_first=True)``) is built
 on first access, so importing this module needs no torch.
@@ -61,8 +67,24 @@ STAGES_BWD = {64: 2, 128: 2}
 MIN_BLOCKS_BWD = {64: 3, 128: 1}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
-#: Index state bytes.
-EMPTY, PARTIAL, FULL = 0, 1, 2
+#: Index state bytes. GATHERED: a partial block whose allowed columns went to the gathered key
+#: tiles (the backward reads it as PARTIAL).
+EMPTY, PARTIAL, FULL, GATHERED = 0, 1, 2, 3
+#: A partial 64x64 block with at most this many allowed columns (keys allowed for at least one
+#: row of the query block) is gathered. Cost per visit: a partial block costs one block
+#: iteration with the element mask whatever its column count; its c allowed keys cost c / 64 of
+#: a gathered tile iteration (the same MMAs and a row-bit test). At 16 a gathered block costs at
+#: most a quarter of its visit, and the gathered list per query block is bounded by 16 * nKB
+#: slots (12 bytes each: id and row mask), 4.7% of the mask's bytes; blocks with more allowed
+#: columns (window edges, dense micro-tiles) stay partial, where the contiguous tile load wins.
+GATHER_MAX = 16
+#: A query block moves at most this many rows allowing every key (Longformer's and BigBird's
+#: global rows) to dense-row tiles, so a slice has at most nQB * DENSE_ROWS_MAX / 64 dense tiles
+#: (their grid and workspace are sized from shapes); more such rows stay in their block.
+DENSE_ROWS_MAX = 4
+#: Key-block ranges a dense-row tile is split into (its rows visit every key block: unsplit, its
+#: chain would be the longest in the grid), merged by the tile's last part.
+DENSE_SPLIT = 8
 #: Count classes of the query-block order (exact counts below this many key blocks).
 ORDER_BINS = INDEX_THREADS
 #: Bytes per row of a shared-memory mask tile: BN, padded so a warp's rows use distinct banks.
@@ -71,14 +93,19 @@ MASK_ROW = BN + 16
 
 # -- the operator -------------------------------------------------------------------------------
 
+#: The state bytes as the templates name them.
+STATE_NAMES = {"EMPTY": EMPTY, "PARTIAL": PARTIAL, "FULL": FULL, "GATHERED": GATHERED}
+
 ATTENTION = OpSpec(
     "attention", "attention.cu.j2",
-    {"pit_attn_index_vec": "PiiiPPPP", "pit_attn_index_byte": "PiiiPPPP",
-     "pit_attention": "PPPPPPPPiiiiiiif", "pit_attention_vec": "PPPPPPPPiiiiiiif"},
+    {"pit_attn_index_vec": "Piii" + "P" * 14 + "i", "pit_attn_index_byte": "Piii" + "P" * 14 + "i",
+     "pit_attention": "PPPPPPPPiiiiiiifPPPiPPPiiiPP",
+     "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPPiiiPP"},
     permutes=(
         # a CTA per (batch, head, query block), taken in any order: longest rows first
         Permutation("query blocks", SCORES, "spatial", "Q"),
-        # key blocks visited in any order, empty ones dropped (online softmax is order-free)
+        # key blocks visited in any order, empty ones dropped, the allowed keys of sparse
+        # partial blocks regrouped into gathered tiles (online softmax is order-free)
         Permutation("key blocks", OUTPUT, "reduction", "V")),
     dtypes=("float16", "bfloat16"))
 
@@ -149,6 +176,28 @@ class AttentionPlan:
         return self.mask_batch * self.mask_heads
 
     @property
+    def gather_cap(self) -> int:
+        """Gathered-key slots per (mask slice, query block): GATHER_MAX per key block."""
+        return GATHER_MAX * self.n_kb
+
+    @property
+    def dense_split(self) -> int:
+        """Parts of a dense-row tile: DENSE_SPLIT key-block ranges, at most one block each."""
+        return min(DENSE_SPLIT, self.n_kb)
+
+    @property
+    def dense_tiles(self) -> int:
+        """Dense-row tiles per slice the grid and workspace hold (DENSE_ROWS_MAX per block)."""
+        return -(-self.n_qb * DENSE_ROWS_MAX // self.bm)
+
+    @property
+    def dense_workspace(self) -> int:
+        """float32 elements of the dense tiles' partial results: per (batch x head, tile,
+        part) the unnormalised output rows and each row's running max and sum."""
+        return (self.batch * self.heads * self.dense_tiles * self.dense_split
+                * self.bm * (self.d + 2))
+
+    @property
     def kpc(self) -> int:
         return INDEX_COLUMNS // self.bn
 
@@ -168,14 +217,22 @@ class AttentionPlan:
         return (-(-self.n_kb // self.kpc), self.n_qb, self.slices)
 
     def attention_grid(self) -> tuple[int, int, int]:
-        """(batch x head, rank in the query-block order): every head's longest rows first."""
+        """(batch x head, rank in the query-block order): every head's longest rows first (the
+        backward's dQ kernel)."""
         return (self.batch * self.heads, self.n_qb, 1)
+
+    def forward_grid(self) -> tuple[int, int, int]:
+        """(batch x head, y, z): z = 0 the parts y of the dense-row tiles (dispatched first;
+        those past the slice's dense rows do nothing), z = 1 the query blocks by rank y in the
+        order."""
+        return (self.batch * self.heads, max(self.n_qb, self.dense_tiles * self.dense_split), 2)
 
     def context(self) -> dict[str, Any]:
         """Template context (everything the CUDA source depends on)."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
-                "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW}
+                "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW,
+                "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, **STATE_NAMES}
 
     # -- backward --
 
@@ -209,7 +266,7 @@ class AttentionPlan:
         """Template context of the backward kernels."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "stages": STAGES_BWD[self.d],
-                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW}
+                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, **STATE_NAMES}
 
 
 @cache.lru("attention.plans")
@@ -332,11 +389,59 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
 
 
 class BlockIndex(NamedTuple):
-    """What the index pass builds on the GPU: ``states`` uint8 [slices, nQB, nKB] (EMPTY,
-    PARTIAL, FULL per 64x64 block) and ``order`` int32 [slices, nQB], each slice's query blocks
-    by descending count of non-empty key blocks (the order the attention CTAs take them in)."""
+    """What the index pass builds on the GPU. ``states`` uint8 [slices, nQB, nKB]: the forward's
+    decision per 64x64 block over the query block's rows that stay in it (EMPTY, PARTIAL, FULL
+    or GATHERED); ``blocks``: the plain block states over all rows (EMPTY, PARTIAL, FULL; what
+    the backward walks); ``order`` int32 [slices, nQB]: each slice's query blocks by descending
+    work (visited blocks + gathered tiles), the order the attention CTAs take them in; the
+    gathered keys of each query block: ``counts`` int32 [slices, nQB], ``keys`` int32
+    [slices, nQB, cap] (ascending key ids, the first ``counts`` valid) and ``bits`` int64
+    [slices, nQB, cap] (per key, bit r set when row r of the query block allows it), cap =
+    GATHER_MAX * nKB (0 for the static index of a call without a mask); the dense rows (rows
+    allowing every key, moved out of their query block into dense-row tiles): ``dense`` int64
+    [slices, nQB] (per query block, bit r: row r moved), ``drows`` int32 [slices, nQB * 64]
+    (their row ids, ascending; the first ``dcount`` valid) and ``dcount`` int32 [slices]."""
     states: Any
+    blocks: Any
     order: Any
+    counts: Any
+    keys: Any
+    bits: Any
+    dense: Any
+    drows: Any
+    dcount: Any
+
+
+def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, str, int]], int]:
+    """(field, shape, torch dtype name, byte offset) of each BlockIndex array, then the index
+    pass's scratch (``cols``: per (slice, query block) each column's 64-bit mask of the rows
+    allowing it; ``work``: per query block its visited blocks + gathered tiles), in one buffer,
+    each at a 16-byte boundary (the gathered row masks load with cp.async); and its size."""
+    s, nq, nk = plan.slices, plan.n_qb, plan.n_kb
+    fields = [("states", (s, nq, nk), "uint8", 1), ("blocks", (s, nq, nk), "uint8", 1),
+              ("order", (s, nq), "int32", 4), ("counts", (s, nq), "int32", 4),
+              ("keys", (s, nq, cap), "int32", 4), ("bits", (s, nq, cap), "int64", 8),
+              ("dense", (s, nq), "int64", 8), ("drows", (s, nq * plan.bm), "int32", 4),
+              ("dcount", (s,), "int32", 4),
+              ("cols", (s, nq, nk * plan.bn), "int64", 8), ("work", (s, nq), "int32", 4)]
+    out, off = [], 0
+    for name, shape, dtype, size in fields:
+        out.append((name, shape, dtype, off))
+        off += -(-math.prod(shape) * size // 16) * 16
+    return out, off
+
+
+def _index_views(plan: AttentionPlan, buf: Any) -> BlockIndex:
+    """The BlockIndex arrays as views of one uint8 buffer of ``_index_layout``'s size (the
+    scratch stays in the buffer, alive with the views)."""
+    import torch
+    views = {}
+    for name, shape, dtype, off in _index_layout(plan, plan.gather_cap)[0]:
+        if name in BlockIndex._fields:
+            dt = getattr(torch, dtype)
+            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            views[name] = buf[off:off + n].view(dt).view(shape)
+    return BlockIndex(**views)
 
 
 #: device index -> runtime.stream_counters cache of the index pass's row counts and done
@@ -378,35 +483,82 @@ def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
                   else np.full((1, plan.n_qb, plan.n_kb), FULL, np.uint8))
         # longest rows first, ties in block order (exact counts: the GPU's order bins them)
         order = np.argsort(-(states != EMPTY).sum(-1), axis=-1, kind="stable").astype(np.int32)
-        hit = _STATIC[key] = BlockIndex(torch.from_numpy(states).to(device),
-                                        torch.from_numpy(order).to(device))
+        n_qb = states.shape[1]
+        st = torch.from_numpy(states).to(device)
+
+        def zeros(*shape: int, dtype: Any = torch.int32) -> Any:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        # nothing gathered (no key list), no dense rows
+        hit = _STATIC[key] = BlockIndex(
+            st, st, torch.from_numpy(order).to(device), zeros(1, n_qb), zeros(1, n_qb, 0),
+            zeros(1, n_qb, 0, dtype=torch.int64), zeros(1, n_qb, dtype=torch.int64),
+            zeros(1, n_qb * plan.bm), zeros(1))
     return hit
 
 
 def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIndex:
-    """Enqueue the index kernel on ``launch``'s stream; returns the state map and order it
-    fills."""
+    """Enqueue the index kernel on ``launch``'s stream; returns the index it fills."""
     import torch
     if mask is None:
         raise PlanError("the index of a call without a mask is not built on the GPU")
-    states = torch.empty((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8,
-                         device=mask.device)
-    order = torch.empty((plan.slices, plan.n_qb), dtype=torch.int32, device=mask.device)
-    counters = stream_counters(_COUNTERS.setdefault(mask.device.index, {}), launch.stream,
-                               plan.slices * (plan.n_qb + 1), mask.device)
-    rowcount = counters.data_ptr()
-    done = rowcount + 4 * plan.slices * plan.n_qb
+    _, size = _index_layout(plan, plan.gather_cap)
+    buf = torch.empty(size, dtype=torch.uint8, device=mask.device)
+    counters = _counters(plan, _COUNTERS.setdefault(mask.device.index, {}), launch.stream,
+                         mask.device)
     vec = _vector_mask(plan, mask)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
-                   (INDEX_THREADS, 1, 1), launch.stream, mask.data_ptr(), plan.sq, plan.sk,
-                   plan.n_kb, states.data_ptr(), rowcount, done, order.data_ptr())
-    return BlockIndex(states, order)
+                   (INDEX_THREADS, 1, 1), launch.stream,
+                   *_index_args(plan, mask.data_ptr(), counters, _offsets(plan), buf.data_ptr()))
+    return _index_views(plan, buf)
+
+
+def _offsets(plan: AttentionPlan) -> dict[str, int]:
+    """Byte offset of each array of the index buffer (``_index_layout``)."""
+    return {name: off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]}
+
+
+def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> int:
+    """Address of the index pass's counters on ``stream`` (zero between launches): per (slice,
+    query block) a 64-bit mask of the rows that miss some key, then per (slice, query block) and
+    per slice a done counter (int32)."""
+    return stream_counters(by_stream, stream, plan.slices * (3 * plan.n_qb + 1),
+                           device).data_ptr()
+
+
+#: device index -> runtime.stream_counters cache of the dense-row tiles' merge counters (the
+#: merging part zeroes its tile's again)
+_MERGE = cache.memo("attention.merge_counters")
+
+
+def _dense_args(plan: AttentionPlan, mask: Any, stream: int, device: Any) -> tuple[tuple, Any]:
+    """The attention kernel's dense-row tile arguments (nQB, parts per tile, tiles per slice,
+    workspace, merge counters) and the workspace tensor (kept alive by the caller until the
+    launch is enqueued); a call without a mask has no dense rows: null pointers."""
+    import torch
+    if mask is None:
+        return (plan.n_qb, plan.dense_split, plan.dense_tiles, 0, 0), None
+    ws = torch.empty(plan.dense_workspace, dtype=torch.float32, device=device)
+    merge = stream_counters(_MERGE.setdefault(device.index, {}), stream,
+                            plan.batch * plan.heads * plan.dense_tiles, device)
+    return (plan.n_qb, plan.dense_split, plan.dense_tiles, ws.data_ptr(), merge.data_ptr()), ws
+
+
+def _index_args(plan: AttentionPlan, mask: int, counters: int, offsets: dict[str, int],
+                base: int) -> tuple:
+    """The index kernels' arguments: the mask, sizes, the arrays of the buffer at ``base``, the
+    counters (``_counters``' layout) and the gathered capacity."""
+    arrays = [base + offsets[n] for n in ("states", "blocks", "order", "counts", "keys", "bits",
+                                          "dense", "drows", "dcount", "cols", "work")]
+    qdone = counters + 8 * plan.slices * plan.n_qb
+    return (mask, plan.sq, plan.sk, plan.n_kb, *arrays, counters, qdone,
+            qdone + 4 * plan.slices * plan.n_qb, plan.gather_cap)
 
 
 def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
-    query-block order (as ``block_order_reference``)."""
+    query-block order and the gathered keys (as ``key_index_reference``; the keys of a query
+    block are a set: their order in the list varies between calls)."""
     if mask is None:
         raise ShapeError("block_index needs a mask")
     plan, mask = _check(q, k, v, mask)
@@ -416,13 +568,14 @@ def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
 
 def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
     """Check an index passed to sparse_attention (shapes, dtypes, device; its contents are
-    never trusted by the kernel)."""
+    never trusted by the kernel: ids and counts are range-checked before any address)."""
     import torch
-    want = {"states": ((plan.slices, plan.n_qb, plan.n_kb), torch.uint8),
-            "order": ((plan.slices, plan.n_qb), torch.int32)}
+    layout, _ = _index_layout(plan, plan.gather_cap)
+    want = {name: (shape, getattr(torch, dtype)) for name, shape, dtype, _ in layout
+            if name in BlockIndex._fields}
     if not isinstance(index, BlockIndex):
-        raise ShapeError(f"index must be the BlockIndex (states, order) from block_index, got "
-                         f"{type(index).__name__}")
+        raise ShapeError(f"index must be the BlockIndex ({', '.join(BlockIndex._fields)}) from "
+                         f"block_index, got {type(index).__name__}")
     for name, (shape, dtype) in want.items():
         x = getattr(index, name)
         if (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype
@@ -462,9 +615,8 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
     if out.numel() == 0 or plan.sk == 0:   # nothing to attend: zeros, lse -inf
         if lse is not None:
             lse.fill_(-math.inf)
-        empty = index or BlockIndex(
-            torch.zeros((plan.slices, plan.n_qb, plan.n_kb), dtype=torch.uint8, device=q.device),
-            torch.zeros((plan.slices, plan.n_qb), dtype=torch.int32, device=q.device))
+        empty = index or _index_views(plan, torch.zeros(_index_layout(plan, plan.gather_cap)[1],
+                                                        dtype=torch.uint8, device=q.device))
         return out.zero_(), lse, empty
     kernels = ATTENTION.module(plan)
     with TorchLaunch() as launch:
@@ -475,17 +627,23 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                    else _given_index(plan, index, q.device))
         sb, sh = plan.mask_strides
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
-        kernels.launch(name, plan.attention_grid(), (plan.warps * 32, 1, 1),
+        dense, _ws = _dense_args(plan, mask, launch.stream, q.device)
+        kernels.launch(name, plan.forward_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk, plan.heads,
-                       plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e), smem=plan.smem)
+                       plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e),
+                       idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
+                       idx.keys.shape[-1], idx.dense.data_ptr(), idx.drows.data_ptr(),
+                       idx.dcount.data_ptr(), *dense, smem=plan.smem)
     return out, lse, idx
 
 
 def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any, out: Any,
-              lse: Any, idx: BlockIndex, scale: float, dlse: Any = None) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) over the forward's index: delta = rowsum(dO * O) - dlse and the key-block
+              lse: Any, blocks: Any, order: Any, scale: float,
+              dlse: Any = None) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) over the forward's plain block states (``BlockIndex.blocks``: every row of
+    a query block in it, no gathered keys or dense rows) and query-block order: delta = rowsum(dO * O) - dlse and the key-block
     order (most non-empty blocks over all slices first, so the longest columns do not finish
     last) as torch reductions on the stream, then the dQ kernel over query blocks in the
     forward's order and the dK/dV kernel over key blocks (each walking the column of the state
@@ -501,7 +659,7 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     if dlse is not None:   # d lse_i / d s_ij = P_ij: the lse gradient shifts delta
         delta = delta - dlse.float()
     delta = delta.contiguous()
-    columns = (idx.states != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
+    columns = (blocks != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
     kv_order = torch.argsort(columns, descending=True, stable=True).to(torch.int32)
     kernels = ATTENTION_BWD.module(plan.backward_context())
     vec = "_vec" if _vector_mask(plan, mask) else ""
@@ -512,11 +670,11 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     with TorchLaunch() as launch:
         kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, *args, dq.data_ptr(), _ptr(mask),
-                       idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk,
+                       blocks.data_ptr(), order.data_ptr(), plan.sq, plan.sk,
                        plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
         kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, *args, dk.data_ptr(), dv.data_ptr(), _ptr(mask),
-                       idx.states.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
+                       blocks.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
                        plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
     return dq, dk, dv
 
@@ -527,7 +685,8 @@ _OPS = cache.memo("attention.ops")
 
 
 def _ops() -> Any:
-    """The ``pitgen::sparse_attention`` op (forward: out, lse, states, order) with its fake and
+    """The ``pitgen::sparse_attention`` op (forward: out, lse, and for the backward the plain
+    block states and the order; a given index comes as its arrays) with its fake and
     autograd (``pitgen::sparse_attention_backward``), registered once per process on first use
     so that importing pitgen needs no torch."""
     hit = _OPS.get("forward")
@@ -544,21 +703,27 @@ def _ops() -> Any:
     @torch.library.custom_op(
         "pitgen::sparse_attention", mutates_args=(),
         schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? states, "
-               "Tensor? order, bool is_causal) -> (Tensor, Tensor, Tensor, Tensor)")
+               "Tensor? blocks, Tensor? order, Tensor? counts, Tensor? keys, Tensor? bits, "
+               "Tensor? dense, Tensor? drows, Tensor? dcount, bool is_causal) "
+               "-> (Tensor, Tensor, Tensor, Tensor)")
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                states: Tensor | None, order: Tensor | None, is_causal: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                states: Tensor | None, blocks: Tensor | None, order: Tensor | None,
+                counts: Tensor | None, keys: Tensor | None, bits: Tensor | None,
+                dense: Tensor | None, drows: Tensor | None, dcount: Tensor | None,
+                is_causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         plan, m = _check(q, k, v, mask)
-        given = None if states is None or order is None else BlockIndex(states, order)
+        parts = (states, blocks, order, counts, keys, bits, dense, drows, dcount)
+        given = None if any(x is None for x in parts) else BlockIndex(*parts)
         out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal)
-        if m is None:           # the cached static index: outputs may not alias it either
-            idx = BlockIndex(idx.states.clone(), idx.order.clone())
-        if given is not None:   # a custom op's outputs may not alias its inputs
-            idx = BlockIndex(idx.states.clone(), idx.order.clone())
-        return out, lse, idx.states, idx.order
+        if m is None or given is not None:
+            # outputs may alias neither the cached static index nor the op's inputs
+            return out, lse, idx.blocks.clone(), idx.order.clone()
+        # blocks and order are views of one index buffer; outputs may not alias each other
+        return out, lse, idx.blocks, idx.order.clone()
 
     @forward.register_fake
-    def _(q, k, v, mask, scale, states, order, is_causal):
+    def _(q, k, v, mask, scale, states, blocks, order, counts, keys, bits, dense, drows, dcount,
+          is_causal):
         p = fake_plan(q, k, v, mask)
         return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
                 q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
@@ -567,31 +732,30 @@ def _ops() -> Any:
     @torch.library.custom_op(
         "pitgen::sparse_attention_backward", mutates_args=(),
         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
-               "Tensor lse, Tensor states, Tensor order, float scale, Tensor? dlse) "
+               "Tensor lse, Tensor blocks, Tensor order, float scale, Tensor? dlse) "
                "-> (Tensor, Tensor, Tensor)")
     def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
-                 lse: Tensor, states: Tensor, order: Tensor, scale: float,
+                 lse: Tensor, blocks: Tensor, order: Tensor, scale: float,
                  dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         plan, m = _check(q, k, v, mask)
-        return _backward(plan, dout, q, k, v, m, out, lse, BlockIndex(states, order), scale,
-                         dlse)
+        return _backward(plan, dout, q, k, v, m, out, lse, blocks, order, scale, dlse)
 
     @backward.register_fake
-    def _(dout, q, k, v, mask, out, lse, states, order, scale, dlse):
+    def _(dout, q, k, v, mask, out, lse, blocks, order, scale, dlse):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, scale, _, _, _ = inputs
-        out, lse, states, order = output
-        ctx.save_for_backward(q, k, v, mask, out, lse, states, order)
+        q, k, v, mask, scale = inputs[:5]
+        out, lse, blocks, order = output
+        ctx.save_for_backward(q, k, v, mask, out, lse, blocks, order)
         ctx.scale = scale
 
     def grad(ctx: Any, dout: Tensor, dlse: Tensor | None, _s: Any, _o: Any) -> tuple:
-        q, k, v, mask, out, lse, states, order = ctx.saved_tensors
+        q, k, v, mask, out, lse, blocks, order = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(dout, q, k, v, mask, out, lse, states, order, ctx.scale, dlse)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = backward(dout, q, k, v, mask, out, lse, blocks, order, ctx.scale, dlse)
+        return (dq, dk, dv) + (None,) * (len(BlockIndex._fields) + 3)  # mask, scale, index, causal
 
     forward.register_autograd(grad, setup_context=setup_context)
     _OPS["forward"] = forward
@@ -619,10 +783,9 @@ class _EagerForward:
             "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
             (INDEX_THREADS, 1, 1))
         self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
-                                   plan.attention_grid(), (plan.warps * 32, 1, 1), plan.smem)
-        states = plan.slices * plan.n_qb * plan.n_kb
-        #: the index buffer: states (uint8), then order (int32) at a 16-byte boundary
-        self.sizes = (states + 15) // 16 * 16, states + -states % 16 + 4 * plan.slices * plan.n_qb
+                                   plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem)
+        #: the index buffer (_index_layout): its size and the offsets of its arrays
+        self.sizes = _index_layout(plan, plan.gather_cap)[1], _offsets(plan)
         self.counters = _COUNTERS.setdefault(device.index, {})
         self.mask_strides = plan.mask_strides
         self.default_scale = 1.0 / math.sqrt(plan.d)
@@ -645,22 +808,22 @@ class _EagerForward:
         with TorchLaunch() as launch:
             s = launch.stream
             if mask is None:
-                states, order, mptr = self.static.states.data_ptr(), \
-                    self.static.order.data_ptr(), 0
+                p = {name: x.data_ptr() for name, x in self.static._asdict().items()}
+                mptr, cap = 0, 0
             else:
-                buf = torch.empty(self.sizes[1], dtype=torch.uint8, device=q.device)
-                states = buf.data_ptr()
-                order = states + self.sizes[0]
-                mptr = mask.data_ptr()
-                rowcount = stream_counters(self.counters, s, plan.slices * (plan.n_qb + 1),
-                                           q.device).data_ptr()
-                self.index(s, mptr, plan.sq, plan.sk, plan.n_kb, states, rowcount,
-                           rowcount + 4 * plan.slices * plan.n_qb, order)
+                size, offsets = self.sizes
+                buf = torch.empty(size, dtype=torch.uint8, device=q.device)
+                p = {name: buf.data_ptr() + off for name, off in offsets.items()}
+                mptr, cap = mask.data_ptr(), plan.gather_cap
+                self.index(s, *_index_args(plan, mptr, _counters(plan, self.counters, s, q.device),
+                                           offsets, buf.data_ptr()))
             sb, sh = self.mask_strides
+            dense, _ws = _dense_args(plan, mask, s, q.device)
             self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                        0 if lse is None else lse.data_ptr(), mptr, states, order, plan.sq,
-                        plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
-                        scale * math.log2(math.e))
+                        0 if lse is None else lse.data_ptr(), mptr, p["states"], p["order"],
+                        plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
+                        scale * math.log2(math.e), p["counts"], p["keys"], p["bits"], cap,
+                        p["dense"], p["drows"], p["dcount"], *dense)
         return (out, lse) if lse is not None else out
 
 
@@ -712,7 +875,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
                 raise ShapeError("index is the block index of a mask; a call without one has none")
             _given_index(plan, index, q.device)
     if grad:
-        out, lse, _, _ = _ops()(q, k, v, mask, scale, *(index or (None, None)), is_causal)
+        out, lse, _, _ = _ops()(q, k, v, mask, scale,
+                                *(index or (None,) * len(BlockIndex._fields)), is_causal)
     else:
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
         if key is not None and _EagerForward.eligible(plan, q, mask, index):
