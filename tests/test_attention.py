@@ -34,10 +34,11 @@ def test_plan_decisions():
     assert (p.n_qb, p.n_kb, p.slices) == (16, 64, 12)
     assert p.mask_strides == (0, 1)
     assert p.index_grid() == (8, 16, 12) and p.attention_grid() == (24, 16, 1)
-    # z = 0: parts of dense-row tiles first (16 blocks x 4 rows / 64 = 1 tile x 8 parts)
-    assert (p.dense_tiles, p.dense_split) == (1, 8) and p.forward_grid() == (24, 16, 2)
+    # the parts of dense-row tiles first (16 blocks x 4 rows / 64 = 1 tile x 8 parts), then
+    # the 16 query blocks
+    assert (p.dense_tiles, p.dense_split) == (1, 8) and p.forward_grid() == (24, 24, 1)
     assert p.dense_workspace == 24 * 1 * 8 * 64 * 130
-    assert A.plan_attention(1, 1, 64, 100, 64, "float16", (64, 100)).forward_grid() == (1, 2, 2)
+    assert A.plan_attention(1, 1, 64, 100, 64, "float16", (64, 100)).forward_grid() == (1, 3, 1)
     assert p.gather_cap == A.GATHER_MAX * 64
     # 2 stages of K, V and the mask tile (rows of BN + 16 bytes); the list
     assert p.smem == 2 * 2 * 64 * 128 * 2 + 2 * 64 * 80 + 4 * 64 <= 227 * 1024

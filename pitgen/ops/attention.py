@@ -222,10 +222,10 @@ class AttentionPlan:
         return (self.batch * self.heads, self.n_qb, 1)
 
     def forward_grid(self) -> tuple[int, int, int]:
-        """(batch x head, y, z): z = 0 the parts y of the dense-row tiles (dispatched first;
-        those past the slice's dense rows do nothing), z = 1 the query blocks by rank y in the
-        order."""
-        return (self.batch * self.heads, max(self.n_qb, self.dense_tiles * self.dense_split), 2)
+        """(batch x head, y, 1): y < dense_tiles * dense_split the parts of the dense-row tiles
+        (dispatched first; those past the slice's dense rows do nothing), then the query blocks
+        by rank y - dense_tiles * dense_split in the order."""
+        return (self.batch * self.heads, self.dense_tiles * self.dense_split + self.n_qb, 1)
 
     def context(self) -> dict[str, Any]:
         """Template context (everything the CUDA source depends on)."""
