@@ -280,7 +280,7 @@ def test_fake_forward_shapes():
     op = A._ops()
     q, k, v = _meta((2, 8, 100, 64)), _meta((2, 2, 130, 64)), _meta((2, 2, 130, 64))
     out, lse, states, order = op(q, k, v, _meta((2, 1, 100, 130), torch.bool), 0.1,
-                                 *(None,) * 9, False)
+                                 None, False)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
     assert states.shape == (2, 2, 3) and states.dtype == torch.uint8
@@ -288,8 +288,8 @@ def test_fake_forward_shapes():
     assert A._ops() is op                                  # registered once
     # an expanded mask counts its stride-0 dims once; no mask (dense, causal): one slice
     expanded = _meta((2, 1, 100, 130), torch.bool).expand(2, 8, 100, 130)
-    assert op(q, k, v, expanded, 0.1, *(None,) * 9, False)[2].shape == (2, 2, 3)
-    assert op(q, k, v, None, 0.1, *(None,) * 9, True)[2].shape == (1, 2, 3)
+    assert op(q, k, v, expanded, 0.1, None, False)[2].shape == (2, 2, 3)
+    assert op(q, k, v, None, 0.1, None, True)[2].shape == (1, 2, 3)
 
 
 @pytest.mark.parametrize("with_lse", [False, True])
@@ -297,7 +297,7 @@ def test_autograd_reaches_q_k_v_through_the_backward_op(with_lse):
     op = A._ops()
     q = _meta((1, 4, 70, 128), torch.bfloat16, grad=True)
     k, v = (_meta((1, 2, 90, 128), torch.bfloat16, grad=True) for _ in range(2))
-    out, lse, _, _ = op(q, k, v, _meta((70, 90), torch.bool), 0.2, *(None,) * 9, False)
+    out, lse, _, _ = op(q, k, v, _meta((70, 90), torch.bool), 0.2, None, False)
     loss = out.float().sum() + (lse.sum() if with_lse else 0)
     dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -310,9 +310,9 @@ def test_backward_op_fake_shapes():
     A._ops()
     q, k, v = _meta((1, 4, 70, 64)), _meta((1, 1, 90, 64)), _meta((1, 1, 90, 64))
     dq, dk, dv = torch.ops.pitgen.sparse_attention_backward(
-        _meta((1, 4, 70, 64)), q, k, v, _meta((70, 90), torch.bool), _meta((1, 4, 70, 64)),
-        _meta((1, 4, 70), torch.float32), _meta((1, 2, 2), torch.uint8),
-        _meta((1, 2), torch.int32), 0.125, None)
+        _meta((1, 4, 70, 64)), [q, k, v, _meta((1, 4, 70, 64)), _meta((1, 4, 70), torch.float32),
+                                _meta((1, 2, 2), torch.uint8), _meta((1, 2), torch.int32)],
+        _meta((70, 90), torch.bool), 0.125, None)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 

@@ -700,20 +700,21 @@ def _ops() -> Any:
         return plan_attention(b, h, sq, sk, d, str(q.dtype).replace("torch.", ""),
                               (sq, sk) if mask is None else tuple(_mask_shape(mask)), hkv)
 
+    # Short schemas: torch's custom-op dispatch costs grow with the argument count (its
+    # fill_defaults walks the schema per argument), so the index travels as one list.
     @torch.library.custom_op(
         "pitgen::sparse_attention", mutates_args=(),
-        schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? states, "
-               "Tensor? blocks, Tensor? order, Tensor? counts, Tensor? keys, Tensor? bits, "
-               "Tensor? dense, Tensor? drows, Tensor? dcount, bool is_causal) "
-               "-> (Tensor, Tensor, Tensor, Tensor)")
+        schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor[]? index, "
+               "bool is_causal) -> (Tensor, Tensor, Tensor, Tensor)")
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                states: Tensor | None, blocks: Tensor | None, order: Tensor | None,
-                counts: Tensor | None, keys: Tensor | None, bits: Tensor | None,
-                dense: Tensor | None, drows: Tensor | None, dcount: Tensor | None,
+                index: list[Tensor] | None,
                 is_causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if index is None:
+            fast = _eager(q, k, v, mask, is_causal, True)
+            if fast is not None:
+                return fast(q, k, v, mask, scale, with_index=True)
         plan, m = _check(q, k, v, mask)
-        parts = (states, blocks, order, counts, keys, bits, dense, drows, dcount)
-        given = None if any(x is None for x in parts) else BlockIndex(*parts)
+        given = None if index is None else BlockIndex(*index)
         out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal)
         if m is None or given is not None:
             # outputs may alias neither the cached static index nor the op's inputs
@@ -722,8 +723,7 @@ def _ops() -> Any:
         return out, lse, idx.blocks, idx.order.clone()
 
     @forward.register_fake
-    def _(q, k, v, mask, scale, states, blocks, order, counts, keys, bits, dense, drows, dcount,
-          is_causal):
+    def _(q, k, v, mask, scale, index, is_causal):
         p = fake_plan(q, k, v, mask)
         return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
                 q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
@@ -731,17 +731,18 @@ def _ops() -> Any:
 
     @torch.library.custom_op(
         "pitgen::sparse_attention_backward", mutates_args=(),
-        schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
-               "Tensor lse, Tensor blocks, Tensor order, float scale, Tensor? dlse) "
+        schema="(Tensor dout, Tensor[] saved, Tensor? mask, float scale, Tensor? dlse) "
                "-> (Tensor, Tensor, Tensor)")
-    def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
-                 lse: Tensor, blocks: Tensor, order: Tensor, scale: float,
+    def backward(dout: Tensor, saved: list[Tensor], mask: Tensor | None, scale: float,
                  dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """saved: q, k, v, out, lse, and the forward's blocks and order."""
+        q, k, v, out, lse, blocks, order = saved
         plan, m = _check(q, k, v, mask)
         return _backward(plan, dout, q, k, v, m, out, lse, blocks, order, scale, dlse)
 
     @backward.register_fake
-    def _(dout, q, k, v, mask, out, lse, blocks, order, scale, dlse):
+    def _(dout, saved, mask, scale, dlse):
+        q, k, v = saved[:3]
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -749,13 +750,15 @@ def _ops() -> Any:
         out, lse, blocks, order = output
         ctx.save_for_backward(q, k, v, mask, out, lse, blocks, order)
         ctx.scale = scale
+        ctx.index = None if inputs[5] is None else len(inputs[5])   # a list: a list of Nones
 
     def grad(ctx: Any, dout: Tensor, dlse: Tensor | None, _s: Any, _o: Any) -> tuple:
         q, k, v, mask, out, lse, blocks, order = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(dout, q, k, v, mask, out, lse, blocks, order, ctx.scale, dlse)
-        return (dq, dk, dv) + (None,) * (len(BlockIndex._fields) + 3)  # mask, scale, index, causal
+        dq, dk, dv = backward(dout, [q, k, v, out, lse, blocks, order], mask, ctx.scale, dlse)
+        index = None if ctx.index is None else [None] * ctx.index
+        return dq, dk, dv, None, None, index, None   # mask, scale, index, is_causal
 
     forward.register_autograd(grad, setup_context=setup_context)
     _OPS["forward"] = forward
@@ -798,7 +801,11 @@ class _EagerForward:
                 and (mask is None or (mask.is_contiguous()
                                       and _mask_shape(mask) == tuple(mask.shape))))
 
-    def __call__(self, q: Any, k: Any, v: Any, mask: Any, scale: float | None) -> Any:
+    def __call__(self, q: Any, k: Any, v: Any, mask: Any, scale: float | None,
+                 with_index: bool = False) -> Any:
+        """out, or (out, lse) when built with want_lse; with_index (the custom op's forward,
+        want_lse): (out, lse, blocks, order), the index arrays the backward walks, aliasing
+        neither each other nor a cached index."""
         import torch
         plan = self.plan
         scale = self.default_scale if scale is None else _scale(plan, scale)
@@ -824,11 +831,34 @@ class _EagerForward:
                         plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
                         scale * math.log2(math.e), p["counts"], p["keys"], p["bits"], cap,
                         p["dense"], p["drows"], p["dcount"], *dense)
+        if with_index:
+            if mask is None:
+                return out, lse, self.static.blocks.clone(), self.static.order.clone()
+            n = plan.slices * plan.n_qb
+            blocks = buf[offsets["blocks"]:offsets["blocks"] + n * plan.n_kb]
+            order = buf[offsets["order"]:offsets["order"] + 4 * n].view(torch.int32)
+            return out, lse, blocks.view(plan.slices, plan.n_qb, plan.n_kb), \
+                order.view(plan.slices, plan.n_qb).clone()
         return (out, lse) if lse is not None else out
 
 
 #: (raw_key of q, k, v, mask, is_causal, return_lse) -> its _EagerForward
 _EAGER = cache.memo("attention.eager")
+
+
+def _eager(q: Any, k: Any, v: Any, mask: Any, causal: bool, want_lse: bool,
+           plan: AttentionPlan | None = None, m: Any = None) -> _EagerForward | None:
+    """The cached forward of this call signature, built (after the checks, or from the given
+    plan and checked mask) when the call is eligible; None when it is not."""
+    key = (raw_key(q, k, v, mask), causal, want_lse)
+    fast = _EAGER.get(key)
+    if fast is None:
+        if plan is None:
+            plan, m = _check(q, k, v, mask)
+        if not _EagerForward.eligible(plan, q, mask, None):
+            return None
+        fast = validated(_EAGER, key, lambda: _EagerForward(plan, m, causal, want_lse, q.device))
+    return fast
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
@@ -857,10 +887,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     traced = tracing()   # then the op checks and plans when it runs (sympy is not traced)
     grad = traced or (torch.is_grad_enabled()
                       and any(getattr(x, "requires_grad", False) for x in (q, k, v)))
-    key = None if index is not None or grad else raw_key(q, k, v, mask)
-    if key is not None:
-        key = (key, is_causal, return_lse)
-        fast = _EAGER.get(key)
+    if index is None and not grad:
+        fast = _EAGER.get((raw_key(q, k, v, mask), is_causal, return_lse))
         if fast is not None:
             return fast(q, k, v, mask, scale)
     if is_causal and mask is not None:
@@ -875,12 +903,12 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
                 raise ShapeError("index is the block index of a mask; a call without one has none")
             _given_index(plan, index, q.device)
     if grad:
-        out, lse, _, _ = _ops()(q, k, v, mask, scale,
-                                *(index or (None,) * len(BlockIndex._fields)), is_causal)
+        out, lse, _, _ = _ops()(q, k, v, mask, scale, None if index is None else list(index),
+                                is_causal)
     else:
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
-        if key is not None and _EagerForward.eligible(plan, q, mask, index):
-            validated(_EAGER, key, lambda: _EagerForward(plan, m, is_causal, return_lse, q.device))
+        if index is None:
+            _eager(q, k, v, mask, is_causal, return_lse, plan, m)
     return (out, lse) if return_lse else out
 
 
