@@ -431,17 +431,19 @@ def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple,
     return out, off
 
 
+def _index_view(buf: Any, shape: tuple, dtype: str, off: int) -> Any:
+    """One array of the index buffer (an ``_index_layout`` entry's shape, dtype, offset)."""
+    import torch
+    dt = getattr(torch, dtype)
+    return buf[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+
+
 def _index_views(plan: AttentionPlan, buf: Any) -> BlockIndex:
     """The BlockIndex arrays as views of one uint8 buffer of ``_index_layout``'s size (the
     scratch stays in the buffer, alive with the views)."""
-    import torch
-    views = {}
-    for name, shape, dtype, off in _index_layout(plan, plan.gather_cap)[0]:
-        if name in BlockIndex._fields:
-            dt = getattr(torch, dtype)
-            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-            views[name] = buf[off:off + n].view(dt).view(shape)
-    return BlockIndex(**views)
+    return BlockIndex(**{name: _index_view(buf, shape, dtype, off)
+                         for name, shape, dtype, off in _index_layout(plan, plan.gather_cap)[0]
+                         if name in BlockIndex._fields})
 
 
 #: device index -> runtime.stream_counters cache of the index pass's row counts and done
@@ -772,8 +774,8 @@ class _EagerForward:
     steady-state eager call without autograd allocates out (and lse) and one index buffer and
     makes two driver launches (one without a mask): issue 16's host-time budget."""
 
-    __slots__ = ("plan", "lse_shape", "static", "index", "attend", "sizes", "counters",
-                 "mask_strides", "default_scale")
+    __slots__ = ("plan", "lse_shape", "static", "index", "attend", "sizes", "walked",
+                 "counters", "mask_strides", "default_scale")
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
                  device: Any) -> None:
@@ -788,7 +790,10 @@ class _EagerForward:
         self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
                                    plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem)
         #: the index buffer (_index_layout): its size and the offsets of its arrays
-        self.sizes = _index_layout(plan, plan.gather_cap)[1], _offsets(plan)
+        layout, size = _index_layout(plan, plan.gather_cap)
+        self.sizes = size, {name: off for name, _, _, off in layout}
+        #: the layout entries of the arrays the custom op returns for the backward
+        self.walked = [entry[1:] for entry in layout if entry[0] in ("blocks", "order")]
         self.counters = _COUNTERS.setdefault(device.index, {})
         self.mask_strides = plan.mask_strides
         self.default_scale = 1.0 / math.sqrt(plan.d)
@@ -834,11 +839,8 @@ class _EagerForward:
         if with_index:
             if mask is None:
                 return out, lse, self.static.blocks.clone(), self.static.order.clone()
-            n = plan.slices * plan.n_qb
-            blocks = buf[offsets["blocks"]:offsets["blocks"] + n * plan.n_kb]
-            order = buf[offsets["order"]:offsets["order"] + 4 * n].view(torch.int32)
-            return out, lse, blocks.view(plan.slices, plan.n_qb, plan.n_kb), \
-                order.view(plan.slices, plan.n_qb).clone()
+            blocks, order = (_index_view(buf, *entry) for entry in self.walked)
+            return out, lse, blocks, order.clone()   # order and blocks share buf
         return (out, lse) if lse is not None else out
 
 
