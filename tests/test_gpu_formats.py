@@ -99,8 +99,73 @@ def test_conversions_match_numpy_reference(csr, dtype):
         assert_same_layout(m.to_host(), reference_layout(ref, fmt, params), fmt)
         np.testing.assert_array_equal(m.to_dense().double().cpu().numpy(), ref.to_dense())
         if fmt == "hyb":
-            for name, want in reference_layout(ref, fmt, params).write_plan().items():
-                np.testing.assert_array_equal(m.buffers[name].cpu().numpy(), want, err_msg=name)
+            assert_same_hyb_plan(m, ref, params)
+
+
+def assert_same_hyb_plan(m, ref: fm.CSR, params: dict) -> None:
+    """The write plan equals Hyb.write_plan's; every slot's perm, column and row agree with
+    the CSR entry it holds, and padding is -1 in all three."""
+    for name, want in reference_layout(ref, "hyb", params).write_plan().items():
+        np.testing.assert_array_equal(m.buffers[name].cpu().numpy(), want, err_msg=name)
+    perm, cols, srow = (m.buffers[n].cpu().numpy() for n in ("perm", "cols", "slot_row"))
+    pad = perm < 0
+    assert (cols[pad] == -1).all() and (srow[pad] == -1).all()
+    np.testing.assert_array_equal(cols[~pad], ref.indices[perm[~pad]])
+    np.testing.assert_array_equal(srow[~pad], ref.row_ids()[perm[~pad]])
+    assert np.unique(perm[~pad]).size == ref.nnz
+
+
+@pytest.mark.parametrize("c,k", [(1, 0), (1, 2), (1, 4), (2, 3), (3, 6), (8, 1)])
+def test_hyb_of_many_row_blocks_matches_numpy(c, k):
+    """Thousands of rows (many CTAs of the two-pass conversion), power-law rows cut into
+    pieces, empty rows: the layout and its write plan equal the NumPy reference's."""
+    csr = power_law(11 + c + k, 3000, 700)
+    for dtype in DTYPES:
+        ref = rounded(csr, dtype)
+        m = to_format(DeviceCSR.from_host(csr, dtype), "hyb", c=c, k=k)
+        assert_same_layout(m.to_host(), reference_layout(ref, "hyb", {"c": c, "k": k}), "hyb")
+        assert_same_hyb_plan(m, ref, {"c": c, "k": k})
+
+
+@GPU_SETTINGS
+@given(MATRICES, st.sampled_from(DTYPES), st.integers(0, 2**32 - 1))
+def test_from_coo_sorts_edges_on_gpu(csr, dtype, seed):
+    """Edges in any order (int32 or int64) give from_host's CSR; a duplicate edge adds."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(csr.nnz)
+    idx = torch.int32 if seed % 2 else torch.int64
+    rows = torch.from_numpy(csr.row_ids()[order]).to("cuda", idx)
+    cols = torch.from_numpy(csr.indices[order]).to("cuda", idx)
+    vals = torch.from_numpy(csr.values()[order]).to("cuda", getattr(torch, dtype))
+    d = DeviceCSR.from_coo(csr.shape, rows, cols, vals)
+    want = DeviceCSR.from_host(csr, dtype)
+    for name in ("indptr", "indices", "values"):
+        assert torch.equal(getattr(d, name), getattr(want, name)), name
+    ones = DeviceCSR.from_coo(csr.shape, rows, cols, check=False)
+    assert ones.dtype == "float32" and bool((ones.values == 1).all())
+    if csr.nnz:
+        dup = DeviceCSR.from_coo(csr.shape, torch.cat([rows, rows[:1]]),
+                                 torch.cat([cols, cols[:1]]), torch.cat([vals, vals[:1]]))
+        dense = want.to_torch().to_dense().double()
+        dense[int(rows[0]), int(cols[0])] *= 2
+        got = to_format(dup, "hyb", c=2, k=2).to_dense().double()
+        assert torch.equal(got, dense)
+
+
+def test_from_coo_refuses_or_drops_edges_out_of_range():
+    rows = torch.tensor([0, 1, 5], device="cuda")
+    cols = torch.tensor([1, 0, 0], device="cuda")
+    with pytest.raises(ShapeError, match="edge 2 = \\(5, 0\\)"):
+        DeviceCSR.from_coo((3, 2), rows, cols)
+    d = DeviceCSR.from_coo((3, 2), rows, cols, check=False)
+    assert d.indptr.tolist() == [0, 1, 2, 2]
+    assert to_format(d, "hyb", c=1, k=1).to_dense().tolist() == [[0, 1], [1, 0], [0, 0]]
+    with pytest.raises(ShapeError, match="cols"):
+        DeviceCSR.from_coo((3, 2), rows, cols[:2])
+    with pytest.raises(ShapeError, match="dtype"):
+        DeviceCSR.from_coo((3, 2), rows.float(), cols)
+    with pytest.raises(DeviceError):
+        DeviceCSR.from_coo((3, 2), rows, cols.cpu())
 
 
 @GPU_SETTINGS

@@ -36,6 +36,9 @@ PARTS = {
                 "steps (training.md)",
     "graphs": "GNN SpMM / SDDMM on seven synthetic graphs, tuned formats vs cuSPARSE "
               "(graphs.md)",
+    "dynamic": "graphs that change every call: GPU conversions to hyb / ELL / BSR vs the SpMM "
+               "they feed, and a new edge list per call (CSR build, format, SpMM) vs torch's "
+               "CSR build and torch.sparse.mm (dynamic.md)",
     "rgcn": "the RGCN inference layer on four relational graphs vs a torch loop over relations "
             "and torch._grouped_mm (rgcn.md)",
     "sage": "a GraphSAGE training step on the seven GNN graphs vs the same model on "

@@ -14,11 +14,12 @@ sync) for SpMM's backward, kept with the matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
-from ..errors import PlanError, ShapeError
+from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INT32_MAX
 from ..operands import check_tensor
 from ..opspec import OpSpec, Permutation
@@ -30,6 +31,7 @@ __all__ = ["DeviceCSR", "DeviceMatrix", "DeviceTranspose", "to_format", "FORMATS
 
 VALUE_DTYPES = ("float32", "float16")
 THREADS = 256
+HYB_THREADS = 256   # rows per CTA of the hyb passes (HYB_THREADS in convert.cu.j2)
 MAX_GRID = 1 << 20  # conversion kernels are grid-stride loops
 
 #: CSR -> ELL / BSR / hyb on the device. The layouts reorder a matrix's rows (hyb's buckets)
@@ -37,12 +39,14 @@ MAX_GRID = 1 << 20  # conversion kernels are grid-stride loops
 CONVERT = OpSpec("convert", "convert.cu.j2", {
         "pit_csr_rows": "PiiP",
         "pit_dense_to_csr": "PiiPiPP",
+        "pit_coo_keys": "PPiqiiPP",
+        "pit_coo_csr": "PPPiqiiPPP",
+        "pit_row_stats": "PiiP",
         "pit_to_ell": "PPPiiiiPPP",
         "pit_bsr_mark": "PPiiiiiP",
         "pit_bsr_fill": "PPPiiiiiPiPPPP",
-        "pit_hyb_count": "PPiiiiiP",
-        "pit_hyb_classify": "PiiiiPP",
-        "pit_hyb_fill": "PPPiiiiiiPPPPiiPPPPP",
+        "pit_hyb_count": "PPiiiiiiP",
+        "pit_hyb_fill": "PPPiiiiiiPiiiiiiPPPPPPPPPPP",
     },
     (Permutation("rows", SPMM_EXPR, "spatial", "A"),), VALUE_DTYPES)
 
@@ -78,6 +82,13 @@ def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREAD
         return
     with TorchLaunch() as tl:
         kernels.launch(name, _grid(n, per_block), (THREADS, 1, 1), tl.stream,
+                       *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
+
+
+def _launch_ctas(kernels: Any, name: str, ctas: int, threads: int, *args: Any) -> None:
+    """Enqueue a kernel of ``ctas`` blocks (one tile of work each) on torch's current stream."""
+    with TorchLaunch() as tl:
+        kernels.launch(name, (ctas, 1, 1), (threads, 1, 1), tl.stream,
                        *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
 
 
@@ -149,6 +160,54 @@ class DeviceCSR:
         return cls.from_host(CSR.from_scipy(m), dtype)
 
     @classmethod
+    def from_coo(cls, shape: tuple[int, int], rows: Any, cols: Any, values: Any = None, *,
+                 dtype: str | None = None, check: bool = True) -> DeviceCSR:
+        """A CSR from an edge list on the GPU (a graph that changes every step): ``rows`` and
+        ``cols`` int32/int64 CUDA tensors [nnz], ``values`` [nnz] (None: ones of ``dtype``,
+        default float32). One radix sort of (row, col) keys orders the entries; duplicate edges
+        are kept and add up, as in an uncoalesced torch COO. ``check`` refuses an edge out of
+        range (``ShapeError`` naming it) at the cost of one host sync; without it nothing
+        synchronises and such edges are dropped (sorted past the last row)."""
+        torch = _torch()
+        n_rows, n_cols = int(shape[0]), int(shape[1])
+        if min(n_rows, n_cols) < 0 or max(n_rows, n_cols) > INT32_MAX:
+            raise ShapeError(f"from_coo shape {shape} is not two extents in int32 range")
+        rows = check_tensor("rows", rows, ("int32", "int64"), 1)
+        cols = check_tensor("cols", cols, (_dtype_name(rows),), 1, (rows.shape[0],))
+        if values is not None:
+            values = check_tensor("values", values, VALUE_DTYPES, 1, (rows.shape[0],))
+            if dtype is not None and _dtype_name(values) != _check_value_dtype(dtype):
+                raise ShapeError(f"values are {_dtype_name(values)} but dtype={dtype!r}")
+            dtype = _dtype_name(values)
+        dtype = _check_value_dtype(dtype or "float32")
+        if not (rows.device == cols.device and (values is None or values.device == rows.device)):
+            raise DeviceError(f"from_coo tensors on different devices: rows on {rows.device}, "
+                              f"cols on {cols.device}"
+                              + ("" if values is None else f", values on {values.device}"))
+        nnz = int(rows.shape[0])
+        if nnz > INT32_MAX:
+            raise ShapeError(f"{nnz} edges exceed int32 indexing")
+        dev = rows.device
+        k = _convert_kernels(dtype)
+        key = torch.empty(nnz, dtype=torch.int64, device=dev)
+        bad = torch.full((1,), nnz, dtype=torch.int32, device=dev) if check and nnz else None
+        is64 = int(rows.dtype == torch.int64)
+        _launch(k, "pit_coo_keys", nnz, rows, cols, is64, nnz, n_rows, n_cols, key,
+                0 if bad is None else bad)
+        if bad is not None and int(bad) < nnz:   # the optional sync
+            at = int(bad)
+            raise ShapeError(f"edge {at} = ({int(rows[at])}, {int(cols[at])}) is outside the "
+                             f"{n_rows} x {n_cols} matrix")
+        skey, order = torch.sort(key, stable=True)
+        indptr = torch.zeros(n_rows + 1, dtype=torch.int32, device=dev) if not nnz else \
+            torch.empty(n_rows + 1, dtype=torch.int32, device=dev)
+        indices = torch.empty(nnz, dtype=torch.int32, device=dev)
+        vals = torch.empty(nnz, dtype=getattr(torch, dtype), device=dev)
+        _launch(k, "pit_coo_csr", nnz, skey, order, 0 if values is None else values,
+                int(values is not None), nnz, n_rows, n_cols, indptr, indices, vals)
+        return cls((n_rows, n_cols), indptr, indices, vals)
+
+    @classmethod
     def from_dense(cls, t: Any, dtype: str | None = None) -> DeviceCSR:
         """A 2-D CUDA tensor's non-zeros, found on the GPU: a bool/uint8 mask gives values 1, a
         float16/float32 tensor its values. Synchronises with the host once (to read nnz)."""
@@ -174,6 +233,14 @@ class DeviceCSR:
         _launch(k, "pit_dense_to_csr", n_rows * 32, src_t, n_rows, n_cols, indptr, nnz, indices,
                 values)
         return cls((n_rows, n_cols), indptr, indices, values)
+
+    def release(self) -> None:
+        """Drop the cached conversions and transpose, which reference this matrix back: their
+        GPU memory goes as soon as nothing else holds them (no garbage collection needed)."""
+        self._formats.clear()
+        t, self._transposed = self._transposed, None
+        if t is not None and t.csr._transposed is not None and t.csr._transposed.csr is self:
+            t.csr._transposed = None
 
     def row_ids(self) -> Any:
         """int32 row of every non-zero (built on the GPU once, no sync)."""
@@ -217,18 +284,22 @@ class DeviceCSR:
 
     def row_stats(self) -> dict[str, float]:
         """Host numbers describing the rows (the tuner's cache key): rows, cols, nnz, mean /
-        max / std (population) row length, fraction of empty rows. Synchronises once."""
+        max / std (population) row length, fraction of empty rows. One kernel; synchronises
+        once."""
         torch = _torch()
         n_rows, n_cols = self.shape
         if n_rows == 0:
             return {"rows": 0, "cols": n_cols, "nnz": 0, "mean_row": 0.0, "max_row": 0,
                     "std_row": 0.0, "empty_fraction": 0.0}
-        lengths = (self.indptr[1:] - self.indptr[:-1]).to(torch.float64)
-        mean, longest, std, empty = torch.stack([
-            lengths.mean(), lengths.max(), lengths.std(correction=0),
-            (lengths == 0).to(torch.float64).mean()]).tolist()
+        out = torch.zeros(4, dtype=torch.int64, device=self.indptr.device)
+        _launch(_convert_kernels(self.dtype), "pit_row_stats", n_rows, self.indptr, n_rows,
+                self.nnz, out)
+        total, squares, longest, empty = out.tolist()   # the one sync
+        mean = total / n_rows
         return {"rows": n_rows, "cols": n_cols, "nnz": self.nnz, "mean_row": mean,
-                "max_row": int(longest), "std_row": std, "empty_fraction": empty}
+                "max_row": int(longest),
+                "std_row": max(squares / n_rows - mean * mean, 0.0) ** 0.5,
+                "empty_fraction": empty / n_rows}
 
     def to_torch(self) -> Any:
         """The same matrix as a torch.sparse_csr_tensor (shares the buffers)."""
@@ -441,99 +512,71 @@ def hyb_atomic(c: int, k: int, width: int, any_cut: bool) -> bool:
 
 
 def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
-    """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's order):
-    a GPU sort of (bucket, row) keys numbers them, so the layout is deterministic."""
+    """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's
+    order), in two launches: per-CTA counts of bucket rows and of the write plan's row kinds,
+    torch's cumsum of them over CTAs, the one sync (the totals size every buffer), then one
+    pass that ranks every row within its CTA and writes the whole layout.
+
+    How SpMM may write each row (Hyb.write_plan states it in NumPy; SpMM's "cut" schedule picks
+    for c == 1): shared rows, those of buckets whose writes collide (every non-empty row when
+    c > 1; the widest bucket's rows when some row is cut, c == 1), add into an fp32 workspace
+    row ws_index[row] that a finish pass writes with the empty rows (fix_rows). With c == 1 the
+    pieces of a cut row may instead store partial rows (cut_info[cut_index[row]] = first bucket
+    row, pieces, first partial row) that the last piece sums, the empty rows zeroed in the same
+    launch. Every other row has one bucket row, which stores it."""
     torch = _torch()
     n_rows, n_cols = csr.shape
     dev = csr.indices.device
-    nb, cap = c * (k + 1), 1 << k
+    nb = c * (k + 1)
+    n_counters = nb + 4
     part = max(1, -(-n_cols // c))
-    n_groups = n_rows * c
-    if n_groups * (nb + 1) > 2**62 or n_groups > INT32_MAX:
+    if n_rows * c > INT32_MAX:
         raise ShapeError(f"hyb with {n_rows} rows x {c} parts exceeds int32 indexing")
     kern = _convert_kernels(csr.dtype)
-    count = torch.zeros(n_groups, dtype=torch.int32, device=dev)
-    key = torch.empty(n_groups, dtype=torch.int64, device=dev)
-    pieces = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    _launch(kern, "pit_hyb_count", csr.nnz, csr.indptr, csr.indices, n_rows, n_cols, csr.nnz, c,
-            part, count)
-    _launch(kern, "pit_hyb_classify", n_groups, count, n_groups, c, k, n_rows, key, pieces)
-    skey, order = torch.sort(key)
-    ps = pieces[order].to(torch.int64)
-    first = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    first[order] = (torch.cumsum(ps, 0) - ps).to(torch.int32)
-    bucket_rows = torch.zeros(nb + 1, dtype=torch.int64, device=dev)
-    bucket_rows.index_add_(0, skey // max(n_rows, 1), ps)
-    bucket_rows = bucket_rows[:nb]
-    widths = torch.ones(nb, dtype=torch.int64, device=dev) << (
-        torch.arange(nb, device=dev) % (k + 1))
-    row_off = torch.cumsum(bucket_rows, 0) - bucket_rows
-    slot_off = torch.cumsum(bucket_rows * widths, 0) - bucket_rows * widths
-    count64 = count.to(torch.int64)
-    gstart = (torch.cumsum(count64, 0) - count64).to(torch.int32)
-    any_cut = (count > cap).any()
-    # How SpMM may write each row (Hyb.write_plan states it in NumPy; SpMM's "cut" schedule
-    # picks for c == 1). Shared rows, those of buckets whose writes collide (every non-empty
-    # row when c > 1; the widest bucket's rows when some row is cut, c == 1), may add into an
-    # fp32 workspace row ws_index[row] that a finish pass writes, with the empty rows ("fix"
-    # rows). With c == 1 the pieces of a cut row may instead store partial rows
-    # (cut_info[cut_index[row]] = first bucket row, pieces, first partial row) that the last
-    # piece sums, the empty rows zeroed in the same launch. Every other row has one bucket row
-    # that stores it. Compact lists come from scatters, so the one sync below sizes them all.
-    per_row = count.view(n_rows, c)
-    nonempty = (per_row > 0).any(1)
-    none = torch.zeros_like(nonempty)
-    row_ids = torch.arange(n_rows, dtype=torch.int32, device=dev)
-
-    def numbering(flag: Any) -> Any:   # position among the flagged rows, n_rows elsewhere
-        return torch.where(flag, torch.cumsum(flag, 0) - 1, n_rows)
-
-    def listed(flag: Any) -> Any:      # the flagged rows, ascending, then -1s
-        out = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
-        return out.scatter_(0, numbering(flag), row_ids)
-
-    shared = nonempty if c > 1 else (per_row[:, 0] > cap // 2) & any_cut
-    cut = per_row[:, 0] > cap if c == 1 else none
-    empty = nonempty.logical_not()
-    ws_index = torch.where(shared, numbering(shared), -1).to(torch.int32)
-    cut_index = torch.where(cut, numbering(cut), -1).to(torch.int32)
-    row_pieces = torch.where(cut, pieces, 0).to(torch.int64) if c == 1 else none.to(torch.int64)
-    cut_info = torch.zeros((n_rows + 1, 3), dtype=torch.int32, device=dev)
-    if c == 1:
-        cut_info[numbering(cut)] = torch.stack(
-            [first, row_pieces.to(torch.int32),
-             (torch.cumsum(row_pieces, 0) - row_pieces).to(torch.int32)], 1)
-    sizes = torch.stack([shared.sum(), (shared | empty).sum(), cut.sum(), row_pieces.sum(),
-                         empty.sum()]).to(torch.int64)
-    host = torch.cat([bucket_rows, any_cut.to(torch.int64).view(1), sizes]).tolist()  # one sync
-    rows_h, cut_h = host[:nb], bool(host[nb])
-    n_ws, n_fix, n_cut, n_partials, n_empty = host[nb + 1:nb + 6]
+    n_ctas = -(-n_rows // HYB_THREADS)
+    if n_ctas:
+        hist = torch.empty(n_ctas * n_counters, dtype=torch.int32, device=dev)
+        _launch_ctas(kern, "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr, csr.indices,
+                     n_rows, n_cols, csr.nnz, c, k, part, hist)
+        scan = torch.cumsum(hist.view(n_ctas, n_counters), 0, dtype=torch.int32)
+        totals = scan[-1].tolist()   # the one sync: sizes every buffer
+    else:
+        scan, totals = None, [0] * n_counters
+    rows_h = totals[:nb]
     widths_h = [1 << (b % (k + 1)) for b in range(nb)]
+    n_shared, n_empty, n_cut_groups, n_cut_pieces = totals[nb:]
+    cut_h = n_cut_groups > 0
+    n_ws = n_shared if (c > 1 or cut_h) else 0
+    n_cut, n_partials = (n_cut_groups, n_cut_pieces) if c == 1 else (0, 0)
+    n_fix = n_ws + n_empty
     n_brows = sum(rows_h)
-    n_slots = sum(r * w for r, w in zip(rows_h, widths_h))
+    slot_sizes = [r * w for r, w in zip(rows_h, widths_h)]
+    n_slots = sum(slot_sizes)
     if n_slots > INT32_MAX:
         raise ShapeError(f"hyb layout of {n_slots} slots exceeds int32 indexing")
-    table = torch.cat([bucket_rows, row_off, slot_off]).to(torch.int32)
-    brow_row = torch.full((n_brows,), -1, dtype=torch.int32, device=dev)
-    cols = torch.full((n_slots,), -1, dtype=torch.int32, device=dev)
-    vals = torch.zeros(n_slots, dtype=csr.values.dtype, device=dev)
-    perm = torch.full((n_slots,), -1, dtype=torch.int32, device=dev)
-    slot_row = torch.full((n_slots,), -1, dtype=torch.int32, device=dev)
-    _launch(kern, "pit_hyb_fill", csr.nnz, csr.indptr, csr.indices, csr.values, n_rows, n_cols,
-            csr.nnz, c, k, part, count, gstart, first, table, n_brows, n_slots, brow_row, cols,
-            vals, perm, slot_row)
-    row_offsets = np.concatenate([[0], np.cumsum(rows_h)[:-1]]).astype(int).tolist()
-    slot_sizes = [r * w for r, w in zip(rows_h, widths_h)]
-    slot_offsets = np.concatenate([[0], np.cumsum(slot_sizes)[:-1]]).astype(int).tolist()
+    # int32 buffers as views of one allocation, each 16-byte aligned
+    names = ("table", "brow_row", "cols", "perm", "slot_row", "ws_index", "fix_rows",
+             "cut_index", "cut_info", "empty_rows")
+    sizes = (3 * nb, n_brows, n_slots, n_slots, n_slots, n_rows, n_fix, n_rows, 3 * n_cut,
+             n_empty)
+    padded = [-(-n // 4) * 4 for n in sizes]
+    arena = torch.empty(sum(padded), dtype=torch.int32, device=dev)
+    b = {name: view[:n] for name, view, n in zip(names, arena.split(padded), sizes)}
+    b["vals"] = torch.empty(n_slots, dtype=csr.values.dtype, device=dev)
+    b["cut_info"] = b["cut_info"].view(n_cut, 3)
+    if n_ctas:
+        _launch_ctas(kern, "pit_hyb_fill", n_ctas, HYB_THREADS, csr.indptr, csr.indices,
+                     csr.values, n_rows, n_cols, csr.nnz, c, k, part, scan, n_ctas, n_brows,
+                     n_slots, n_fix, n_cut, n_empty, b["table"], b["brow_row"], b["cols"],
+                     b["vals"], b["perm"], b["slot_row"], b["ws_index"], b["fix_rows"],
+                     b["cut_index"], b["cut_info"], b["empty_rows"])
+    else:
+        b["table"].zero_()
     info = {"c": c, "k": k, "bucket_rows": rows_h, "widths": widths_h,
-            "row_offsets": row_offsets, "slot_offsets": slot_offsets, "brows": n_brows,
+            "row_offsets": [0, *accumulate(rows_h)][:-1],
+            "slot_offsets": [0, *accumulate(slot_sizes)][:-1], "brows": n_brows,
             "slots": n_slots, "any_cut": cut_h, "ws_rows": n_ws, "fix_rows": n_fix,
             "cut_rows": n_cut, "partial_rows": n_partials, "empty_rows": n_empty,
             "atomic": [hyb_atomic(c, k, w, cut_h) for w in widths_h],
             "padding_ratio": n_slots / csr.nnz if csr.nnz else 1.0}
-    return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, csr.nnz, csr.dtype,
-                        {"table": table, "brow_row": brow_row, "cols": cols, "vals": vals,
-                         "perm": perm, "slot_row": slot_row, "ws_index": ws_index,
-                         "fix_rows": listed(shared | empty)[:n_fix], "cut_index": cut_index,
-                         "cut_info": cut_info[:n_cut], "empty_rows": listed(empty)[:n_empty]},
-                        csr, info)
+    return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, csr.nnz, csr.dtype, b, csr, info)

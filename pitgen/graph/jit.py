@@ -17,7 +17,6 @@ that the model expects to be WARN_RATIO times slower than its choice is warned a
 """
 from __future__ import annotations
 
-import gc
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -192,8 +191,16 @@ class FormatKernel:
 
     def forget(self) -> None:
         """Drop every kept matrix, conversion and choice (their GPU memory is freed now)."""
-        self._mats.clear()
-        gc.collect()  # a layout and its DeviceCSR reference each other
+        while self._mats:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the oldest kept matrix. A DeviceCSR built here releases its conversions (a
+        layout and its DeviceCSR reference each other), so its memory goes now, not at the
+        next garbage collection; a caller's own DeviceCSR keeps its cache."""
+        _, (a, csr, _) = self._mats.popitem(last=False)
+        if csr is not a:
+            csr.release()
 
     def _entry(self, name: str, a: Any) -> tuple[Any, dict]:
         key = _identity(a)
@@ -204,8 +211,7 @@ class FormatKernel:
         csr = as_device_csr(name, a, self.dtype)
         self._mats[key] = (a, csr, {})
         if len(self._mats) > MAX_MATRICES:
-            self._mats.popitem(last=False)
-            gc.collect()
+            self._evict()
         return csr, self._mats[key][2]
 
     def choice(self, csr: Any, feat: int) -> tuple[str, dict, dict, GraphStats | None]:

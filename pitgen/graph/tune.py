@@ -10,6 +10,7 @@ one entry and a later process skips the search.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -114,9 +115,12 @@ def tune_cache_dir() -> Path:
     return cache.make_directory(cache.area_path("tune"), "the tune cache", "PITGEN_TUNE_CACHE")
 
 
-def cache_path(key: Mapping[str, Any]) -> Path:
+def cache_path(key: Mapping[str, Any], create: bool = True) -> Path:
+    """The file of ``key``'s result; its folder is created unless ``create`` is False (a
+    lookup needs no folder: a missing one means no result)."""
     digest = cache.key(json.dumps(key, sort_keys=True))[:24]
-    return tune_cache_dir() / f"{key['op']}-{key['dtype']}-{key['feat']}-{digest}.json"
+    folder = tune_cache_dir() if create else cache.area_path("tune")
+    return folder / f"{key['op']}-{key['dtype']}-{key['feat']}-{digest}.json"
 
 
 # -- candidates and the search ----------------------------------------------------------------
@@ -429,21 +433,32 @@ def _result_problem(r: TuneResult) -> str | None:
     return None
 
 
+#: Results read from disk, by file, with the (mtime, size) they were read at: a graph that
+#: changes every call looks its result up every call, and a stat is all that costs.
+_LOADED: dict[Path, tuple[tuple[int, int], TuneResult]] = {}
+
+
 def load(key: Mapping[str, Any]) -> TuneResult | None:
     """The cached result for ``key``; None when absent. A broken or foreign file is ignored
     with a warning (it is overwritten by the next search)."""
     try:
-        path = cache_path(key)
+        path = cache_path(key, create=False)
     except FileError as e:
         warnings.warn(f"pitgen tune cache: {e}; searching without it", RuntimeWarning,
                       stacklevel=2)
         return None
     try:
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+        hit = _LOADED.get(path)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as e:
-        warnings.warn(f"pitgen tune cache: cannot read {path}: {e}; ignoring it", stacklevel=2)
+        warnings.warn(f"pitgen tune cache: cannot read {path}: {e}; searching without it",
+                      RuntimeWarning, stacklevel=2)
         return None
     try:
         doc = json.loads(raw.decode())
@@ -457,14 +472,22 @@ def load(key: Mapping[str, Any]) -> TuneResult | None:
         warnings.warn(f"pitgen tune cache: ignoring broken entry {path}: {e}", stacklevel=2)
         return None
     res.from_cache = True
+    _LOADED[path] = (stamp, res)
     return res
 
 
 # -- GPU side ---------------------------------------------------------------------------------
 
-def _device_name() -> str:
+@functools.lru_cache(maxsize=None)
+def _device_name_of(index: int) -> str:
     import torch
-    return torch.cuda.get_device_name()
+    return torch.cuda.get_device_name(index)
+
+
+def _device_name() -> str:
+    """The current device's name (read once per device: it keys every tune-cache lookup)."""
+    import torch
+    return _device_name_of(torch.cuda.current_device())
 
 
 def _stats_of(a: Any) -> GraphStats:
