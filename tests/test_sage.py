@@ -220,7 +220,7 @@ def test_bench_report(tmp_path):
             "repeats": 10}
     sage.write(tmp_path, [row, bad], meta)
     md = (tmp_path / "sage.md").read_text()
-    assert "| float16 | 2 | 1.00x | 1.00x | >= 1.1x | **missed** | NO |" in md
+    assert "| float16 | 2 | 1.00x | 1.00x | >= 1.5x | **missed** | NO |" in md
     assert "not run: half refused" in md and "**WRONG**" in md
     assert "| 2.800 -> 2.400 | 0.50 | 9.00 |" in md and "pitgen auto ms (wall)" in md
     doc = json.loads((tmp_path / "sage.json").read_text())

@@ -57,7 +57,7 @@ QUICK_SYSTEMS = {"pitgen": "hyb"}
 PEERS = ("torch.sparse.mm", "cuSPARSE cached Aᵀ")
 #: the first step's loss against the float32 torch.sparse.mm model's (relative)
 TOL = {"float32": 1e-4, "float16": 2e-2}
-TARGET = 1.1   # SparseTIR's end-to-end GraphSAGE training: 1.1-2.2x over the frameworks
+TARGET = 1.5   # issue 17: >= 1.5x the torch.sparse model (SparseTIR reports 1.1-2.2x end to end)
 
 
 class TorchGraph:

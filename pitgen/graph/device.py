@@ -44,7 +44,7 @@ CONVERT = OpSpec("convert", "convert.cu.j2", {
         "pit_row_stats": "PiiP",
         "pit_to_ell": "PPPiiiiPPP",
         "pit_bsr_mark": "PPiiiiiP",
-        "pit_bsr_fill": "PPPiiiiiPiPPPP",
+        "pit_bsr_fill": "PPPiiiiiiPiPPPPP",
         "pit_hyb_count": "PPiiiiiiP",
         "pit_hyb_fill": "PPPiiiiiiPiiiiiiPPPPPPPPPPP",
     },
@@ -487,17 +487,14 @@ def _to_bsr(csr: DeviceCSR, b: int) -> DeviceMatrix:
     _launch(k, "pit_bsr_mark", csr.nnz, csr.indptr, csr.indices, n_rows, n_cols, csr.nnz, b, nbc,
             flags)
     scan = torch.cumsum(flags, 0, dtype=torch.int32)
-    indptr = torch.zeros(nbr + 1, dtype=torch.int32, device=dev)
-    if nbr:
-        torch.cumsum(flags.view(nbr, nbc).sum(1, dtype=torch.int32), 0, dtype=torch.int32,
-                     out=indptr[1:])
     nblk = int(scan[-1]) if scan.numel() else 0  # the one sync: sizes the blocks
-    bcols = torch.full((nblk,), -1, dtype=torch.int32, device=dev)
-    brows = torch.full((nblk,), -1, dtype=torch.int32, device=dev)
+    # every block holds an entry, which writes its coordinates: no fill needed for those
+    indptr, bcols, brows = torch.empty(nbr + 1 + 2 * nblk, dtype=torch.int32,
+                                       device=dev).split([nbr + 1, nblk, nblk])
     blocks = torch.zeros((nblk, b, b), dtype=csr.values.dtype, device=dev)
     perm = torch.full((nblk, b, b), -1, dtype=torch.int32, device=dev)
-    _launch(k, "pit_bsr_fill", csr.nnz, csr.indptr, csr.indices, csr.values, n_rows, n_cols,
-            csr.nnz, b, nbc, scan, nblk, bcols, brows, blocks, perm)
+    _launch(k, "pit_bsr_fill", max(csr.nnz, nbr + 1), csr.indptr, csr.indices, csr.values,
+            n_rows, n_cols, csr.nnz, b, nbr, nbc, scan, nblk, indptr, bcols, brows, blocks, perm)
     return DeviceMatrix("bsr", {"block": b}, csr.shape, csr.nnz, csr.dtype,
                         {"indptr": indptr, "bcols": bcols, "brows": brows, "blocks": blocks,
                          "perm": perm}, csr,
@@ -524,24 +521,37 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     pieces of a cut row may instead store partial rows (cut_info[cut_index[row]] = first bucket
     row, pieces, first partial row) that the last piece sums, the empty rows zeroed in the same
     launch. Every other row has one bucket row, which stores it."""
+    scan = hyb_counts(csr, c, k)
+    totals = scan[-1].tolist() if scan is not None else [0] * (c * (k + 1) + 4)  # the one sync
+    return hyb_layout(csr, c, k, scan, totals)
+
+
+def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
+    """hyb pass 1 and the scan: per CTA of HYB_THREADS rows, its bucket rows per bucket and its
+    four row counts, as a cumsum over CTAs [CTAs, c * (k + 1) + 4] (None without rows). Its
+    last row holds the totals that size the layout. No sync."""
+    torch = _torch()
+    n_rows, n_cols = csr.shape
+    n_counters = c * (k + 1) + 4
+    if n_rows * c > INT32_MAX:
+        raise ShapeError(f"hyb with {n_rows} rows x {c} parts exceeds int32 indexing")
+    n_ctas = -(-n_rows // HYB_THREADS)
+    if not n_ctas:
+        return None
+    hist = torch.empty(n_ctas * n_counters, dtype=torch.int32, device=csr.indices.device)
+    _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr,
+                 csr.indices, n_rows, n_cols, csr.nnz, c, k, max(1, -(-n_cols // c)), hist)
+    return torch.cumsum(hist.view(n_ctas, n_counters), 0, dtype=torch.int32)
+
+
+def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any, totals: list[int]) -> DeviceMatrix:
+    """hyb pass 2: the buffers, sized by ``totals`` (the host copy of ``scan``'s last row), and
+    the one launch that fills them all. No sync."""
     torch = _torch()
     n_rows, n_cols = csr.shape
     dev = csr.indices.device
     nb = c * (k + 1)
-    n_counters = nb + 4
-    part = max(1, -(-n_cols // c))
-    if n_rows * c > INT32_MAX:
-        raise ShapeError(f"hyb with {n_rows} rows x {c} parts exceeds int32 indexing")
-    kern = _convert_kernels(csr.dtype)
     n_ctas = -(-n_rows // HYB_THREADS)
-    if n_ctas:
-        hist = torch.empty(n_ctas * n_counters, dtype=torch.int32, device=dev)
-        _launch_ctas(kern, "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr, csr.indices,
-                     n_rows, n_cols, csr.nnz, c, k, part, hist)
-        scan = torch.cumsum(hist.view(n_ctas, n_counters), 0, dtype=torch.int32)
-        totals = scan[-1].tolist()   # the one sync: sizes every buffer
-    else:
-        scan, totals = None, [0] * n_counters
     rows_h = totals[:nb]
     widths_h = [1 << (b % (k + 1)) for b in range(nb)]
     n_shared, n_empty, n_cut_groups, n_cut_pieces = totals[nb:]
@@ -565,8 +575,9 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     b["vals"] = torch.empty(n_slots, dtype=csr.values.dtype, device=dev)
     b["cut_info"] = b["cut_info"].view(n_cut, 3)
     if n_ctas:
-        _launch_ctas(kern, "pit_hyb_fill", n_ctas, HYB_THREADS, csr.indptr, csr.indices,
-                     csr.values, n_rows, n_cols, csr.nnz, c, k, part, scan, n_ctas, n_brows,
+        _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_fill", n_ctas, HYB_THREADS,
+                     csr.indptr, csr.indices, csr.values, n_rows, n_cols, csr.nnz, c, k,
+                     max(1, -(-n_cols // c)), scan, n_ctas, n_brows,
                      n_slots, n_fix, n_cut, n_empty, b["table"], b["brow_row"], b["cols"],
                      b["vals"], b["perm"], b["slot_row"], b["ws_index"], b["fix_rows"],
                      b["cut_index"], b["cut_info"], b["empty_rows"])
