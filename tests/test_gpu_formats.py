@@ -117,7 +117,7 @@ def assert_same_hyb_plan(m, ref: fm.CSR, params: dict) -> None:
 
 @pytest.mark.parametrize("c,k", [(1, 0), (1, 2), (1, 4), (2, 3), (3, 6), (8, 1)])
 def test_hyb_of_many_row_blocks_matches_numpy(c, k):
-    """Thousands of rows (many CTAs of the two-pass conversion), power-law rows cut into
+    """Thousands of rows (many CTAs of the conversion passes), power-law rows cut into
     pieces, empty rows: the layout and its write plan equal the NumPy reference's."""
     csr = power_law(11 + c + k, 3000, 700)
     for dtype in DTYPES:
@@ -125,6 +125,64 @@ def test_hyb_of_many_row_blocks_matches_numpy(c, k):
         m = to_format(DeviceCSR.from_host(csr, dtype), "hyb", c=c, k=k)
         assert_same_layout(m.to_host(), reference_layout(ref, "hyb", {"c": c, "k": k}), "hyb")
         assert_same_hyb_plan(m, ref, {"c": c, "k": k})
+
+
+@GPU_SETTINGS
+@given(MATRICES, st.sampled_from(DTYPES), st.sampled_from([(1, 0), (1, 2), (2, 1), (3, 3)]),
+       st.sampled_from(["pieces", "atomic"]), st.integers(0, 2**32 - 1))
+def test_hyb_sized_by_bounds_computes_the_same(csr, dtype, ck, cut, seed):
+    """sync=False: buffers sized by bounds, no host sync; SpMM (either cut schedule) and
+    SDDMM agree with the references, new values refill it, and exact() reads the same layout
+    and write plan as the exactly sized conversion."""
+    c, k = ck
+    rng = np.random.default_rng(seed)
+    d = DeviceCSR.from_host(csr, dtype)
+    m = to_format(d, "hyb", sync=False, c=c, k=k)
+    assert not m.info["exact"] and m.info["slots"] == 2 * csr.nnz
+    x, x64 = dense_operand(rng, (csr.shape[1], 40), dtype)
+    u, u64 = dense_operand(rng, (csr.shape[0], 40), dtype)
+    ref = rounded(csr, dtype)
+    y = torch.full((csr.shape[0], 40), float("nan"), device="cuda", dtype=getattr(torch, dtype))
+    check(spmm(m, x, schedule={"cut": cut}, out=y), spmm_want(ref, x64), dtype)
+    check(sddmm(m, u, x), sddmm_want(csr, u64, x64), dtype)
+    vals = torch.from_numpy(rng.standard_normal(csr.nnz)).to("cuda", getattr(torch, dtype))
+    new = fm.CSR(csr.shape, csr.indptr, csr.indices, vals.double().cpu().numpy())
+    check(spmm(m.with_values(vals), x), spmm_want(new, x64), dtype)
+    e = m.exact()
+    assert e.info == to_format(d, "hyb", c=c, k=k).info
+    assert_same_layout(e.to_host(), reference_layout(ref, "hyb", {"c": c, "k": k}), "hyb")
+    assert_same_hyb_plan(e, ref, {"c": c, "k": k})
+
+
+def test_dynamic_kernel_never_waits_after_its_first_graph():
+    """pitgen.compile(..., dynamic=True): new edge lists every call, each result right; after
+    the first call of a shape nothing synchronises (torch's sync debug mode would raise)."""
+    import pitgen
+    base = power_law(5, 600, 500)
+    rng = np.random.default_rng(5)
+    x, x64 = dense_operand(rng, (500, 64), "float32")
+    rows_all, cols_all = base.row_ids(), base.indices
+    for i in range(8):
+        if i % 4 == 0:
+            k = pitgen.compile("Y[i,f] += A[i,j] * X[j,f]", sparse="A",
+                               format="auto" if i == 0 else "hyb", dtype="float32",
+                               dynamic=True)
+        keep = rng.random(base.nnz) < 0.8
+        rows = torch.from_numpy(rows_all[keep]).cuda()
+        cols = torch.from_numpy(cols_all[keep]).cuda()
+        vals = torch.from_numpy(rng.standard_normal(int(keep.sum())).astype(np.float32)).cuda()
+        want = fm.CSR((600, 500), np.concatenate([[0], np.cumsum(np.bincount(
+            rows_all[keep], minlength=600))]).astype(np.int32), cols_all[keep],
+            vals.double().cpu().numpy())
+        torch.cuda.set_sync_debug_mode("error" if i % 4 else "default")
+        try:
+            got = k(DeviceCSR.from_coo((600, 500), rows, cols, vals, check=False), x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        check(got, spmm_want(want, x64), "float32")
+    assert next(iter(k._by_shape.values()))[0] == "hyb"
+    with pytest.raises(PlanError, match="dynamic"):
+        pitgen.compile("Y[i,f] += A[i,j] * X[j,f]", sparse="A", format="ell", dynamic=True)
 
 
 @GPU_SETTINGS

@@ -39,14 +39,15 @@ MAX_GRID = 1 << 20  # conversion kernels are grid-stride loops
 CONVERT = OpSpec("convert", "convert.cu.j2", {
         "pit_csr_rows": "PiiP",
         "pit_dense_to_csr": "PiiPiPP",
-        "pit_coo_keys": "PPiqiiPP",
-        "pit_coo_csr": "PPPiqiiPPP",
+        "pit_coo_keys": "PPiqiiPiP",
+        "pit_coo_csr": "PiPPiqiiPPP",
         "pit_row_stats": "PiiP",
         "pit_to_ell": "PPPiiiiPPP",
         "pit_bsr_mark": "PPiiiiiP",
         "pit_bsr_fill": "PPPiiiiiiPiPPPPP",
         "pit_hyb_count": "PPiiiiiiP",
-        "pit_hyb_fill": "PPPiiiiiiPiiiiiiPPPPPPPPPPP",
+        "pit_hyb_fill": "PPiiiiiiPiiiiii" + "P" * 12,
+        "pit_hyb_place": "PPPiiiiiiPPiiPPPPP",
     },
     (Permutation("rows", SPMM_EXPR, "spatial", "A"),), VALUE_DTYPES)
 
@@ -189,10 +190,11 @@ class DeviceCSR:
             raise ShapeError(f"{nnz} edges exceed int32 indexing")
         dev = rows.device
         k = _convert_kernels(dtype)
-        key = torch.empty(nnz, dtype=torch.int64, device=dev)
+        key64 = n_rows * n_cols > INT32_MAX   # int32 keys sort in half the radix passes
+        key = torch.empty(nnz, dtype=torch.int64 if key64 else torch.int32, device=dev)
         bad = torch.full((1,), nnz, dtype=torch.int32, device=dev) if check and nnz else None
         is64 = int(rows.dtype == torch.int64)
-        _launch(k, "pit_coo_keys", nnz, rows, cols, is64, nnz, n_rows, n_cols, key,
+        _launch(k, "pit_coo_keys", nnz, rows, cols, is64, nnz, n_rows, n_cols, key, int(key64),
                 0 if bad is None else bad)
         if bad is not None and int(bad) < nnz:   # the optional sync
             at = int(bad)
@@ -203,7 +205,7 @@ class DeviceCSR:
             torch.empty(n_rows + 1, dtype=torch.int32, device=dev)
         indices = torch.empty(nnz, dtype=torch.int32, device=dev)
         vals = torch.empty(nnz, dtype=getattr(torch, dtype), device=dev)
-        _launch(k, "pit_coo_csr", nnz, skey, order, 0 if values is None else values,
+        _launch(k, "pit_coo_csr", nnz, skey, int(key64), order, 0 if values is None else values,
                 int(values is not None), nnz, n_rows, n_cols, indptr, indices, vals)
         return cls((n_rows, n_cols), indptr, indices, vals)
 
@@ -354,9 +356,28 @@ class DeviceMatrix:
         return DeviceMatrix(self.fmt, dict(self.params), self.shape, self.nnz, self.dtype, bufs,
                             src, dict(self.info))
 
+    def exact(self) -> DeviceMatrix:
+        """This layout with exact host numbers. A hyb layout sized by bounds (``to_format(...,
+        sync=False)``) reads its table (one sync) and comes back with its buffers trimmed to
+        the live rows and slots; any other layout is itself."""
+        if self.info.get("exact", True):
+            return self
+        c, k = self.params["c"], self.params["k"]
+        nb = c * (k + 1)
+        t = self.buffers["table"].tolist()
+        info = hyb_info(c, k, self.nnz, t[:nb], *t[3 * nb:3 * nb + 5], bool(t[3 * nb + 5]))
+        live = {"brow_row": info["brows"], "cols": info["slots"], "vals": info["slots"],
+                "perm": info["slots"], "slot_row": info["slots"], "fix_rows": info["fix_rows"],
+                "cut_info": info["cut_rows"], "empty_rows": info["empty_rows"]}
+        b = {name: buf[:live[name]] if name in live else buf for name, buf in self.buffers.items()}
+        return DeviceMatrix(self.fmt, dict(self.params), self.shape, self.nnz, self.dtype, b,
+                            self.source, info)
+
     def to_host(self) -> CSR | ELL | BSR | Hyb:
         """The layout as the NumPy format object of pitgen.graph.formats (float64 values): equal,
         slot for slot, to that format's reference conversion of the same CSR. Synchronises."""
+        if not self.info.get("exact", True):
+            return self.exact().to_host()
         b = {name: t.cpu().numpy() for name, t in self.buffers.items()}
         if self.fmt == "csr":
             return CSR(self.shape, b["indptr"], b["indices"], b["values"].astype(np.float64))
@@ -382,6 +403,8 @@ class DeviceMatrix:
 
     def to_dense(self) -> Any:
         """Dense torch tensor (float32) rebuilt from this layout's own buffers (tests)."""
+        if not self.info.get("exact", True):
+            return self.exact().to_dense()
         torch = _torch()
         dev = self.source.indices.device
         dense = torch.zeros(self.shape, dtype=torch.float32, device=dev)
@@ -417,15 +440,20 @@ def _check_params(fmt: str, params: dict[str, Any], allowed: tuple[str, ...]) ->
         raise PlanError(f"format {fmt!r} takes {list(allowed) or 'no'} parameters, got {extra}")
 
 
-def to_format(csr: DeviceCSR, fmt: str, **params: Any) -> DeviceMatrix:
+def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> DeviceMatrix:
     """Convert ``csr`` on the GPU: "csr" (a view, no sync), "ell" (width=None: the longest
     row), "bsr" (block in 8/16/32), "hyb" (c in 1..8 column parts, k in 0..6: bucket widths
-    1..2^k). One host sync per conversion; cached per (fmt, params) on ``csr``."""
+    1..2^k). One host sync per conversion, which sizes the layout; hyb with ``sync=False``
+    sizes it by bounds instead and never waits (``DeviceMatrix.exact`` reads its numbers
+    later). Cached per (fmt, params, sync) on ``csr``."""
     if not isinstance(csr, DeviceCSR):
         raise ShapeError(f"to_format needs a DeviceCSR, got {type(csr).__name__}")
     if fmt not in FORMATS:
         raise PlanError(f"unknown sparse format {fmt!r}; choose from {FORMATS}")
-    key = (fmt, tuple(sorted(params.items())))
+    if not isinstance(sync, bool) or (not sync and fmt not in ("csr", "hyb")):
+        raise PlanError(f"sync=False is for csr and hyb (ELL and BSR are sized by the host), "
+                        f"got sync={sync!r} for {fmt!r}")
+    key = (fmt, tuple(sorted(params.items())), sync)
     if key in csr._formats:
         return csr._formats[key]
     if fmt == "csr":
@@ -447,7 +475,7 @@ def to_format(csr: DeviceCSR, fmt: str, **params: Any) -> DeviceMatrix:
         c, k = params.get("c", 1), params.get("k", 4)
         if not (isinstance(c, int) and 1 <= c <= 8 and isinstance(k, int) and 0 <= k <= 6):
             raise PlanError(f"hyb needs integer c in 1..8 and k in 0..6, got c={c!r}, k={k!r}")
-        m = _to_hyb(csr, c, k)
+        m = _to_hyb(csr, c, k) if sync else hyb_layout(csr, c, k, hyb_counts(csr, c, k), None)
     csr._formats[key] = m
     return m
 
@@ -510,9 +538,10 @@ def hyb_atomic(c: int, k: int, width: int, any_cut: bool) -> bool:
 
 def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's
-    order), in two launches: per-CTA counts of bucket rows and of the write plan's row kinds,
-    torch's cumsum of them over CTAs, the one sync (the totals size every buffer), then one
-    pass that ranks every row within its CTA and writes the whole layout.
+    order), in three launches: per-CTA counts of bucket rows and of the write plan's row kinds,
+    torch's cumsum of them over CTAs, the one sync (the totals size every buffer), a pass that
+    ranks every row within its CTA (table, write plan, padding), and one that places each
+    entry.
 
     How SpMM may write each row (Hyb.write_plan states it in NumPy; SpMM's "cut" schedule picks
     for c == 1): shared rows, those of buckets whose writes collide (every non-empty row when
@@ -522,14 +551,14 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     row, pieces, first partial row) that the last piece sums, the empty rows zeroed in the same
     launch. Every other row has one bucket row, which stores it."""
     scan = hyb_counts(csr, c, k)
-    totals = scan[-1].tolist() if scan is not None else [0] * (c * (k + 1) + 4)  # the one sync
+    totals = scan[:, -1].tolist() if scan is not None else [0] * (c * (k + 1) + 4)  # one sync
     return hyb_layout(csr, c, k, scan, totals)
 
 
 def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
     """hyb pass 1 and the scan: per CTA of HYB_THREADS rows, its bucket rows per bucket and its
-    four row counts, as a cumsum over CTAs [CTAs, c * (k + 1) + 4] (None without rows). Its
-    last row holds the totals that size the layout. No sync."""
+    four row counts, as a cumsum over CTAs [c * (k + 1) + 4, CTAs] (None without rows). Its
+    last column holds the totals that size the layout. No sync."""
     torch = _torch()
     n_rows, n_cols = csr.shape
     n_counters = c * (k + 1) + 4
@@ -541,53 +570,99 @@ def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
     hist = torch.empty(n_ctas * n_counters, dtype=torch.int32, device=csr.indices.device)
     _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr,
                  csr.indices, n_rows, n_cols, csr.nnz, c, k, max(1, -(-n_cols // c)), hist)
-    return torch.cumsum(hist.view(n_ctas, n_counters), 0, dtype=torch.int32)
+    return torch.cumsum(hist.view(n_counters, n_ctas), 1, dtype=torch.int32)
 
 
-def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any, totals: list[int]) -> DeviceMatrix:
-    """hyb pass 2: the buffers, sized by ``totals`` (the host copy of ``scan``'s last row), and
-    the one launch that fills them all. No sync."""
+#: The row counts pit_hyb_fill writes after the three per-bucket columns of a hyb table:
+#: workspace rows, cut rows, partial rows, empty rows, fix rows, and whether a group was cut.
+HYB_TABLE_COUNTS = 6
+
+
+def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
+               totals: list[int] | None) -> DeviceMatrix:
+    """hyb passes 2 and 3: the buffers, the pass that ranks the rows and writes the table, the
+    write plan and the padding, and the pass that places every entry; no sync. ``totals`` (the
+    host copy of ``scan``'s last column) sizes them exactly; None sizes them by bounds instead
+    (a bucket row holds an entry, so rows <= nnz; a group of n entries pads to < 2n slots):
+    the padding past the live slots reads as padding, SpMM takes the live counts from the
+    table, and ``info`` holds the bounds until :meth:`DeviceMatrix.exact` reads the table."""
     torch = _torch()
     n_rows, n_cols = csr.shape
     dev = csr.indices.device
-    nb = c * (k + 1)
+    nb, nnz = c * (k + 1), csr.nnz
     n_ctas = -(-n_rows // HYB_THREADS)
-    rows_h = totals[:nb]
-    widths_h = [1 << (b % (k + 1)) for b in range(nb)]
-    n_shared, n_empty, n_cut_groups, n_cut_pieces = totals[nb:]
-    cut_h = n_cut_groups > 0
-    n_ws = n_shared if (c > 1 or cut_h) else 0
-    n_cut, n_partials = (n_cut_groups, n_cut_pieces) if c == 1 else (0, 0)
-    n_fix = n_ws + n_empty
-    n_brows = sum(rows_h)
-    slot_sizes = [r * w for r, w in zip(rows_h, widths_h)]
-    n_slots = sum(slot_sizes)
-    if n_slots > INT32_MAX:
-        raise ShapeError(f"hyb layout of {n_slots} slots exceeds int32 indexing")
+    if totals is not None:
+        info = hyb_info(c, k, nnz, totals[:nb], *hyb_counts_of(c, totals[nb:]))
+        if info["slots"] > INT32_MAX:
+            raise ShapeError(f"hyb layout of {info['slots']} slots exceeds int32 indexing")
+    else:
+        if 2 * nnz > INT32_MAX:
+            raise ShapeError(f"a hyb layout sized by bounds for {nnz} non-zeros exceeds int32 "
+                             "indexing")
+        info = hyb_bounds(c, k, n_rows, nnz)
+    n_brows, n_slots, n_empty = info["brows"], info["slots"], info["empty_rows"]
+    n_cut, n_fix = info["cut_rows"], info["fix_rows"]
     # int32 buffers as views of one allocation, each 16-byte aligned
     names = ("table", "brow_row", "cols", "perm", "slot_row", "ws_index", "fix_rows",
-             "cut_index", "cut_info", "empty_rows")
-    sizes = (3 * nb, n_brows, n_slots, n_slots, n_slots, n_rows, n_fix, n_rows, 3 * n_cut,
-             n_empty)
-    padded = [-(-n // 4) * 4 for n in sizes]
-    arena = torch.empty(sum(padded), dtype=torch.int32, device=dev)
-    b = {name: view[:n] for name, view, n in zip(names, arena.split(padded), sizes)}
+             "cut_index", "cut_info", "empty_rows", "meta")
+    sizes = (3 * nb + HYB_TABLE_COUNTS, n_brows, n_slots, n_slots, n_slots, n_rows, n_fix,
+             n_rows, 3 * n_cut, n_empty, 3 * n_rows * c)
+    parts = [m for n in sizes for m in (n, -n % 4)]   # each buffer, then its padding
+    arena = torch.empty(sum(parts), dtype=torch.int32, device=dev)
+    b = dict(zip(names, arena.split(parts)[::2]))
+    meta = b.pop("meta")   # each group's (first bucket row, CSR start, size): pass 3's input
     b["vals"] = torch.empty(n_slots, dtype=csr.values.dtype, device=dev)
     b["cut_info"] = b["cut_info"].view(n_cut, 3)
     if n_ctas:
-        _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_fill", n_ctas, HYB_THREADS,
-                     csr.indptr, csr.indices, csr.values, n_rows, n_cols, csr.nnz, c, k,
-                     max(1, -(-n_cols // c)), scan, n_ctas, n_brows,
-                     n_slots, n_fix, n_cut, n_empty, b["table"], b["brow_row"], b["cols"],
-                     b["vals"], b["perm"], b["slot_row"], b["ws_index"], b["fix_rows"],
-                     b["cut_index"], b["cut_info"], b["empty_rows"])
+        kern, part = _convert_kernels(csr.dtype), max(1, -(-n_cols // c))
+        _launch_ctas(kern, "pit_hyb_fill", n_ctas, HYB_THREADS, csr.indptr, csr.indices,
+                     n_rows, n_cols, nnz, c, k, part, scan, n_ctas, n_brows, n_slots, n_fix,
+                     n_cut, n_empty, b["table"], b["brow_row"], b["cols"], b["vals"], b["perm"],
+                     b["slot_row"], b["ws_index"], b["fix_rows"], b["cut_index"],
+                     b["cut_info"], b["empty_rows"], meta)
+        _launch(kern, "pit_hyb_place", nnz, csr.indptr, csr.indices, csr.values, n_rows,
+                n_cols, nnz, c, k, part, meta, b["table"], n_brows, n_slots, b["brow_row"],
+                b["cols"], b["vals"], b["perm"], b["slot_row"])
     else:
         b["table"].zero_()
-    info = {"c": c, "k": k, "bucket_rows": rows_h, "widths": widths_h,
+    return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, nnz, csr.dtype, b, csr, info)
+
+
+def hyb_counts_of(c: int, row_counts: list[int]) -> tuple[int, int, int, int, int, bool]:
+    """(workspace, cut, partial, empty, fix rows, any group cut) from pass 1's four row-count
+    totals (shared-kind rows, empty rows, cut rows or groups, pieces of cut rows)."""
+    n_shared, n_empty, n_cut_groups, n_cut_pieces = row_counts
+    cut = n_cut_groups > 0
+    n_ws = n_shared if (c > 1 or cut) else 0
+    n_cut, n_partials = (n_cut_groups, n_cut_pieces) if c == 1 else (0, 0)
+    return n_ws, n_cut, n_partials, n_empty, n_ws + n_empty, cut
+
+
+def hyb_info(c: int, k: int, nnz: int, rows_h: list[int], n_ws: int, n_cut: int,
+             n_partials: int, n_empty: int, n_fix: int, cut: bool) -> dict[str, Any]:
+    """The host numbers of an exactly sized hyb layout (``DeviceMatrix.info``)."""
+    widths = [1 << (b % (k + 1)) for b in range(c * (k + 1))]
+    slot_sizes = [r * w for r, w in zip(rows_h, widths)]
+    n_slots = sum(slot_sizes)
+    return {"c": c, "k": k, "exact": True, "bucket_rows": list(rows_h), "widths": widths,
             "row_offsets": [0, *accumulate(rows_h)][:-1],
-            "slot_offsets": [0, *accumulate(slot_sizes)][:-1], "brows": n_brows,
-            "slots": n_slots, "any_cut": cut_h, "ws_rows": n_ws, "fix_rows": n_fix,
+            "slot_offsets": [0, *accumulate(slot_sizes)][:-1], "brows": sum(rows_h),
+            "slots": n_slots, "any_cut": cut, "ws_rows": n_ws, "fix_rows": n_fix,
             "cut_rows": n_cut, "partial_rows": n_partials, "empty_rows": n_empty,
-            "atomic": [hyb_atomic(c, k, w, cut_h) for w in widths_h],
-            "padding_ratio": n_slots / csr.nnz if csr.nnz else 1.0}
-    return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, csr.nnz, csr.dtype, b, csr, info)
+            "atomic": [hyb_atomic(c, k, w, cut) for w in widths],
+            "padding_ratio": n_slots / nnz if nnz else 1.0}
+
+
+def hyb_bounds(c: int, k: int, n_rows: int, nnz: int) -> dict[str, Any]:
+    """``info`` of a hyb layout sized by bounds: capacities in place of counts, the per-bucket
+    numbers unknown (None), and every bucket that might need atomics marked so (the widest
+    one when c == 1: some row may be cut)."""
+    cap = 1 << k
+    widths = [1 << (b % (k + 1)) for b in range(c * (k + 1))]
+    one = c == 1
+    return {"c": c, "k": k, "exact": False, "bucket_rows": None, "widths": widths,
+            "row_offsets": None, "slot_offsets": None,
+            "brows": min(nnz, n_rows * c + nnz // cap), "slots": 2 * nnz, "any_cut": None,
+            "ws_rows": n_rows, "fix_rows": n_rows, "cut_rows": n_rows if one else 0, "partial_rows": 2 * nnz // cap if one else 0,
+            "empty_rows": n_rows, "atomic": [hyb_atomic(c, k, w, True) for w in widths],
+            "padding_ratio": None}

@@ -36,6 +36,8 @@ from .tune import GraphStats, default_params
 
 #: Matrices (by identity) whose conversions a kernel object keeps alive.
 MAX_MATRICES = 4
+#: The formats a dynamic kernel converts to without a host sync.
+SYNC_FREE = ("csr", "hyb")
 #: Seconds of a measured search asked for by ``tune=True`` alone.
 DEFAULT_BUDGET_S = 10.0
 
@@ -162,12 +164,19 @@ class FormatKernel:
     cache, else the cost model; with ``tune=True`` or a ``budget_s``, a measured search of
     ``budget_s`` seconds, default 10, when the cache has none), and an explicit format is
     checked against the model (a FormatWarning when it is WARN_RATIO times slower). Hyb and ELL
-    conversions sync once more to size their layouts; later calls do not sync."""
+    conversions sync once more to size their layouts; later calls do not sync.
+
+    ``dynamic=True`` is for a graph that changes every call (new edges, sampled neighbours):
+    the choice is made once per (shape, feature width), from the first matrix of that shape,
+    among the formats that need no host sync (CSR, and hyb sized by bounds: ``to_format(...,
+    sync=False)``), so every later matrix is converted and multiplied without waiting for the
+    GPU."""
 
     def __init__(self, expr: str | Operator, sparse: str, format: str = "auto",
                  dtype: str = "float16", budget_s: float | None = None,
                  params: Mapping[str, Any] | None = None,
-                 schedule: Mapping[str, Any] | None = None, tune: bool = False):
+                 schedule: Mapping[str, Any] | None = None, tune: bool = False,
+                 dynamic: bool = False):
         self.operator = parse(expr) if isinstance(expr, str) else expr
         if format not in ("auto", *FORMATS):
             raise PlanError(f"unknown format {format!r} (choose auto, {', '.join(FORMATS)})")
@@ -179,8 +188,14 @@ class FormatKernel:
         if self.tune and format != "auto":
             raise PlanError(f"tune=/budget_s= search formats: they need format='auto', not "
                             f"{format!r}")
+        if not isinstance(dynamic, bool):
+            raise PlanError(f"dynamic must be True or False, got {dynamic!r}")
+        if dynamic and format not in ("auto", *SYNC_FREE):
+            raise PlanError(f"dynamic=True converts without a host sync: format 'auto', "
+                            f"{' or '.join(repr(f) for f in SYNC_FREE)}, not {format!r}")
         self.form = graph_form(self.operator, sparse)
-        self.format, self.dtype = format, dtype
+        self.format, self.dtype, self.dynamic = format, dtype, dynamic
+        self._by_shape: dict[tuple, tuple[str, dict, dict]] = {}
         self.params = dict(params) if params is not None else None
         self.schedule = dict(schedule) if schedule is not None else None
         self._mats: OrderedDict[tuple, tuple[Any, Any, dict]] = OrderedDict()
@@ -221,7 +236,8 @@ class FormatKernel:
         the model once its parameters are known to be valid), None with 'auto'."""
 
         if self.format == "auto":
-            c = plan(csr, self.op, feat, self.dtype, self.tune, self.budget_s)
+            c = plan(csr, self.op, feat, self.dtype, self.tune, self.budget_s,
+                     SYNC_FREE if self.dynamic else FORMATS)
             return c.fmt, c.params, c.schedule, None
         stats = GraphStats.from_dict(csr.row_stats())
         params = self.params if self.params is not None else default_params(self.format, stats)
@@ -235,6 +251,13 @@ class FormatKernel:
         if feat < 1:
             raise ShapeError(f"feature width must be >= 1, got {feat}")
         csr, per_feat = self._entry(name, a)
+        if feat not in per_feat and self.dynamic:   # once per shape: no statistics, no sync
+            key = (csr.shape, feat)
+            if key not in self._by_shape:
+                self._by_shape[key] = self.choice(csr, feat)[:3]
+            fmt, params, sched = self._by_shape[key]
+            mat = csr if fmt == "csr" else to_format(csr, fmt, sync=False, **params)
+            per_feat[feat] = (mat, (fmt, params, sched))
         if feat not in per_feat:
             fmt, params, sched, stats = self.choice(csr, feat)
             mat = csr if fmt == "csr" else to_format(csr, fmt, **params)

@@ -48,7 +48,7 @@ _SPMM_PERMUTES = (Permutation("rows", SPMM_EXPR, "spatial", "A"),
 SPMM = OpSpec("spmm", "spmm.cu.j2", {"pit_spmm": "PPPPPPiiiii"}, _SPMM_PERMUTES, VALUE_DTYPES)
 #: hyb's SpMM: the same template with bucket tables, cut rows and a finish pass.
 HYB_SPMM = OpSpec("hyb spmm", "spmm.cu.j2",
-                  {"pit_spmm": "PPPPPPPPPPPPPiiiiiiiii", "pit_spmm_finish": "PiPiPPii"},
+                  {"pit_spmm": "PPPPPPPPPPPPPiiiiiiiii", "pit_spmm_finish": "PiPiPPiiP"},
                   _SPMM_PERMUTES, VALUE_DTYPES)
 #: Edges in any order, each to its CSR position; features reduced by a shuffle tree.
 GRAPH_SDDMM = OpSpec(
@@ -208,7 +208,10 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
         ctx["buckets"] = []
         for b, (w, at) in enumerate(zip(m.info["widths"], m.info["atomic"])):
             g = sched["groups"][b % (k + 1)]
-            mode = "direct" if not at else "atomic" if m.params["c"] > 1 else sched["cut"]
+            # a layout sized by bounds has no host word on cut rows: its widest bucket (c == 1)
+            # runs as pieces, which also stores the uncut rows there directly
+            mode = "direct" if not at else "atomic" if m.params["c"] > 1 else \
+                sched["cut"] if m.info.get("exact", True) else "pieces"
             ctx["buckets"].append({"width": w, "group": g, "packs": packs(g), "mode": mode})
     else:
         ctx["group"] = sched["group"]
@@ -274,8 +277,12 @@ def _spmm_launch(m: DeviceMatrix, x: Tensor, schedule: Mapping | None, out: Any,
         # pieces: the launch zeroes the empty rows; otherwise the finish pass writes them
         # with the workspace rows
         zero, n_zero = (b["empty_rows"], info["empty_rows"]) if pieces else (_OUT, 0)
-        grid = sum(-(-rows // (threads // ctx_b["group"]))
-                   for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
+        if info.get("exact", True):
+            grid = sum(-(-rows // (threads // ctx_b["group"]))
+                       for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
+        else:   # a bound: CTAs past a bucket's live rows go on to the next; the last ones exit
+            grid = -(-info["brows"] // min(threads // bk["group"] for bk in ctx["buckets"])) \
+                + len(ctx["buckets"])
         grid += -(-n_zero * feat // threads)
         launch.add(kern.bind("pit_spmm", (grid, 1, 1), (threads, 1, 1)),
                    (b["brow_row"], b["cols"], b["vals"], b["table"], _X, _OUT, _WS,
@@ -286,7 +293,8 @@ def _spmm_launch(m: DeviceMatrix, x: Tensor, schedule: Mapping | None, out: Any,
         if n_fix:
             launch.add(kern.bind("pit_spmm_finish", (min(-(-n_fix * feat // threads), 65535), 1, 1),
                                  (threads, 1, 1)),
-                       (b["fix_rows"], n_fix, b["ws_index"], n_ws, _WS, _OUT, n_rows, feat))
+                       (b["fix_rows"], n_fix, b["ws_index"], n_ws, _WS, _OUT, n_rows, feat,
+                        b["table"]))
     else:
         kern = (spec or SPMM).module(ctx)
         grid = -(-n_rows // (threads // sched["group"]))

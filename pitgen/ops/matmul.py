@@ -450,7 +450,8 @@ def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
             micro_tile: str | Sequence[int] = "auto",
             tile: str | Sequence[int] | Mapping[str, int] | None = None,
             vendor_dense: bool = True, format: str | None = None,
-            budget_s: float | None = None, tune: bool = False) -> SparseKernel | FormatKernel:
+            budget_s: float | None = None, tune: bool = False,
+            dynamic: bool = False) -> SparseKernel | FormatKernel:
     """JIT kernel for ``expr`` with operand ``sparse`` dynamically sparse.
 
     ``micro_tile``: 'auto', 'dense', or a shape in the operand's dimension order ('32x1' is
@@ -463,16 +464,19 @@ def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
     run by a sparse-format kernel: a :class:`pitgen.graph.jit.FormatKernel`; 'auto' takes a
     tuned result of the tune cache, else the cost model's choice (pitgen.graph.model; no
     search), and with ``tune=True`` or a ``budget_s`` a measured search of ``budget_s``
-    seconds (default 10) when the cache has none. ``dtype`` is a name or a torch/NumPy dtype
-    (``torch.bfloat16``).
+    seconds (default 10) when the cache has none; ``dynamic=True`` for a graph that changes
+    every call (chosen once per shape, converted without a host sync). ``dtype`` is a name or a
+    torch/NumPy dtype (``torch.bfloat16``).
     """
     dtype = dtype_name(dtype)
     if format is not None:
         if not (isinstance(micro_tile, str) and micro_tile == "auto") or tile is not None \
                 or not vendor_dense:
             raise PlanError("micro_tile=, tile= and vendor_dense= are for micro-tile kernels; "
-                            "a format kernel takes format= (and budget_s=, tune=) only")
-        return FormatKernel(expr, sparse, format, dtype, budget_s, tune=tune)
-    if tune or budget_s is not None:
-        raise PlanError("tune= and budget_s= search sparse formats: they need format='auto'")
+                            "a format kernel takes format= (and budget_s=, tune=, dynamic=) "
+                            "only")
+        return FormatKernel(expr, sparse, format, dtype, budget_s, tune=tune, dynamic=dynamic)
+    if tune or budget_s is not None or dynamic:
+        raise PlanError("tune=, budget_s= and dynamic= are for sparse formats: they need "
+                        "format=")
     return SparseKernel(expr, sparse, dtype, micro_tile, tile, vendor_dense)
