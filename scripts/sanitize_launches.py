@@ -81,8 +81,15 @@ for fmt, params in (("csr", {}), ("ell", {}), ("bsr", {"block": 16}), ("hyb", {"
     a = to_format(csr, fmt, **params)
     spmm(a, torch.randn(280, 64, device="cuda"))
     graph_sddmm(a, torch.randn(300, 32, device="cuda"), torch.randn(280, 32, device="cuda"))
+for c in (1, 2):   # hyb sized by bounds (no host sync): padding past the live slots
+    a = to_format(csr, "hyb", sync=False, c=c, k=3)
+    spmm(a, torch.randn(280, 64, device="cuda"))
+    graph_sddmm(a, torch.randn(300, 32, device="cuda"), torch.randn(280, 32, device="cuda"))
+r_, c_ = adj.nonzero().T
+for sort in (True, False):   # edge lists: radix-sorted keys, or counts and a scatter
+    DeviceCSR.from_coo((300, 280), r_, c_, check=False, sort=sort).row_stats()
 torch.cuda.synchronize()
-print("formats csr/ell/bsr/hyb spmm+sddmm: ok")
+print("formats csr/ell/bsr/hyb spmm+sddmm, hyb without sync, from_coo: ok")
 
 from pitgen.ops.sage import aggregate, graph_spmm
 

@@ -176,7 +176,8 @@ def test_dynamic_kernel_never_waits_after_its_first_graph():
             vals.double().cpu().numpy())
         torch.cuda.set_sync_debug_mode("error" if i % 4 else "default")
         try:
-            got = k(DeviceCSR.from_coo((600, 500), rows, cols, vals, check=False), x)
+            got = k(DeviceCSR.from_coo((600, 500), rows, cols, vals, check=False,
+                                       sort=i % 2 == 0), x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         check(got, spmm_want(want, x64), "float32")
@@ -201,6 +202,20 @@ def test_from_coo_sorts_edges_on_gpu(csr, dtype, seed):
         assert torch.equal(getattr(d, name), getattr(want, name)), name
     ones = DeviceCSR.from_coo(csr.shape, rows, cols, check=False)
     assert ones.dtype == "float32" and bool((ones.values == 1).all())
+    # sort=False: the same rows, each row's (column, value) pairs in any order
+    any_order = DeviceCSR.from_coo(csr.shape, rows, cols, vals, sort=False)
+    assert not any_order.sorted_columns and torch.equal(any_order.indptr, want.indptr)
+    got_cols, got_vals = any_order.indices.cpu().numpy(), any_order.values.cpu().numpy()
+    for r in range(csr.shape[0]):
+        lo, hi = csr.indptr[r], csr.indptr[r + 1]
+        by_col = np.argsort(got_cols[lo:hi], kind="stable")
+        np.testing.assert_array_equal(got_cols[lo:hi][by_col], csr.indices[lo:hi])
+        np.testing.assert_array_equal(got_vals[lo:hi][by_col],
+                                      want.values[lo:hi].cpu().numpy())
+    assert torch.equal(to_format(any_order, "hyb", c=1, k=2).to_dense(),
+                       to_format(want, "hyb", c=1, k=2).to_dense())
+    with pytest.raises(PlanError, match="column parts"):
+        to_format(any_order, "hyb", c=2, k=2)
     if csr.nnz:
         dup = DeviceCSR.from_coo(csr.shape, torch.cat([rows, rows[:1]]),
                                  torch.cat([cols, cols[:1]]), torch.cat([vals, vals[:1]]))
@@ -213,11 +228,12 @@ def test_from_coo_sorts_edges_on_gpu(csr, dtype, seed):
 def test_from_coo_refuses_or_drops_edges_out_of_range():
     rows = torch.tensor([0, 1, 5], device="cuda")
     cols = torch.tensor([1, 0, 0], device="cuda")
-    with pytest.raises(ShapeError, match="edge 2 = \\(5, 0\\)"):
-        DeviceCSR.from_coo((3, 2), rows, cols)
-    d = DeviceCSR.from_coo((3, 2), rows, cols, check=False)
-    assert d.indptr.tolist() == [0, 1, 2, 2]
-    assert to_format(d, "hyb", c=1, k=1).to_dense().tolist() == [[0, 1], [1, 0], [0, 0]]
+    for sort in (True, False):
+        with pytest.raises(ShapeError, match="edge 2 = \\(5, 0\\)"):
+            DeviceCSR.from_coo((3, 2), rows, cols, sort=sort)
+        d = DeviceCSR.from_coo((3, 2), rows, cols, check=False, sort=sort)
+        assert d.indptr.tolist() == [0, 1, 2, 2] and d.indices[2].item() == -1
+        assert to_format(d, "hyb", c=1, k=1).to_dense().tolist() == [[0, 1], [1, 0], [0, 0]]
     with pytest.raises(ShapeError, match="cols"):
         DeviceCSR.from_coo((3, 2), rows, cols[:2])
     with pytest.raises(ShapeError, match="dtype"):

@@ -41,6 +41,8 @@ CONVERT = OpSpec("convert", "convert.cu.j2", {
         "pit_dense_to_csr": "PiiPiPP",
         "pit_coo_keys": "PPiqiiPiP",
         "pit_coo_csr": "PiPPiqiiPPP",
+        "pit_coo_count": "PPiqiiPP",
+        "pit_coo_scatter": "PPiPiqiiPPPP",
         "pit_row_stats": "PiiP",
         "pit_to_ell": "PPPiiiiPPP",
         "pit_bsr_mark": "PPiiiiiP",
@@ -109,10 +111,11 @@ class DeviceCSR:
     for new values on the same pattern use ``DeviceMatrix.with_values``. Kernels range-check
     every index, but only ``from_host`` / ``from_scipy`` validate sortedness and ranges.
     ``rows``: the int32 row of every non-zero when the caller has it (``row_ids`` then needs no
-    launch)."""
+    launch). ``sorted_columns``: whether columns ascend within each row (every constructor but
+    ``from_coo(sort=False)`` promises it; hyb with c > 1 relies on it)."""
 
     def __init__(self, shape: tuple[int, int], indptr: Any, indices: Any, values: Any, *,
-                 rows: Any = None):
+                 rows: Any = None, sorted_columns: bool = True):
         if len(shape) != 2 or min(int(s) for s in shape) < 0:
             raise ShapeError(f"DeviceCSR shape must be two non-negative extents, got {shape}")
         self.shape = (int(shape[0]), int(shape[1]))
@@ -128,6 +131,7 @@ class DeviceCSR:
         self._rows = None if rows is None else \
             check_tensor("rows", rows, ("int32",), 1, (self.indices.shape[0],))
         self._transposed: DeviceTranspose | None = None
+        self.sorted_columns = sorted_columns
 
     @property
     def nnz(self) -> int:
@@ -162,13 +166,21 @@ class DeviceCSR:
 
     @classmethod
     def from_coo(cls, shape: tuple[int, int], rows: Any, cols: Any, values: Any = None, *,
-                 dtype: str | None = None, check: bool = True) -> DeviceCSR:
+                 dtype: str | None = None, check: bool = True, sort: bool = True) -> DeviceCSR:
         """A CSR from an edge list on the GPU (a graph that changes every step): ``rows`` and
         ``cols`` int32/int64 CUDA tensors [nnz], ``values`` [nnz] (None: ones of ``dtype``,
-        default float32). One radix sort of (row, col) keys orders the entries; duplicate edges
-        are kept and add up, as in an uncoalesced torch COO. ``check`` refuses an edge out of
-        range (``ShapeError`` naming it) at the cost of one host sync; without it nothing
-        synchronises and such edges are dropped (sorted past the last row)."""
+        default float32). Duplicate edges are kept and add up, as in an uncoalesced torch COO.
+        ``check`` refuses an edge out of range (``ShapeError`` naming it) at the cost of one
+        host sync; without it nothing synchronises and such edges are dropped (placed past the
+        last row).
+
+        ``sort=True``: one radix sort of (row, col) keys, so columns ascend within each row and
+        the result is the same on every run. ``sort=False``: a counting pass per row and a
+        scatter (atomics; no sort, several times cheaper on large graphs): each row's columns
+        come in any order, which SpMM allows (its reduction axis j is permutation invariant),
+        and its float sums may then differ from run to run in the last bits. Such a CSR has
+        ``sorted_columns`` False; layouts that split rows by column (hyb with c > 1) refuse
+        it."""
         torch = _torch()
         n_rows, n_cols = int(shape[0]), int(shape[1])
         if min(n_rows, n_cols) < 0 or max(n_rows, n_cols) > INT32_MAX:
@@ -190,24 +202,37 @@ class DeviceCSR:
             raise ShapeError(f"{nnz} edges exceed int32 indexing")
         dev = rows.device
         k = _convert_kernels(dtype)
-        key64 = n_rows * n_cols > INT32_MAX   # int32 keys sort in half the radix passes
-        key = torch.empty(nnz, dtype=torch.int64 if key64 else torch.int32, device=dev)
-        bad = torch.full((1,), nnz, dtype=torch.int32, device=dev) if check and nnz else None
         is64 = int(rows.dtype == torch.int64)
-        _launch(k, "pit_coo_keys", nnz, rows, cols, is64, nnz, n_rows, n_cols, key, int(key64),
-                0 if bad is None else bad)
+        bad = torch.full((1,), nnz, dtype=torch.int32, device=dev) if check and nnz else None
+        vals = torch.empty(nnz, dtype=getattr(torch, dtype), device=dev)
+        indices = torch.empty(nnz, dtype=torch.int32, device=dev)
+        has_values = int(values is not None)
+        if sort:
+            key64 = n_rows * n_cols > INT32_MAX   # int32 keys sort in half the radix passes
+            key = torch.empty(nnz, dtype=torch.int64 if key64 else torch.int32, device=dev)
+            _launch(k, "pit_coo_keys", nnz, rows, cols, is64, nnz, n_rows, n_cols, key,
+                    int(key64), 0 if bad is None else bad)
+        else:   # per-row counts, then (after the scan) per-row fill counters and the dropped
+            counts = torch.zeros(2 * n_rows + 1, dtype=torch.int32, device=dev)
+            _launch(k, "pit_coo_count", nnz, rows, cols, is64, nnz, n_rows, n_cols, counts,
+                    0 if bad is None else bad)
         if bad is not None and int(bad) < nnz:   # the optional sync
             at = int(bad)
             raise ShapeError(f"edge {at} = ({int(rows[at])}, {int(cols[at])}) is outside the "
                              f"{n_rows} x {n_cols} matrix")
-        skey, order = torch.sort(key, stable=True)
-        indptr = torch.zeros(n_rows + 1, dtype=torch.int32, device=dev) if not nnz else \
-            torch.empty(n_rows + 1, dtype=torch.int32, device=dev)
-        indices = torch.empty(nnz, dtype=torch.int32, device=dev)
-        vals = torch.empty(nnz, dtype=getattr(torch, dtype), device=dev)
-        _launch(k, "pit_coo_csr", nnz, skey, int(key64), order, 0 if values is None else values,
-                int(values is not None), nnz, n_rows, n_cols, indptr, indices, vals)
-        return cls((n_rows, n_cols), indptr, indices, vals)
+        if sort:
+            skey, order = torch.sort(key, stable=True)
+            indptr = torch.zeros(n_rows + 1, dtype=torch.int32, device=dev) if not nnz else \
+                torch.empty(n_rows + 1, dtype=torch.int32, device=dev)
+            _launch(k, "pit_coo_csr", nnz, skey, int(key64), order, values if has_values else 0,
+                    has_values, nnz, n_rows, n_cols, indptr, indices, vals)
+            return cls((n_rows, n_cols), indptr, indices, vals)
+        indptr = torch.zeros(n_rows + 1, dtype=torch.int32, device=dev)
+        if n_rows:
+            torch.cumsum(counts[:n_rows], 0, dtype=torch.int32, out=indptr[1:])
+        _launch(k, "pit_coo_scatter", nnz, rows, cols, is64, values if has_values else 0,
+                has_values, nnz, n_rows, n_cols, indptr, counts[n_rows:], indices, vals)
+        return cls((n_rows, n_cols), indptr, indices, vals, sorted_columns=False)
 
     @classmethod
     def from_dense(cls, t: Any, dtype: str | None = None) -> DeviceCSR:
@@ -340,7 +365,8 @@ class DeviceMatrix:
         """The same layout filled from new CSR-order values [nnz] on the GPU (no sync)."""
         torch = _torch()
         check_tensor("values", values, (self.dtype,), 1, (self.nnz,))
-        src = DeviceCSR(self.shape, self.source.indptr, self.source.indices, values)
+        src = DeviceCSR(self.shape, self.source.indptr, self.source.indices, values,
+                        sorted_columns=self.source.sorted_columns)
         src._rows = self.source._rows
         bufs = dict(self.buffers)
         if self.fmt == "csr":
@@ -475,6 +501,10 @@ def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> 
         c, k = params.get("c", 1), params.get("k", 4)
         if not (isinstance(c, int) and 1 <= c <= 8 and isinstance(k, int) and 0 <= k <= 6):
             raise PlanError(f"hyb needs integer c in 1..8 and k in 0..6, got c={c!r}, k={k!r}")
+        if c > 1 and not csr.sorted_columns:
+            raise PlanError(f"hyb with c={c} column parts needs each row's columns in order; "
+                            "this CSR has them in any order (from_coo(sort=False)): use c=1 "
+                            "or build it with sort=True")
         m = _to_hyb(csr, c, k) if sync else hyb_layout(csr, c, k, hyb_counts(csr, c, k), None)
     csr._formats[key] = m
     return m

@@ -256,6 +256,8 @@ class FormatKernel:
             if key not in self._by_shape:
                 self._by_shape[key] = self.choice(csr, feat)[:3]
             fmt, params, sched = self._by_shape[key]
+            if fmt == "hyb" and params.get("c", 1) > 1 and not csr.sorted_columns:
+                params = {**params, "c": 1}   # column parts need ordered columns
             mat = csr if fmt == "csr" else to_format(csr, fmt, sync=False, **params)
             per_feat[feat] = (mat, (fmt, params, sched))
         if feat not in per_feat:
