@@ -64,6 +64,7 @@ def conversions(r: Run, name: str, d: Any, dtype: str) -> dict:
     and the SpMM its hyb layout feeds."""
     import torch
 
+    from pitgen.errors import ShapeError
     from pitgen.graph.device import hyb_counts, hyb_layout, to_format
     from pitgen.graph.kernels import default_schedule, spmm
     from pitgen.graph.model import hyb_params
@@ -74,10 +75,22 @@ def conversions(r: Run, name: str, d: Any, dtype: str) -> dict:
     x = torch.randn(d.shape[1], FEAT, device="cuda", dtype=getattr(torch, dtype))
     row: dict[str, Any] = {"graph": name, "dtype": dtype, "rows": d.shape[0], "nnz": d.nnz,
                            "hyb": hyb, "convert": {}}
+    rows, cols = d.shape
     for fmt_name, params in (("hyb", hyb), ("ell", {}), ("bsr", {"block": 16})):
-        slots = to_format(_fresh(d), fmt_name, **params).info["slots"]
-        if slots * 12 > MAX_LAYOUT_BYTES:   # cols, values and perm of every padded slot
-            row["convert"][fmt_name] = {"note": f"not run: {slots / max(d.nnz, 1):.0f}x padding"}
+        # bytes before converting: ELL's padded slots (cols, values, perm), BSR's block flags
+        need = {"ell": rows * stats.max * 12,
+                "bsr": -(-rows // 16) * -(-cols // 16) * 4}.get(fmt_name, 0)
+        try:
+            if need > MAX_LAYOUT_BYTES:
+                raise ShapeError(f"{need / 2**30:.1f} GiB")
+            slots = to_format(_fresh(d), fmt_name, **params).info["slots"]
+            if fmt_name != "hyb" and slots * 12 > MAX_LAYOUT_BYTES:   # cols, values, perm
+                raise ShapeError(f"{slots / max(d.nnz, 1):.0f}x padding")
+        except (ShapeError, torch.OutOfMemoryError) as exc:   # too big for this device
+            if fmt_name == "hyb":
+                raise
+            row["convert"][fmt_name] = {"note": f"not run: {str(exc).splitlines()[0][:60]}"}
+            torch.cuda.empty_cache()
             continue
         t = r.timer.both(lambda: to_format(_fresh(d), fmt_name, **params))
         row["convert"][fmt_name] = {"gpu_ms": t.gpu_ms, "wall_ms": t.wall_ms}
@@ -160,8 +173,8 @@ def dynamic(r: Run, name: str, d: Any, dtype: str, seed: int = 0) -> dict:
         res = {"gpu_ms": t.gpu_ms, "wall_ms": t.wall_ms}
         if sys_name.startswith("pitgen"):
             outs[sys_name] = got
-            res["choice"] = kernel.prepare("A", DeviceCSR.from_coo(d.shape, *pool[0], check=False),
-                                           FEAT)[1]
+            res["choice"] = kernel.prepare("A", DeviceCSR.from_coo(
+                d.shape, *pool[0], check=False, sort=sys_name == "pitgen sorted"), FEAT)[1]
         elif ref is None:
             ref = got
         row["systems"][sys_name] = res

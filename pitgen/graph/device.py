@@ -13,6 +13,7 @@ sync) for SpMM's backward, kept with the matrix.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -127,7 +128,13 @@ class DeviceCSR:
         if not (indptr.device == indices.device == values.device):
             raise ShapeError(f"DeviceCSR tensors on different devices: {indptr.device}, "
                              f"{indices.device}, {values.device}")
-        self._formats: dict[tuple, DeviceMatrix] = {}
+        # converted layouts, weakly: a layout holds its DeviceCSR, so a strong cache would be
+        # a reference cycle whose GPU memory waits for the garbage collector (a graph that
+        # changes every call would pile them up); a layout lives while someone uses it
+        self._formats: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # the "csr" view's launch closures and counters, kept here: views are made per call
+        self._csr_launches: dict = {}
+        self._csr_counters: dict = {}
         self._rows = None if rows is None else \
             check_tensor("rows", rows, ("int32",), 1, (self.indices.shape[0],))
         self._transposed: DeviceTranspose | None = None
@@ -262,8 +269,8 @@ class DeviceCSR:
         return cls((n_rows, n_cols), indptr, indices, values)
 
     def release(self) -> None:
-        """Drop the cached conversions and transpose, which reference this matrix back: their
-        GPU memory goes as soon as nothing else holds them (no garbage collection needed)."""
+        """Drop the cached conversions and the transpose (which references this matrix back),
+        so their GPU memory goes as soon as nothing else holds them."""
         self._formats.clear()
         t, self._transposed = self._transposed, None
         if t is not None and t.csr._transposed is not None and t.csr._transposed.csr is self:
@@ -471,7 +478,9 @@ def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> 
     row), "bsr" (block in 8/16/32), "hyb" (c in 1..8 column parts, k in 0..6: bucket widths
     1..2^k). One host sync per conversion, which sizes the layout; hyb with ``sync=False``
     sizes it by bounds instead and never waits (``DeviceMatrix.exact`` reads its numbers
-    later). Cached per (fmt, params, sync) on ``csr``."""
+    later). A conversion is found again on ``csr`` by (fmt, params, sync) while something holds
+    it (the cache is weak, so a graph that changes every call frees each layout when dropped,
+    without waiting for the garbage collector)."""
     if not isinstance(csr, DeviceCSR):
         raise ShapeError(f"to_format needs a DeviceCSR, got {type(csr).__name__}")
     if fmt not in FORMATS:
@@ -480,13 +489,15 @@ def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> 
         raise PlanError(f"sync=False is for csr and hyb (ELL and BSR are sized by the host), "
                         f"got sync={sync!r} for {fmt!r}")
     key = (fmt, tuple(sorted(params.items())), sync)
-    if key in csr._formats:
-        return csr._formats[key]
-    if fmt == "csr":
+    hit = csr._formats.get(key)
+    if hit is not None:
+        return hit
+    if fmt == "csr":   # a view (not cached: it would hold csr); its launches are csr's
         _check_params(fmt, params, ())
-        m = DeviceMatrix("csr", {}, csr.shape, csr.nnz, csr.dtype,
-                         {"indptr": csr.indptr, "indices": csr.indices, "values": csr.values,
-                          "rows": csr.row_ids()}, csr)
+        return DeviceMatrix("csr", {}, csr.shape, csr.nnz, csr.dtype,
+                            {"indptr": csr.indptr, "indices": csr.indices,
+                             "values": csr.values, "rows": csr.row_ids()}, csr,
+                            counters=csr._csr_counters, launches=csr._csr_launches)
     elif fmt == "ell":
         _check_params(fmt, params, ("width",))
         m = _to_ell(csr, params.get("width"))
