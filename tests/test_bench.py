@@ -384,3 +384,34 @@ def test_ceilings_are_plausible():
     c = measure_ceilings(Timer(repeats=3), copy_mib=256, matmul_n=4096)
     assert 1e8 < c.copy_bytes_per_ms < 2e10  # 100 GB/s .. 20 TB/s, reads + writes
     assert all(1 < v < 10_000 for v in c.matmul_tflops.values())
+
+
+def test_dynamic_report_judges_gpu_time_and_names_refusals(tmp_path):
+    """pitgen bench dynamic's tables: the speed-up summary against the target, both pitgen
+    variants and the peers per case, conversions with their refusals and ratios."""
+    from pitgen.bench import dynamic
+
+    t = lambda g, w: {"gpu_ms": g, "wall_ms": w}   # noqa: E731
+    dyn = {"graph": "cora", "dtype": "float32", "rows": 2708, "edges": 8376, "err": 6e-8,
+           "ok": True, "best_peer_ms": 0.13, "speedup": 2.6, "wall_speedup": 0.5,
+           "sorted_speedup": 1.4,
+           "systems": {"pitgen": {**t(0.05, 0.4), "choice": ["hyb", {"c": 1, "k": 3}, {}]},
+                       "pitgen sorted": {**t(0.09, 0.45), "choice": ["hyb", {"c": 1}, {}]},
+                       "torch coo.to_sparse_csr": t(0.25, 0.25),
+                       "torch sort + csr": t(0.13, 0.2)}}
+    conv = {"graph": "cora", "dtype": "float32", "rows": 2708, "nnz": 10556,
+            "hyb": {"c": 1, "k": 3}, "convert": {"hyb": t(0.2, 0.25), "hyb no sync": t(0.02, 0.15),
+                                                 "ell": {"note": "not run: 6.9 GiB"},
+                                                 "bsr": t(0.1, 0.2)},
+            "hyb_kernel_ms": 0.025, "spmm": t(0.0125, 0.03), "hyb_ratio": 16.0,
+            "hyb_nosync_ratio": 1.6, "hyb_kernel_ratio": 2.0, "hyb_wall_ratio": 8.3}
+    meta = {"device": "NVIDIA H200", "torch": "2.11", "cuda": "13.0", "date": "now",
+            "repeats": 20}
+    dynamic.write(tmp_path, [conv], [dyn], meta)
+    md = (tmp_path / "dynamic.md").read_text()
+    assert "| float32 | 1 | 2.60x | 0.50x | >= 1.3x | **met** | yes |" in md
+    assert "| 2.60x | 0.50x | 1.40x | hyb {'c': 1, 'k': 3} | 6.0e-08 |" in md
+    assert "not run: 6.9 GiB" in md and "| 16.00x | 1.60x | 2.00x | 8.30x |" in md
+    assert "float32: hyb / SpMM geomean 16.00x, no sync 1.60x, kernels only 2.00x" in md
+    doc = json.loads((tmp_path / "dynamic.json").read_text())
+    assert doc["summary"][0]["met"] is True and doc["hyb_nosync_ratio_geomean"]["float32"] == 1.6

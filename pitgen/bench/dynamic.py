@@ -24,15 +24,10 @@ Results are checked against the peer's (relative norm). Writes dynamic.md and dy
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from pitgen.graphs import GNN_GRAPHS, GRAPHS
 
 from .report import fmt, fmt_x, geomean, md_table, rel_err, speedup_summary, speedup_table, \
     write_json
@@ -49,6 +44,8 @@ HYB_TARGET = 2.0
 DYNAMIC_TARGET = 1.3
 TOL = {"float32": 1e-5, "float16": 1e-2}
 SPMM = "Y[i,f] += A[i,j] * X[j,f]"
+#: torch's CSR builds, each followed by torch.sparse.mm (peers())
+PEERS = ("torch coo.to_sparse_csr", "torch sort + csr")
 #: ELL / BSR layouts above this many bytes are not timed (power-law rows pad them hugely)
 MAX_LAYOUT_BYTES = 1 << 30
 
@@ -126,7 +123,7 @@ def peers() -> dict[str, Any]:
         a = torch.sparse_csr_tensor(indptr, cols[order], vals[order], shape)
         return torch.sparse.mm(a, x)
 
-    return {"torch coo.to_sparse_csr": coalesce, "torch sort + csr": sort}
+    return dict(zip(PEERS, (coalesce, sort)))
 
 
 def dynamic(r: Run, name: str, d: Any, dtype: str, seed: int = 0) -> dict:
@@ -203,7 +200,7 @@ def write(out: Path, conv: list[dict], dyn: list[dict], meta: dict) -> None:
                                       "hyb_kernel_ratio_geomean": kern_gm,
                                       "hyb_nosync_ratio_geomean": nosync_gm, "conversions": conv,
                                       "dynamic": dyn})
-    peer_names = list(peers())
+    peer_names = PEERS
     lines = ["# Graphs that change every call: conversion and SpMM", "",
              f"Device: **{meta['device']}** (torch {meta['torch']}, CUDA {meta['cuda']}); "
              f"{meta['date']}. F = {FEAT}. GPU ms: median of {meta['repeats']} calls (CUDA "
@@ -257,41 +254,32 @@ def run(r: Run) -> int:
     processes into the folder ``pitgen bench graphs`` uses; files rewritten after each graph."""
     import torch
 
-    from pitgen import cache
     from pitgen.graph.device import DeviceCSR
     from pitgen.graph.formats import load_graph
 
-    from .graphs import graph_file
+    from .graphs import gnn_graph_files, smallest_first
 
     t0 = time.monotonic()
-    names = QUICK_GRAPHS if r.args.quick else tuple(sorted(GNN_GRAPHS,
-                                                           key=lambda g: GRAPHS[g].edges))
-    folder = Path(r.args.graphs) if r.args.graphs else cache.directory("graphs")
-    folder.mkdir(parents=True, exist_ok=True)
     conv: list[dict] = []
     dyn: list[dict] = []
     meta = {**r.meta, "quick": r.args.quick}
-    with ProcessPoolExecutor(max_workers=min(len(names), max(1, (os.cpu_count() or 2) // 2)),
-                             mp_context=get_context("spawn")) as pool:
-        futures = {g: pool.submit(graph_file, g, str(folder))
-                   for g in sorted(names, key=lambda g: -GRAPHS[g].edges)}   # longest first
-        for name in names:
-            csr = load_graph(futures[name].result())
-            for dtype in DTYPES:
-                tdt = getattr(torch, dtype)
-                d = DeviceCSR(csr.shape, torch.from_numpy(csr.indptr.astype("int32")).cuda(),
-                              torch.from_numpy(csr.indices.astype("int32")).cuda(),
-                              torch.randn(csr.nnz, device="cuda").to(tdt))
-                conv.append(conversions(r, name, d, dtype))
-                dyn.append(dynamic(r, name, d, dtype))
-                c, y = conv[-1], dyn[-1]
-                print(f"dynamic {name} {dtype}: hyb {c['convert']['hyb']['gpu_ms']:.4f} ms = "
-                      f"{c['hyb_ratio']:.2f}x SpMM; new graph per call {fmt_x(y['speedup'])} "
-                      f"(wall {fmt_x(y['wall_speedup'])}) vs the faster torch build",
-                      file=sys.stderr, flush=True)
-                del d
-                torch.cuda.empty_cache()
-            meta["elapsed_s"] = time.monotonic() - t0
-            write(r.out, conv, dyn, meta)
+    for name, path in gnn_graph_files(smallest_first(r.args.quick, QUICK_GRAPHS), r.args.graphs):
+        csr = load_graph(path)
+        for dtype in DTYPES:
+            tdt = getattr(torch, dtype)
+            d = DeviceCSR(csr.shape, torch.from_numpy(csr.indptr.astype("int32")).cuda(),
+                          torch.from_numpy(csr.indices.astype("int32")).cuda(),
+                          torch.randn(csr.nnz, device="cuda").to(tdt))
+            conv.append(conversions(r, name, d, dtype))
+            dyn.append(dynamic(r, name, d, dtype))
+            c, y = conv[-1], dyn[-1]
+            print(f"dynamic {name} {dtype}: hyb {c['convert']['hyb']['gpu_ms']:.4f} ms = "
+                  f"{c['hyb_ratio']:.2f}x SpMM; new graph per call {fmt_x(y['speedup'])} "
+                  f"(wall {fmt_x(y['wall_speedup'])}) vs the faster torch build",
+                  file=sys.stderr, flush=True)
+            del d
+            torch.cuda.empty_cache()
+        meta["elapsed_s"] = time.monotonic() - t0
+        write(r.out, conv, dyn, meta)
     print((r.out / "dynamic.md").read_text().split("| graph |")[0])
     return 0 if all(x["ok"] for x in dyn) else 1

@@ -25,15 +25,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from pitgen.graphs import GNN_GRAPHS, GRAPHS
 
 from ..ops import lazy_torch_classes
 from .report import fmt, md_table, speedup_summary, speedup_table, write_json
@@ -279,26 +274,15 @@ def run(r: Run) -> int:
     """The seven graphs, smallest first (quick: cora, pubmed, ogbn-arxiv at F = 64), generated
     in worker processes (the folder ``pitgen bench graphs`` uses); files rewritten after every
     graph."""
-    from pitgen import cache
-
-    from .graphs import graph_file
+    from .graphs import gnn_graph_files, smallest_first
 
     t0 = time.monotonic()
-    names = QUICK_GRAPHS if r.args.quick else tuple(sorted(GNN_GRAPHS,
-                                                           key=lambda g: GRAPHS[g].edges))
-    folder = Path(r.args.graphs) if r.args.graphs else cache.directory("graphs")
-    folder.mkdir(parents=True, exist_ok=True)
     feat = QUICK_FEAT if r.args.quick else FEAT
     rows: list[dict] = []
     meta = {**r.meta, "quick": r.args.quick}
-    with ProcessPoolExecutor(max_workers=min(len(names), max(1, (os.cpu_count() or 2) // 2)),
-                             mp_context=get_context("spawn")) as pool:
-        futures = {g: pool.submit(graph_file, g, str(folder))
-                   for g in sorted(names, key=lambda g: -GRAPHS[g].edges)}   # longest first
-        for name in names:
-            rows += run_graph(r, name, futures[name].result(), feat,
-                              QUICK_SYSTEMS if r.args.quick else SYSTEMS)
-            meta["elapsed_s"] = time.monotonic() - t0
-            write(r.out, rows, meta)
+    for name, path in gnn_graph_files(smallest_first(r.args.quick, QUICK_GRAPHS), r.args.graphs):
+        rows += run_graph(r, name, path, feat, QUICK_SYSTEMS if r.args.quick else SYSTEMS)
+        meta["elapsed_s"] = time.monotonic() - t0
+        write(r.out, rows, meta)
     print((r.out / "sage.md").read_text().split("## Cases")[0])
     return 0 if all(x["ok"] for x in rows) else 1

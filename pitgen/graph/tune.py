@@ -11,7 +11,6 @@ one entry and a later process skips the search.
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import math
 import os
@@ -42,9 +41,6 @@ SMALL_ELEMENTS = 1 << 16
 CACHE_VERSION = 1
 #: GPU spin (cycles, about 0.5 ms at H100 clocks) queued before each timed run.
 HIDE_CYCLES = 1_000_000
-#: Graphs from this many non-zeros up have their dropped layouts collected at once (a layout
-#: and its DeviceCSR reference each other, so only the cycle collector frees their memory).
-BIG_NNZ = 1 << 20
 
 
 # -- statistics and cache keys ----------------------------------------------------------------
@@ -538,8 +534,6 @@ class _GpuMeasure:
         torch, a = self.torch, self.a
         if len(self._converted) >= 2:
             self._converted.pop(next(iter(self._converted)))
-            if a.nnz >= BIG_NNZ:  # a layout and its source reference each other: free it now
-                gc.collect()
         torch.cuda.synchronize()
         t = time.perf_counter()
         m = to_format(DeviceCSR(a.shape, a.indptr, a.indices, a.values), c.fmt, **c.params)
@@ -613,7 +607,6 @@ def tune(a: Any, op: str, feat: int, dtype: str, budget_s: float = 60,
     t0 = time.perf_counter()
     trials = Search(space, _GpuMeasure(a, op, feat, dtype, repeats), budget_s,
                     progress=progress).run()
-    gc.collect()  # the candidates' layouts (reference cycles), before anything else allocates
     device = _device_name()
     result = result_of(space, trials, time.perf_counter() - t0, device)
     if cache:
