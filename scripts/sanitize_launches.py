@@ -88,8 +88,17 @@ for c in (1, 2):   # hyb sized by bounds (no host sync): padding past the live s
 r_, c_ = adj.nonzero().T
 for sort in (True, False):   # edge lists: radix-sorted keys, or counts and a scatter
     DeviceCSR.from_coo((300, 280), r_, c_, check=False, sort=sort).row_stats()
+# corrupt buffers: indptr not monotone, columns out of range and unordered
+bad = DeviceCSR((60, 50), torch.randint(-3, 400, (61,), device="cuda", dtype=torch.int32),
+                torch.randint(-2, 53, (397,), device="cuda", dtype=torch.int32),
+                torch.randn(397, device="cuda"))
+for fmt, params in (("ell", {}), ("bsr", {"block": 8}), ("hyb", {"c": 3, "k": 2}),
+                    ("hyb", {"c": 1, "k": 2, "sync": False})):
+    a = to_format(bad, fmt, **params)
+    spmm(a, torch.randn(50, 32, device="cuda"))
+    graph_sddmm(a, torch.randn(60, 32, device="cuda"), torch.randn(50, 32, device="cuda"))
 torch.cuda.synchronize()
-print("formats csr/ell/bsr/hyb spmm+sddmm, hyb without sync, from_coo: ok")
+print("formats csr/ell/bsr/hyb spmm+sddmm, hyb without sync, from_coo, corrupt CSR: ok")
 
 from pitgen.ops.sage import aggregate, graph_spmm
 

@@ -250,6 +250,34 @@ def test_dropped_layouts_free_their_memory_without_the_garbage_collector():
         gc.enable()
 
 
+@GPU_SETTINGS
+@given(st.integers(1, 300), st.integers(1, 60), st.integers(0, 400), st.integers(0, 2**32 - 1))
+def test_corrupt_csr_buffers_stay_in_bounds(rows, cols, nnz, seed):
+    """No conversion or kernel trusts an index: a DeviceCSR whose indptr is not monotone and
+    whose columns are out of range or unordered converts (each layout, hyb with and without
+    its sync) and multiplies without touching memory outside its buffers (a fault would
+    surface at the synchronize; tools/sanitize runs the same under memcheck)."""
+    rng = np.random.default_rng(seed)
+    indptr = torch.from_numpy(rng.integers(-3, nnz + 4, rows + 1).astype(np.int32)).cuda()
+    indices = torch.from_numpy(rng.integers(-2, cols + 3, nnz).astype(np.int32)).cuda()
+    d = DeviceCSR((rows, cols), indptr, indices, torch.randn(nnz, device="cuda"))
+    x = torch.randn(cols, 16, device="cuda")
+    u = torch.randn(rows, 16, device="cuda")
+    for fmt, params in [("csr", {}), ("ell", {}), ("bsr", {"block": 8}),
+                        ("hyb", {"c": 1, "k": 2}), ("hyb", {"c": 3, "k": 1}),
+                        ("hyb", {"c": 1, "k": 3, "sync": False}),
+                        ("hyb", {"c": 2, "k": 0, "sync": False})]:
+        m = to_format(d, fmt, **params)
+        spmm(m, x)
+        sddmm(m, u, x)
+    r = torch.from_numpy(rng.integers(-2, rows + 2, nnz)).cuda()
+    c = torch.from_numpy(rng.integers(-2, cols + 2, nnz)).cuda()
+    for sort in (True, False):
+        spmm(to_format(DeviceCSR.from_coo((rows, cols), r, c, check=False, sort=sort), "hyb",
+                       c=1, k=2, sync=False), x)
+    torch.cuda.synchronize()
+
+
 def test_from_coo_refuses_or_drops_edges_out_of_range():
     rows = torch.tensor([0, 1, 5], device="cuda")
     cols = torch.tensor([1, 0, 0], device="cuda")

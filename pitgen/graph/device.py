@@ -525,7 +525,7 @@ def _to_ell(csr: DeviceCSR, width: int | None) -> DeviceMatrix:
     torch = _torch()
     n_rows, n_cols = csr.shape
     dev = csr.indices.device
-    longest = int((csr.indptr[1:] - csr.indptr[:-1]).max()) if n_rows else 0  # the one sync
+    longest = max(0, int((csr.indptr[1:] - csr.indptr[:-1]).max())) if n_rows else 0  # 1 sync
     if width is not None and (not isinstance(width, int) or width < 0):
         raise PlanError(f"ELL width must be a non-negative integer, got {width!r}")
     w = longest if width is None else width
