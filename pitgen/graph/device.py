@@ -3,8 +3,9 @@ SparseTIR's hyb(c, k), so that a changing graph or mask never falls back to the 
 
 Each conversion runs the kernels of templates/convert.cu.j2 with torch's scans between passes;
 each needs one host synchronisation to size its buffers (ELL: the longest row; BSR: the number
-of blocks; hyb: the rows per bucket), and none is needed again for a matrix whose pattern is
-unchanged: ``to_format`` caches per (format, params) on its DeviceCSR, and
+of blocks; hyb: the rows per bucket), except hyb sized by bounds (``sync=False``), which needs
+none: a graph that changes every call (``DeviceCSR.from_coo``, no sync either) converts
+without waiting. ``to_format`` keeps a layout on its DeviceCSR while it is in use, and
 ``DeviceMatrix.with_values`` refills a layout from new CSR-order values on the GPU. Every layout
 keeps ``perm`` (slot -> CSR position, -1 for padding), so SDDMM results come back in CSR order.
 The NumPy references of every layout are in pitgen/formats.py; ``DeviceMatrix.to_host`` returns
