@@ -77,14 +77,21 @@ def _convert_kernels(dtype: str, src_dtype: str | None = None):
     return CONVERT.module({"dtype": dtype, "src_dtype": src_dtype or dtype})
 
 
-def _launch(kernels: Any, name: str, n: int, *args: Any) -> None:
+def _grid(n: int, per_block: int = THREADS) -> tuple[int, int, int]:
+    return (max(0, min(-(-n // per_block), MAX_GRID)), 1, 1)
+
+
+def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREADS) -> None:
     """Enqueue one grid-stride conversion kernel over n items on torch's current stream."""
-    if n > 0:
-        _launch_ctas(kernels, name, min(-(-n // THREADS), MAX_GRID), THREADS, *args)
+    if n <= 0:
+        return
+    with TorchLaunch() as tl:
+        kernels.launch(name, _grid(n, per_block), (THREADS, 1, 1), tl.stream,
+                       *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
 
 
 def _launch_ctas(kernels: Any, name: str, ctas: int, threads: int, *args: Any) -> None:
-    """Enqueue a kernel of ``ctas`` blocks on torch's current stream (tensors by address)."""
+    """Enqueue a kernel of ``ctas`` blocks (one tile of work each) on torch's current stream."""
     with TorchLaunch() as tl:
         kernels.launch(name, (ctas, 1, 1), (threads, 1, 1), tl.stream,
                        *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
@@ -126,8 +133,9 @@ class DeviceCSR:
         # a reference cycle whose GPU memory waits for the garbage collector (a graph that
         # changes every call would pile them up); a layout lives while someone uses it
         self._formats: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        # the "csr" view's launch closures, kept here: views are made per call
+        # the "csr" view's launch closures and counters, kept here: views are made per call
         self._csr_launches: dict = {}
+        self._csr_counters: dict = {}
         self._rows = None if rows is None else \
             check_tensor("rows", rows, ("int32",), 1, (self.indices.shape[0],))
         self._transposed: DeviceTranspose | None = None
@@ -490,7 +498,7 @@ def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> 
         return DeviceMatrix("csr", {}, csr.shape, csr.nnz, csr.dtype,
                             {"indptr": csr.indptr, "indices": csr.indices,
                              "values": csr.values, "rows": csr.row_ids()}, csr,
-                            launches=csr._csr_launches)
+                            counters=csr._csr_counters, launches=csr._csr_launches)
     elif fmt == "ell":
         _check_params(fmt, params, ("width",))
         m = _to_ell(csr, params.get("width"))

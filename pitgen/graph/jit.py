@@ -210,9 +210,9 @@ class FormatKernel:
             self._evict()
 
     def _evict(self) -> None:
-        """Drop the oldest kept matrix. A DeviceCSR built here also releases its transpose
-        (which references it back), so its memory goes now, not at the next garbage
-        collection; a caller's own DeviceCSR keeps its caches."""
+        """Drop the oldest kept matrix. A DeviceCSR built here releases its conversions (a
+        layout and its DeviceCSR reference each other), so its memory goes now, not at the
+        next garbage collection; a caller's own DeviceCSR keeps its cache."""
         _, (a, csr, _) = self._mats.popitem(last=False)
         if csr is not a:
             csr.release()
@@ -251,17 +251,18 @@ class FormatKernel:
         if feat < 1:
             raise ShapeError(f"feature width must be >= 1, got {feat}")
         csr, per_feat = self._entry(name, a)
+        if feat not in per_feat and self.dynamic:   # once per shape: no statistics, no sync
+            key = (csr.shape, feat)
+            if key not in self._by_shape:
+                self._by_shape[key] = self.choice(csr, feat)[:3]
+            fmt, params, sched = self._by_shape[key]
+            if fmt == "hyb" and params.get("c", 1) > 1 and not csr.sorted_columns:
+                params = {**params, "c": 1}   # column parts need ordered columns
+            mat = csr if fmt == "csr" else to_format(csr, fmt, sync=False, **params)
+            per_feat[feat] = (mat, (fmt, params, sched))
         if feat not in per_feat:
-            if self.dynamic:   # chosen once per shape: no statistics, no sync
-                key = (csr.shape, feat)
-                if key not in self._by_shape:
-                    self._by_shape[key] = self.choice(csr, feat)[:3]
-                (fmt, params, sched), stats = self._by_shape[key], None
-                if fmt == "hyb" and params.get("c", 1) > 1 and not csr.sorted_columns:
-                    params = {**params, "c": 1}   # column parts need ordered columns
-            else:
-                fmt, params, sched, stats = self.choice(csr, feat)
-            mat = csr if fmt == "csr" else to_format(csr, fmt, sync=not self.dynamic, **params)
+            fmt, params, sched, stats = self.choice(csr, feat)
+            mat = csr if fmt == "csr" else to_format(csr, fmt, **params)
             if stats is not None:  # an explicit format, its parameters valid (converted)
                 warn_if_slow(stats, self.op, feat, self.dtype, fmt, params,
                              graph_ops.resolve_schedule(sched, self.op, fmt, feat, self.dtype),
