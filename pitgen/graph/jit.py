@@ -210,9 +210,9 @@ class FormatKernel:
             self._evict()
 
     def _evict(self) -> None:
-        """Drop the oldest kept matrix. A DeviceCSR built here releases its conversions (a
-        layout and its DeviceCSR reference each other), so its memory goes now, not at the
-        next garbage collection; a caller's own DeviceCSR keeps its cache."""
+        """Drop the oldest kept matrix. A DeviceCSR built here also releases its transpose
+        (which references it back), so its memory goes now, not at the next garbage
+        collection; a caller's own DeviceCSR keeps its caches."""
         _, (a, csr, _) = self._mats.popitem(last=False)
         if csr is not a:
             csr.release()

@@ -280,7 +280,7 @@ def _spmm_launch(m: DeviceMatrix, x: Tensor, schedule: Mapping | None, out: Any,
         if info.get("exact", True):
             grid = sum(-(-rows // (threads // ctx_b["group"]))
                        for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
-        else:   # a bound: CTAs past a bucket's live rows go on to the next; the last ones exit
+        else:   # a bound: CTAs past the live buckets' (table) and empty rows' ranges exit
             grid = -(-info["brows"] // min(threads // bk["group"] for bk in ctx["buckets"])) \
                 + len(ctx["buckets"])
         grid += -(-n_zero * feat // threads)
