@@ -10,7 +10,7 @@
  * rule:        block 64x64 of A: no axis is permuted; the index lists the non-zero
  *              blocks of each block-row and the kernel reads only those (SRead of whole blocks)
  * granularity: 64 along m x 64 along k of A: zeros are skipped in units of this size
- * tile:        64x256x64 (m x n x k), 8 warps, 2 stages, 86016 bytes of shared memory
+ * tile:        64x256x64 (m x n x k), 8 warps, 2 stages, 106496 bytes of shared memory
  * dtype:       float16 operands, fp32 accumulation
  * arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
  * variants:    chosen per call from the extents and pointers:

@@ -191,6 +191,12 @@ SCHEDULES = {128: (128, 64, 2, 4, 3), 64: (256, 32, 2, 4, 4), 32: (256, 32, 1, 4
              16: (128, 32, 1, 4, 3)}
 
 
+#: Copies per thread and k-step of a B' tile that no vector load can move (an unaligned or
+#: odd-strided B'), beyond which the default BN halves (down to 64): each copy is an unrolled
+#: scalar load with its own pointer, and a 256-wide tile of them (128 per thread) took nvcc
+#: 15 s to compile, against 3 s for the same kernel at this cap.
+SCALAR_CHUNKS = 32
+
 #: Devices whose tile kernels run on wgmma (compiled for sm_90a); others keep mma.sync.
 WGMMA_ARCHS = ("sm_90",)
 #: Dynamic shared memory one wgmma CTA may use (one CTA per SM).
@@ -396,6 +402,9 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         b_nc, b_vec = False, _vec(dtype, layout.K, layout.sb[1], layout.align_b)
     else:
         b_nc, b_vec = True, 1
+    if schedule == Schedule() and b_vec == 1:   # scalar copies of B': see SCALAR_CHUNKS
+        while bn > 64 and bk * bn // (32 * wm * wn) > SCALAR_CHUNKS:
+            bn //= 2
     pair = 2 * DTYPES[dtype]
     c_pair = (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
               and layout.align_c % pair == 0)

@@ -398,12 +398,24 @@ def current_stream(device: int | None = None) -> int:
                                               else device)
 
 
+def capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph. Launches then take fresh
+    buffers (from the graph's private memory pool) instead of the per-stream buffers and
+    counters they reuse between eager calls: graphs captured on one stream (torch's default
+    capture stream) would otherwise share them, and race when replayed on two streams at once."""
+    import torch
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
 def stream_counters(by_stream: dict[int, Any], stream: int, size: int, device: Any) -> Any:
     """At least ``size`` int32 counters for launches on ``stream`` (a CUstream handle, as
     :class:`TorchLaunch` gives) whose kernels leave them zero again: zeroed once per stream in
     ``by_stream`` (and again when a launch needs more), so launches on one stream, which run in
-    order, share them and none has to clear them first."""
+    order, share them and none has to clear them first. A call captured into a CUDA graph gets
+    fresh ones, zeroed by a captured memset on every replay (``capturing``)."""
     import torch
+    if capturing():
+        return torch.zeros(max(size, 1), dtype=torch.int32, device=device)
     buf = by_stream.get(stream)
     if buf is None or buf.numel() < size:
         buf = by_stream[stream] = torch.zeros(max(size, 1), dtype=torch.int32, device=device)

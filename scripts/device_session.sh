@@ -13,7 +13,7 @@
 #             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
 #   host      host time per steady-state call of each public op beside torch's
-#             (scripts/host_time.py; results in $LOGS/host.json)
+#             (scripts/host_time.py; results in $LOGS/host.json and host.md)
 #   matmul, attention, moe, training, graphs, dynamic, rgcn, sage, conv, peers
 #             one part of the benchmark suite (python3 -m pitgen.bench PART, i.e. pitgen bench;
 #             STEP_ARGS adds options), results under $LOGS/bench
@@ -86,7 +86,7 @@ for step in "$@"; do
     profile)
       timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
     host)
-      timeout 150 python3 scripts/host_time.py --json "$LOGS/host.json" >"$LOGS/host.log" 2>&1; r=$?
+      timeout 200 python3 scripts/host_time.py --json "$LOGS/host.json" --md "$LOGS/host.md" >"$LOGS/host.log" 2>&1; r=$?
       echo "host: exit $r"; grep -v Warning "$LOGS/host.log" | head -18; rc=$((rc | r)) ;;
     matmul|attention|moe|training|graphs|dynamic|rgcn|sage|conv|peers|bench)
       part=$step limit=300; [ $step = peers ] && limit=400; [ $step = bench ] && part= limit=570

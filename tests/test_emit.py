@@ -179,14 +179,15 @@ def _runs_as(got: GemmSpec, ref: GemmSpec) -> bool:
     A shared-memory orientation only matters for copies wider than one element (lowering may
     pick the other one for an extent of 1, where both strides are 1). A row kernel's row block
     (lowering takes a shorter one for a short M) and the stages its accumulator leaves room for
-    are free: the kernel and its index share them, and any gives the same sums."""
+    are free: the kernel and its index share them, and any gives the same sums; so are the BN
+    of a kernel that copies B' one element at a time and the stages that BN leaves room for."""
     free = {"a_vec": 0, "b_vec": 0, "c_pair": False, "c_mfast": False}
     if got.a_mode == "rows":
         free.update(bm=0, stages=0)
     if got.a_vec == 1:
         free["a_smem_kcontig"] = False
-    if got.b_vec == 1:
-        free["b_smem_ncontig"] = False
+    if got.b_vec == 1:   # scalar copies of B' take a narrower BN (lower.SCALAR_CHUNKS)
+        free.update(b_smem_ncontig=False, bn=0, stages=0)
     return (got.a_vec <= ref.a_vec and got.b_vec <= ref.b_vec and (ref.c_pair or not got.c_pair)
             and replace(got, **free) == replace(ref, **free))
 

@@ -130,3 +130,89 @@ def test_moe_checks_are_memoised_per_layout_and_still_refuse_bad_calls():
         bad = ids.clone()
         bad[3] = 9
         moe_ffn(x, bad, gates, w1, w2)  # check=True still reads the verdict every call
+
+
+def _moe_case(seed: int, T: int = 96):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, 64, device="cuda", dtype=torch.float16, generator=g)
+    ids = torch.randint(0, 4, (T, 1), device="cuda", dtype=torch.int32, generator=g)
+    gates = torch.rand(T, 1, device="cuda", generator=g)
+    return x, ids, gates
+
+
+def test_graphs_captured_on_one_stream_share_no_buffers():
+    """Two graphs captured on torch's default capture stream, replayed at once on two streams:
+    each gives its own answer (captured calls take fresh index buffers, scratch and counters,
+    not the per-stream ones eager calls keep, which the two graphs would share)."""
+    from pitgen.ops.attention import sparse_attention
+    from pitgen.ops.moe import moe_ffn
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w1 = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16, generator=g) / 8
+    w2 = torch.randn(4, 128, 64, device="cuda", dtype=torch.float16, generator=g) / 11
+    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile="32x1")
+    b = torch.randn(256, 64, device="cuda", dtype=torch.float16)
+    qkv = [torch.randn(1, 2, 192, 64, device="cuda", dtype=torch.float16, generator=g)
+           for _ in range(3)]
+
+    def ops(case):
+        a, (x, ids, gates), mask = case
+        return (kern(a, b), moe_ffn(x, ids, gates, w1, w2, check=False),
+                sparse_attention(*qkv, mask))
+
+    cases = [(sparse_a(192, 256, d, s), _moe_case(s),
+              torch.rand(192, 192, device="cuda", generator=g) < d)
+             for d, s in ((0.1, 11), (0.6, 12))]
+    for case in cases:   # plan, compile and load outside the captures
+        ops(case)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for case in cases:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(ops(case))
+        graphs.append(graph)
+    want = [ops(case) for case in cases]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(20):
+        for out in outs:
+            for o in out:
+                o.fill_(float("nan"))
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        for graph, s in zip(graphs, streams):
+            with torch.cuda.stream(s):
+                graph.replay()
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for got, exp in zip(outs, want):
+            for o, w in zip(got, exp):
+                torch.testing.assert_close(o, w, rtol=0, atol=0)
+
+
+def test_threads_on_one_stream_keep_their_calls_apart():
+    """Worker threads calling the matmul and the MoE layer on the same (default) stream, each
+    with its own operands: every answer is its own (a call's launches over the per-stream
+    buffers it reuses are enqueued under a lock)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pitgen.ops.moe import moe_ffn
+    g = torch.Generator(device="cuda").manual_seed(8)
+    w1 = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16, generator=g) / 8
+    w2 = torch.randn(4, 128, 64, device="cuda", dtype=torch.float16, generator=g) / 11
+    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile="32x1")
+    b = torch.randn(256, 64, device="cuda", dtype=torch.float16)
+    cases = [(sparse_a(192, 256, 0.05 + 0.1 * s, 20 + s), _moe_case(20 + s)) for s in range(8)]
+    want = [(kern(a, b), moe_ffn(x, ids, gates, w1, w2, check=False)) for a, (x, ids, gates)
+            in cases]
+
+    def work(case):
+        a, (x, ids, gates) = case
+        return [(kern(a, b), moe_ffn(x, ids, gates, w1, w2, check=False)) for _ in range(10)]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(work, cases))
+    torch.cuda.synchronize()
+    for runs, exp in zip(got, want):
+        for run in runs:
+            for o, w in zip(run, exp):
+                torch.testing.assert_close(o, w, rtol=0, atol=0)

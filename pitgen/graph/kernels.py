@@ -318,8 +318,9 @@ def _launch_key(x: Any, out: Any, schedule: Mapping | None, spec: OpSpec | None)
     if key is None:
         return None
     try:
-        sched = None if schedule is None else tuple(sorted(
-            (k, tuple(v) if isinstance(v, list) else v) for k, v in schedule.items()))
+        # in the dict's order: equal schedules in another order only get a closure of their own
+        sched = None if schedule is None else tuple(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in schedule.items())
         hash(sched)
     except TypeError:
         return None

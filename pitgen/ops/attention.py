@@ -510,7 +510,8 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     vec = _vector_mask(plan, mask)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream,
-                   *_index_args(plan, mask.data_ptr(), counters, _offsets(plan), buf.data_ptr()))
+                   *_index_args(plan, mask.data_ptr(), counters.data_ptr(), _offsets(plan),
+                                buf.data_ptr()))
     return _index_views(plan, buf)
 
 
@@ -519,12 +520,12 @@ def _offsets(plan: AttentionPlan) -> dict[str, int]:
     return {name: off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]}
 
 
-def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> int:
-    """Address of the index pass's counters on ``stream`` (zero between launches): per (slice,
-    query block) a 64-bit mask of the rows that miss some key, then per (slice, query block) and
-    per slice a done counter (int32)."""
-    return stream_counters(by_stream, stream, plan.slices * (3 * plan.n_qb + 1),
-                           device).data_ptr()
+def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> Any:
+    """The index pass's counters on ``stream`` (zero between launches): per (slice, query
+    block) a 64-bit mask of the rows that miss some key, then per (slice, query block) and per
+    slice a done counter (int32). The caller holds the tensor until its launch is enqueued (a
+    captured call's are fresh: runtime.stream_counters)."""
+    return stream_counters(by_stream, stream, plan.slices * (3 * plan.n_qb + 1), device)
 
 
 #: device index -> runtime.stream_counters cache of the dense-row tiles' merge counters (the
@@ -534,7 +535,7 @@ _MERGE = cache.memo("attention.merge_counters")
 
 def _dense_args(plan: AttentionPlan, mask: Any, stream: int, device: Any) -> tuple[tuple, Any]:
     """The attention kernel's dense-row tile arguments (nQB, parts per tile, tiles per slice,
-    workspace, merge counters) and the workspace tensor (kept alive by the caller until the
+    workspace, merge counters) and the tensors behind them (kept alive by the caller until the
     launch is enqueued); a call without a mask has no dense rows: null pointers."""
     import torch
     if mask is None:
@@ -542,7 +543,8 @@ def _dense_args(plan: AttentionPlan, mask: Any, stream: int, device: Any) -> tup
     ws = torch.empty(plan.dense_workspace, dtype=torch.float32, device=device)
     merge = stream_counters(_MERGE.setdefault(device.index, {}), stream,
                             plan.batch * plan.heads * plan.dense_tiles, device)
-    return (plan.n_qb, plan.dense_split, plan.dense_tiles, ws.data_ptr(), merge.data_ptr()), ws
+    return ((plan.n_qb, plan.dense_split, plan.dense_tiles, ws.data_ptr(), merge.data_ptr()),
+            (ws, merge))
 
 
 def _index_args(plan: AttentionPlan, mask: int, counters: int, offsets: dict[str, int],
@@ -629,7 +631,7 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                    else _given_index(plan, index, q.device))
         sb, sh = plan.mask_strides
         name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
-        dense, _ws = _dense_args(plan, mask, launch.stream, q.device)
+        dense, _keep = _dense_args(plan, mask, launch.stream, q.device)
         kernels.launch(name, plan.forward_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), _ptr(mask),
@@ -770,32 +772,50 @@ def _ops() -> Any:
 class _EagerForward:
     """The forward of one call signature (``raw_key`` of q, k, v and mask, is_causal,
     return_lse) with everything but the data decided once: plan, kernels bound to their grids
-    and shared memory, the mask read in place, the static index of a mask-free call. A
-    steady-state eager call without autograd allocates out (and lse) and one index buffer and
-    makes two driver launches (one without a mask): issue 16's host-time budget."""
+    and shared memory, the mask read in place, the static index of a mask-free call, every
+    argument that is not an address, and the index buffer's layout with the dense-row
+    workspace behind it. A steady-state eager call without autograd allocates out (and lse)
+    and that one buffer and makes two driver launches (one without a mask): issue 16's
+    host-time budget. The index pass's and the merge's counters are this forward's own, per
+    stream (zero between launches; fresh while the stream captures a graph)."""
 
-    __slots__ = ("plan", "lse_shape", "static", "index", "attend", "sizes", "walked",
-                 "counters", "mask_strides", "default_scale")
+    __slots__ = ("plan", "lse_shape", "static", "static_ptrs", "index", "attend", "size",
+                 "arrays", "walked", "index_counters", "merge_counters", "sizes", "dense", "ws",
+                 "default_scale", "device")
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
                  device: Any) -> None:
         kernels = ATTENTION.module(plan)
         vec = _vector_mask(plan, mask)
-        self.plan = plan
+        self.plan, self.device = plan, device
         self.lse_shape = (plan.batch, plan.heads, plan.sq) if want_lse else None
         self.static = None if mask is not None else _static_index(plan, causal, device)
+        #: the attention kernel's index addresses of a call without a mask (the static index)
+        self.static_ptrs = None if mask is not None else tuple(
+            getattr(self.static, n).data_ptr() for n in ("states", "order", "counts", "keys",
+                                                         "bits", "dense", "drows", "dcount"))
         self.index = None if mask is None else kernels.bind(
             "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
             (INDEX_THREADS, 1, 1))
         self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
                                    plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem)
-        #: the index buffer (_index_layout): its size and the offsets of its arrays
-        layout, size = _index_layout(plan, plan.gather_cap)
-        self.sizes = size, {name: off for name, _, _, off in layout}
+        #: the index buffer (_index_layout), then the dense rows' float32 workspace (a call
+        #: with a mask); the arrays' offsets in the index kernel's argument order
+        layout, index_bytes = _index_layout(plan, plan.gather_cap)
+        offsets = {name: off for name, _, _, off in layout}
+        self.arrays = tuple(offsets[n] for n in ("states", "blocks", "order", "counts", "keys",
+                                                 "bits", "dense", "drows", "dcount", "cols",
+                                                 "work"))
+        self.ws = -(-index_bytes // 256) * 256
+        self.size = self.ws + 4 * plan.dense_workspace
         #: the layout entries of the arrays the custom op returns for the backward
         self.walked = [entry[1:] for entry in layout if entry[0] in ("blocks", "order")]
-        self.counters = _COUNTERS.setdefault(device.index, {})
-        self.mask_strides = plan.mask_strides
+        #: stream handle -> this forward's index and merge counters there (stream_counters)
+        self.index_counters: dict[int, Any] = {}
+        self.merge_counters: dict[int, Any] = {}
+        sb, sh = plan.mask_strides
+        self.sizes = (plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb)
+        self.dense = (plan.n_qb, plan.dense_split, plan.dense_tiles)
         self.default_scale = 1.0 / math.sqrt(plan.d)
 
     @staticmethod
@@ -805,6 +825,14 @@ class _EagerForward:
         return (index is None and q.numel() > 0 and plan.sk > 0
                 and (mask is None or (mask.is_contiguous()
                                       and _mask_shape(mask) == tuple(mask.shape))))
+
+    def _counters(self, stream: int) -> tuple[Any, Any]:
+        """This forward's index counters (``_counters``' layout) and merge counters on
+        ``stream`` (runtime.stream_counters; held by the call until its launches are enqueued)."""
+        plan = self.plan
+        return (_counters(plan, self.index_counters, stream, self.device),
+                stream_counters(self.merge_counters, stream,
+                                plan.batch * plan.heads * plan.dense_tiles, self.device))
 
     def __call__(self, q: Any, k: Any, v: Any, mask: Any, scale: float | None,
                  with_index: bool = False) -> Any:
@@ -820,22 +848,23 @@ class _EagerForward:
         with TorchLaunch() as launch:
             s = launch.stream
             if mask is None:
-                p = {name: x.data_ptr() for name, x in self.static._asdict().items()}
-                mptr, cap = 0, 0
+                states, order, counts, keys, bits, dense, drows, dcount = self.static_ptrs
+                mptr = cap = ws = merge = 0
             else:
-                size, offsets = self.sizes
-                buf = torch.empty(size, dtype=torch.uint8, device=q.device)
-                p = {name: buf.data_ptr() + off for name, off in offsets.items()}
-                mptr, cap = mask.data_ptr(), plan.gather_cap
-                self.index(s, *_index_args(plan, mptr, _counters(plan, self.counters, s, q.device),
-                                           offsets, buf.data_ptr()))
-            sb, sh = self.mask_strides
-            dense, _ws = _dense_args(plan, mask, s, q.device)
+                held = self._counters(s)
+                counters, merge = held[0].data_ptr(), held[1].data_ptr()
+                buf = torch.empty(self.size, dtype=torch.uint8, device=q.device)
+                base = buf.data_ptr()
+                arrays = [base + off for off in self.arrays]
+                states, _, order, counts, keys, bits, dense, drows, dcount = arrays[:9]
+                mptr, cap, ws = mask.data_ptr(), plan.gather_cap, base + self.ws
+                qdone = counters + 8 * plan.slices * plan.n_qb
+                self.index(s, mptr, plan.sq, plan.sk, plan.n_kb, *arrays, counters, qdone,
+                           qdone + 4 * plan.slices * plan.n_qb, cap)
             self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                        0 if lse is None else lse.data_ptr(), mptr, p["states"], p["order"],
-                        plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb,
-                        scale * math.log2(math.e), p["counts"], p["keys"], p["bits"], cap,
-                        p["dense"], p["drows"], p["dcount"], *dense)
+                        0 if lse is None else lse.data_ptr(), mptr, states, order, *self.sizes,
+                        scale * math.log2(math.e), counts, keys, bits, cap, dense, drows, dcount,
+                        *self.dense, ws, merge)
         if with_index:
             if mask is None:
                 return out, lse, self.static.blocks.clone(), self.static.order.clone()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..checks import dtype_name
 from ..coverage import plan_on_device
@@ -17,7 +17,8 @@ from ..operands import (Operand, Workspace, align, as_operand, bind_operands, co
                         distinct_strides, raw_key, signature)
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
-from ..runtime import TorchLaunch, device_arch, device_sms, memset_d32, tensor_map
+from ..runtime import (TorchLaunch, capturing, device_arch, device_sms, memset_d32,
+                       tensor_map)
 from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
 
 #: The GEMM module (index build, tile kernel, the K = 0 pass). Its permutations depend on the
@@ -107,6 +108,7 @@ class Launcher:
         #: held while a reusing call enqueues its index build and tile kernel, so that two
         #: threads on one stream cannot interleave their launches over one index buffer
         self.lock = threading.Lock()
+        self._torch_call: Callable[[Any, Any, Any, int], Any] | None = None
 
     def scratch(self, stream: int | None, words: int, dtype: str) -> Any:
         """This launcher's reusable buffer of ``words`` elements for launches on ``stream``."""
@@ -135,6 +137,65 @@ class Launcher:
         return buf, half, this, other
 
 
+    def torch_call(self) -> Callable[[Any, Any, Any, int], Any]:
+        """``call(a, b, out, mask_ptr) -> out``: a steady-state call on plain torch tensors
+        (SparseKernel.__call__ once this launcher is known for their raw attributes), the same
+        launches as ``GemmCall(..., reuse=True).run()`` with everything but the pointers and
+        the stream decided here, once: kernels bound to their grids, argument tuples built, the
+        index buffers and counts pair per stream. A call allocates its output and makes its
+        driver calls (index pass, tile kernel; wgmma: the m-tile order between), nothing else."""
+        if self._torch_call is None:
+            self._torch_call = self._make_torch_call()
+        return self._torch_call
+
+    def _make_torch_call(self) -> Callable[[Any, Any, Any, int], Any]:
+        g, geo, ix = self.spec.gemm, self.geo, self.spec.index
+        if self.vendor or ix is None or self.M * self.N * self.K == 0:
+            def general(a: Any, b: Any, out: Any, mask_ptr: int) -> Any:
+                return GemmCall(self, a, b, out, mask_ptr, reuse=True).run()
+            return general
+        import torch
+        shape, dtype, lock, n = self.out_shape, getattr(torch, self.dtype), self.lock, geo.groups
+        index_args, mask_strides, sizes = geo.index_args, self.mask_strides, self.sizes
+        index = self.mod.bind("pit_build_index", geo.index_grid, (256, 1, 1))
+        wgmma = g.mainloop == "wgmma"
+        if wgmma:
+            order = self.mod.bind("pit_gemm_sm90_order", (1, 1), (1024, 1, 1))
+            tile = self.mod.bind("pit_gemm_sm90", geo.grid, (g.threads, 1, 1), self.smem)
+        else:
+            tile = self.mod.bind("pit_gemm", geo.grid, (g.threads, 1, 1), self.smem)
+        empty, by_stream = torch.empty, {}
+
+        def buffers(stream: int) -> tuple[int, int]:
+            """(ids, packed A') addresses of this stream's index buffers (build_index's)."""
+            ids = self.scratch(stream, self.index_words, "int32").data_ptr() + 4 * n
+            pack = self.scratch(stream, n * geo.cap * ix.long_extent, self.dtype).data_ptr() \
+                if ix.pack else 0
+            by_stream[stream] = ids, pack
+            return ids, pack
+
+        def call(a: Any, b: Any, out: Any, mask_ptr: int) -> Any:
+            if capturing():   # fresh index buffers: nothing shared between graphs
+                return GemmCall(self, a, b, out, mask_ptr).run()
+            if out is None:
+                out = empty(shape, dtype=dtype, device=a.device)
+            a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
+            with TorchLaunch() as launch, lock:
+                stream = launch.stream
+                ids, pack = by_stream.get(stream) or buffers(stream)
+                _, _, counts, zero = self.counts_pair(stream)
+                index(stream, a_ptr, *index_args, counts, ids, pack, mask_ptr, *mask_strides,
+                      zero)
+                if wgmma:
+                    order_ptr = ids + 4 * n * geo.cap
+                    order(stream, counts, order_ptr, n)
+                    tile(stream, *self.tensor_maps(a_ptr, b_ptr), pack or a_ptr, b_ptr,
+                         out.data_ptr(), counts, ids, order_ptr, *sizes)
+                else:
+                    tile(stream, pack or a_ptr, b_ptr, out.data_ptr(), counts, ids, *sizes)
+            return out
+        return call
+
     def tensor_maps(self, a_ptr: int, b_ptr: int) -> tuple[bytes, bytes]:
         """The wgmma kernel's TMA descriptors of A' and B' at these addresses, box for box as
         its shared-memory tiles."""
@@ -155,13 +216,15 @@ class GemmCall:
     handle; None or 0: the legacy default stream); nothing waits. ``a`` and ``b`` are the
     sparse and the dense operand (torch tensors or GPUArrays, as the launcher was built for).
     The index goes to fresh buffers (``counts``/``ids`` stay the caller's), or with
-    ``reuse=True`` to the launcher's per-stream buffers (``__call__``: nothing allocated for it).
+    ``reuse=True`` to the launcher's per-stream buffers (``__call__``: nothing allocated for it;
+    not while the stream captures a CUDA graph).
     """
 
     def __init__(self, launcher: Launcher, a: Any, b: Any, out: Any | None, mask_ptr: int = 0,
                  reuse: bool = False):
         self.L = L = launcher
-        self.a, self.b, self.mask_ptr, self.reuse = a, b, mask_ptr, reuse
+        self.a, self.b, self.mask_ptr = a, b, mask_ptr
+        self.reuse = reuse and not (L.is_torch and capturing())   # see runtime.capturing
         self.a_ptr, self.b_ptr = Workspace.ptr(a), Workspace.ptr(b)
         self.out = out if out is not None else Workspace(L.is_torch).alloc(L.out_shape, L.dtype)
         self.c_ptr = Workspace.ptr(self.out)
@@ -403,13 +466,16 @@ class SparseKernel:
         ``torch.library`` op ``pitgen::matmul``, which the graph holds as one op. There is no
         backward: operands that require grad (grad mode on) raise
         :class:`pitgen.errors.BackwardError`."""
-        if not kwargs and not tracing():  # plain tensors seen before: straight to the launch
+        if not kwargs:  # plain tensors seen before (none while tracing): straight to the launch
             fast = _torch_key(args, out, mask, accumulate)
             launcher = self._fast.get(fast) if fast is not None else None
             if launcher is not None:
-                if any(x.requires_grad for x in args):
-                    no_backward("pitgen::matmul (a compiled SparseKernel)", *args)
-                return self._call(launcher, args, out, mask, reuse=True).run()
+                for x in args:
+                    if x.requires_grad:
+                        no_backward("pitgen::matmul (a compiled SparseKernel)", *args)
+                ia, ib = self._ab
+                return launcher.torch_call()(args[ia], args[ib], out,
+                                             0 if mask is None else mask.data_ptr())
         tensors = self._torch_operands(args, kwargs)
         if tensors is not None:
             no_backward("pitgen::matmul (a compiled SparseKernel)", *tensors)

@@ -13,6 +13,8 @@ skipped (they contribute nothing). ``moe_ffn(..., check=True)`` refuses such ids
 """
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,7 +25,7 @@ from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, memset_d32, stream_counters
+from ..runtime import TorchLaunch, capturing, memset_d32, stream_counters
 from . import lazy_torch_classes
 from .library import ops, tracing
 
@@ -31,13 +33,17 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 ACTIVATIONS = ("relu", "gelu", "silu", "identity")
+#: scratch bytes (routing index, intermediate, fp32 sums) up to which a layer keeps its scratch
+#: per stream between calls (one allocation less per call: decode-sized batches); a larger one
+#: comes from torch's caching allocator every call, its host cost small against the kernels
+KEPT_SCRATCH = 1 << 22
 GEMM1 = "I[t,f] += X[t,h] * W1[h,f]"
 GEMM2 = "Y[t,o] += I[t,f] * W2[f,o]"
 
 MOE = OpSpec(
     "moe", "moe.cu.j2",
     # PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2
-    {"moe_route": "PiiiPPPPPPP", "moe_place": "PPPiiPPi",
+    {"moe_route": "PiiiPPPPPPPPPi", "moe_place": "PPPiiPPi",
      "moe_gemm1": "PPPPPPPPPiiiii", "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq"},
     permutes=(
         # tokens gathered into per-expert row blocks (SRead), any order within an expert ...
@@ -174,13 +180,15 @@ class _Launch:
     """moe_ffn's launches for one plan, decided once: kernels bound to their grids and shared
     memory, and one scratch allocation laid out as the routing index's int32 words (counts,
     rank, offsets, row_pair, tile_e, tile_r, ntiles), the intermediate [pairs, F] and, for
-    topk > 1, the fp32 sums [T, H], each at a 128-byte boundary. A steady-state call allocates
-    y and the scratch and makes four launches (routing, placing, the two expert GEMMs; top-k > 1:
-    a driver memset of the fp32 sums first and a finishing pass last): nothing else (issue 16's
-    host time). The routing counters live apart, per stream, zero between launches."""
+    topk > 1, the fp32 sums [T, H], each at a 128-byte boundary (kept per stream when small:
+    ``_scratch``). A steady-state call allocates y and makes its launches: routing, placing
+    (done by the routing launch itself when it is one block: P <= INDEX_THREADS), the two
+    expert GEMMs; top-k > 1: a driver memset of the fp32 sums first and a finishing pass last.
+    Nothing else (issue 16's host time). The routing counters are this plan's own, per stream,
+    zero between launches."""
 
     __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "route_index",
-                 "place", "gemm1", "gemm2", "finish")
+                 "place", "gemm1", "gemm2", "finish", "pending", "kept")
 
     def __init__(self, plan: MoEPlan) -> None:
         kernels = MOE.module(plan)
@@ -196,24 +204,43 @@ class _Launch:
         self.bytes = (ints, inter, 0 if self.direct else T * H * 4)
         index, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
         self.route_index = kernels.bind("moe_route", index, block)
-        self.place = kernels.bind("moe_place", index, block)
+        self.place = None if index[0] == 1 else kernels.bind("moe_place", index, block)
         self.gemm1 = kernels.bind("moe_gemm1", plan.gemm_grid(F), (plan.threads, 1, 1), plan.smem)
         self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), (plan.threads, 1, 1), plan.smem)
         self.finish = None if self.direct else kernels.bind(
             "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
+        #: stream handle -> moe_route's counters there (runtime.stream_counters)
+        self.pending: dict[int, Any] = {}
+        #: stream handle -> (this plan's scratch there, its lock), see _scratch
+        self.kept: dict[int, tuple[Any, Any]] = {}
 
     def route(self, stream: int, ids: int, base: int, device: Any, y: int = 0) -> tuple[int, ...]:
         """Enqueue the routing index build into the words at ``base``; their addresses. ``y``
         (top-1): the output, whose rows of tokens with an out-of-range id are zeroed."""
         plan = self.plan
         counts, rank, offsets, row_pair, tile_e, tile_r, ntiles = (base + o for o in self.offsets)
-        pending = stream_counters(_PENDING.setdefault(device.index, {}), stream,
-                                  plan.experts + 1, device).data_ptr()
-        self.route_index(stream, ids, plan.pairs, plan.experts, plan.max_tiles, pending, counts,
-                         rank, offsets, tile_e, tile_r, ntiles)
-        self.place(stream, ids, rank, offsets, plan.pairs, plan.experts, row_pair, y,
-                   plan.hidden)
+        pending = stream_counters(self.pending, stream, plan.experts + 1, device)  # held
+        self.route_index(stream, ids, plan.pairs, plan.experts, plan.max_tiles, pending.data_ptr(),
+                         counts, rank, offsets, tile_e, tile_r, ntiles, row_pair, y, plan.hidden)
+        if self.place is not None:
+            self.place(stream, ids, rank, offsets, plan.pairs, plan.experts, row_pair, y,
+                       plan.hidden)
         return counts, rank, offsets, row_pair, tile_e, tile_r, ntiles
+
+    def _scratch(self, stream: int, device: Any) -> tuple[Any, Any]:
+        """(scratch tensor, lock held while its launches are enqueued, or None): this plan's
+        kept scratch on ``stream`` when it is at most KEPT_SCRATCH bytes and the stream is not
+        capturing a graph (stream order keeps calls on one stream apart; the lock keeps two
+        threads from interleaving their launches over it), else a fresh one."""
+        import torch
+        size = sum(self.bytes)
+        if size > KEPT_SCRATCH or capturing():
+            return torch.empty(size, dtype=torch.uint8, device=device), None
+        kept = self.kept.get(stream)
+        if kept is None:
+            kept = self.kept[stream] = (torch.empty(size, dtype=torch.uint8, device=device),
+                                        threading.Lock())
+        return kept
 
     def __call__(self, x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any,
                  b2: Any) -> Any:
@@ -223,29 +250,27 @@ class _Launch:
         g = gates if gates.dtype == torch.float32 and gates.is_contiguous() else \
             gates.to(torch.float32).contiguous()
         y = torch.empty_like(x)
-        ints, inter, sums = self.bytes
-        scratch = torch.empty(ints + inter + sums, dtype=torch.uint8, device=x.device)
-        base = scratch.data_ptr()
-        ws = y.data_ptr() if self.direct else base + ints + inter
+        yp = y.data_ptr()
+        ints, inter, _ = self.bytes
         with TorchLaunch() as launch:
             s = launch.stream
-            if not self.direct:  # the fp32 sums the experts add into start at zero
-                memset_d32(ws, 0, T * H, s)
-            _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
-                s, expert_ids.data_ptr(), base, x.device, y.data_ptr() if self.direct else 0)
-            idx = (row_pair, tile_e, tile_r, offsets, ntiles)
-            self.gemm1(s, x.data_ptr(), w1.data_ptr(), 0 if b1 is None else b1.data_ptr(),
-                       base + ints, *idx, T, topk, E, H, F)
-            self.gemm2(s, base + ints, w2.data_ptr(), 0 if b2 is None else b2.data_ptr(),
-                       y.data_ptr(), ws, g.data_ptr(), *idx, T, topk, E, F, H, int(self.direct))
-            if self.finish is not None:
-                self.finish(s, ws, y.data_ptr(), np.int64(T * H))
+            scratch, lock = self._scratch(s, x.device)
+            base = scratch.data_ptr()
+            ws = yp if self.direct else base + ints + inter
+            with lock or nullcontext():
+                if not self.direct:  # the fp32 sums the experts add into start at zero
+                    memset_d32(ws, 0, T * H, s)
+                _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
+                    s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0)
+                idx = (row_pair, tile_e, tile_r, offsets, ntiles)
+                self.gemm1(s, x.data_ptr(), w1.data_ptr(), 0 if b1 is None else b1.data_ptr(),
+                           base + ints, *idx, T, topk, E, H, F)
+                self.gemm2(s, base + ints, w2.data_ptr(), 0 if b2 is None else b2.data_ptr(),
+                           yp, ws, g.data_ptr(), *idx, T, topk, E, F, H, int(self.direct))
+                if self.finish is not None:
+                    self.finish(s, ws, yp, np.int64(T * H))
         return y
 
-
-#: device index -> runtime.stream_counters cache of moe_route's expert counters and done
-#: counter (the kernel zeroes them again after use)
-_PENDING = cache.memo("moe.pending")
 
 #: MoEPlan -> its _Launch
 _LAUNCHES = cache.memo("moe.launches")
@@ -275,7 +300,7 @@ def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[
     return Routing(counts, offsets, row_pair, tile_e, tile_r), ntiles
 
 
-#: (raw_key of moe_ffn's tensors, activation) -> the plan their validation gave
+#: (raw_key of moe_ffn's tensors, activation) -> the launches their validation gave
 #: (operands.validated)
 _CHECKED = cache.memo("moe.checked")
 
@@ -303,17 +328,26 @@ def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2
     return plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
 
 
-def _checked_plan(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
-                  activation: str) -> MoEPlan:
-    """``_validate`` and the operands' alignment, memoised per call signature (raw_key)."""
+def _checked(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
+             activation: str) -> _Launch:
+    """``_validate`` and the operands' alignment, then the plan's launches, memoised per call
+    signature (raw_key): a steady-state call finds its launches with one lookup."""
     key = raw_key(x, expert_ids, gates, w1, w2, b1, b2) if isinstance(activation, str) else None
 
-    def check_all() -> MoEPlan:
+    def check_all() -> _Launch:
         plan = _validate(x, expert_ids, gates, w1, w2, b1, b2, activation)
         _aligned_operands(x, w1, w2, b1, b2)
-        return plan
+        return _launcher(plan)
 
     return validated(_CHECKED, None if key is None else (key, activation), check_all)
+
+
+def _requires_grad(*tensors: Any) -> bool:
+    """Whether one of ``tensors`` (None entries skipped) requires grad."""
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
@@ -339,7 +373,7 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
 
     if tracing():  # the op validates and plans when it runs (the rule engine is not traced)
         return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
-    plan = _checked_plan(x, expert_ids, gates, w1, w2, b1, b2, activation)
+    run = _checked(x, expert_ids, gates, w1, w2, b1, b2, activation)
     T, E, topk = x.shape[0], w1.shape[0], expert_ids.shape[1]
     if check and T * topk:
         bad = torch.stack([((expert_ids < 0) | (expert_ids >= E)).sum(),
@@ -348,10 +382,9 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
             raise ShapeError(f"expert_ids: {int(bad[0])} ids outside [0, {E})")
         if bad[1]:
             raise ShapeError(f"gates: {int(bad[1])} values are NaN or infinite")
-    if not (torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (x, gates, w1, w2, b1, b2))):
+    if not (torch.is_grad_enabled() and _requires_grad(x, gates, w1, w2, b1, b2)):
         # nothing to differentiate: the op's launches, without the dispatcher's host cost
-        return _launcher(plan)(x, expert_ids, gates, w1, w2, b1, b2) if T else torch.empty_like(x)
+        return run(x, expert_ids, gates, w1, w2, b1, b2) if T else torch.empty_like(x)
     return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
 
 
@@ -360,10 +393,10 @@ def launch(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
     """The fused FFN's launches (the body of ``pitgen::moe_ffn``), after every check."""
     import torch
 
-    plan = _checked_plan(x, expert_ids, gates, w1, w2, b1, b2, activation)
-    if plan.tokens == 0:
+    run = _checked(x, expert_ids, gates, w1, w2, b1, b2, activation)
+    if run.plan.tokens == 0:
         return torch.empty_like(x)
-    return _launcher(plan)(x, expert_ids, gates, w1, w2, b1, b2)
+    return run(x, expert_ids, gates, w1, w2, b1, b2)
 
 
 #: bytes of fp32 expert weights one backward chunk gathers (w1 and w2 of its tiles)
