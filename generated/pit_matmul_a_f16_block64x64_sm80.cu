@@ -37,7 +37,6 @@ namespace pit_matmul_a_f16_block64x64_sm80_wide_module {
 // sparse operand: A   plan: block (64, 64)
 // tile: 64x256x64 (M'xN'xK), warps 2x4, stages 2, dtype float16, mainloop mma_sync
 #include <cuda_fp16.h>
-#include <cuda_bf16.h>
 #include <stdint.h>
 
 typedef __half elem_t;
@@ -406,7 +405,6 @@ namespace pit_matmul_a_f16_block64x64_sm80_narrow_module {
 // sparse operand: A   plan: block (64, 64)
 // tile: 64x128x64 (M'xN'xK), warps 2x4, stages 4, dtype float16, mainloop mma_sync
 #include <cuda_fp16.h>
-#include <cuda_bf16.h>
 #include <stdint.h>
 
 typedef __half elem_t;

@@ -41,7 +41,6 @@ namespace pit_matmul_a_f16_k32x1_sm80_wide_module {
 // sparse operand: A   plan: micro along k (32, 1)
 // tile: 32x256x32 (M'xN'xK), warps 1x4, stages 3, dtype float16, mainloop mma_sync
 #include <cuda_fp16.h>
-#include <cuda_bf16.h>
 #include <stdint.h>
 
 typedef __half elem_t;
@@ -415,7 +414,6 @@ namespace pit_matmul_a_f16_k32x1_sm80_narrow_module {
 // sparse operand: A   plan: micro along k (32, 1)
 // tile: 32x128x32 (M'xN'xK), warps 1x4, stages 3, dtype float16, mainloop mma_sync
 #include <cuda_fp16.h>
-#include <cuda_bf16.h>
 #include <stdint.h>
 
 typedef __half elem_t;

@@ -41,7 +41,6 @@ namespace pit_matmul_a_f16_m1x64_sm80_wide_module {
 // sparse operand: A   plan: micro along m (1, 64)
 // tile: 512x32x64 (M'xN'xK), warps 4x2, stages 2, dtype float16, mainloop mma_sync
 #include <cuda_fp16.h>
-#include <cuda_bf16.h>
 #include <stdint.h>
 
 typedef __half elem_t;
@@ -478,7 +477,6 @@ namespace pit_matmul_a_f16_m1x64_sm80_narrow_module {
 // sparse operand: A   plan: micro along m (1, 64)
 // tile: 512x32x64 (M'xN'xK), warps 4x2, stages 2, dtype float16, mainloop mma_sync
 #include <cuda_fp16.h>
-#include <cuda_bf16.h>
 #include <stdint.h>
 
 typedef __half elem_t;

@@ -50,14 +50,23 @@ def pitgen_sources() -> list[str]:
     return sorted(str(p) for p in Path(pitgen.__file__).parent.rglob("*.py"))
 
 
+@lru_cache(maxsize=None)
+def definitions(path: str) -> dict[str, Definition]:
+    """Each name's first definition in the file, top level first (ast.walk is breadth-first),
+    indexed once per file (walking every file per name took seconds)."""
+    out: dict[str, Definition] = {}
+    for n in ast.walk(tree(path)):
+        if isinstance(n, Definition):
+            out.setdefault(n.name, n)
+    return out
+
+
 def find(name: str, paths: list[str]) -> tuple[Definition, str] | None:
     """The definition of ``name`` (top level first, then nested) in the first file holding one."""
     for path in paths:
-        t = tree(path)
-        hits = [n for n in t.body if isinstance(n, Definition) and n.name == name]
-        hits += [n for n in ast.walk(t) if isinstance(n, Definition) and n.name == name]
-        if hits:
-            return hits[0], path
+        hit = definitions(path).get(name)
+        if hit is not None:
+            return hit, path
     return None
 
 

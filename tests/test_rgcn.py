@@ -167,7 +167,7 @@ def bench_graphs() -> dict:
     for name in RGCN_GRAPHS:
         g = make_relational(name)
         out[name] = (g.shape, g.relation_nnz().tolist(), R._row_max(g),
-                     {o: R.compose(g, o, piece=0).layout for o in R.ORDERS})
+                     {o: R.layout(g, o, piece=0) for o in R.ORDERS})
     return out
 
 
@@ -219,3 +219,10 @@ def test_plan_and_executor_errors():
         R.execute_rgcn(plan, g, np.ones((3, 4)), np.ones((2, 4, 3)))
     with pytest.raises(ShapeError, match="W must be"):
         rgcn_reference(g, np.ones((3, 4)), np.ones((2, 5, 2)))
+
+
+@pytest.mark.parametrize("piece", [0, 3, None])
+def test_layout_without_composing_is_the_composed_layout(piece):
+    g = make_relational("mutag")
+    for order in R.ORDERS:
+        assert R.layout(g, order, piece) == R.compose(g, order, piece).layout

@@ -393,40 +393,54 @@ class Composed:
         return self.layout.compact
 
 
-def _compose(ops: Any, order: str, shape: tuple[int, int, int], rel: Any, row: Any, col: Any,
-             values: Any, piece: int) -> Composed:
-    """The operands of ``order`` from typed COO (any edge order; duplicates add), aggregate-first
-    pieces of at most ``piece`` entries (0: pairs whole). Two host reads: the number of pairs,
-    then the compact rows per relation with the longest rows."""
+def _rows(ops: Any, order: str, shape: tuple[int, int, int], rel: Any, row: Any, col: Any,
+          piece: int) -> tuple[list[int], tuple[int, ...], dict[str, Any]]:
+    """What the layout of ``order`` depends on, from typed COO: the compact rows per relation
+    and the longest rows (one host read), and the arrays _compose goes on with."""
     r, rows, cols = shape
     rows1, cols1 = max(rows, 1), max(cols, 1)   # no edges without both: keys stay well defined
-    rel, row, col = ops.long(rel), ops.long(row), ops.long(col)
     nnz = int(row.shape[0])
     if order == TRANSFORM_FIRST:
         uniq, q = ops.unique_inverse(rel * cols1 + col)      # compact row of each edge's source
-        n = int(uniq.shape[0])
-        owner, target = uniq // cols1, uniq % cols1
+        owner = uniq // cols1
         row_len = ops.counts(row, rows)
         host = ops.host(ops.counts(owner, r), ops.peak(row_len))
-        longest: tuple[int, ...] = (host[r],)
-    elif order == AGGREGATE_FIRST:
+        return host[:r], (host[r],), {"uniq": uniq, "q": q, "owner": owner, "row_len": row_len}
+    if order == AGGREGATE_FIRST:
         uniq, p = ops.unique_inverse(rel * rows1 + row)      # (relation, row) pair of each edge
-        o = ops.stable_order(p * cols1 + col)                # edges by pair, then column
         span = piece or max(nnz, 1)
         size = ops.counts(p, int(uniq.shape[0]))             # edges per pair
         parts = (size + span - 1) // span                    # its pieces
         pair_rel, pair_row = uniq // rows1, uniq % rows1
         host = ops.host(ops.counts(pair_rel, r, parts), ops.peak(size),
                         ops.peak(ops.counts(pair_row, rows, parts)))
-        n = sum(host[:r])
-        longest = (min(host[r], span), host[r + 1])
+        return host[:r], (min(host[r], span), host[r + 1]), {
+            "p": p, "span": span, "size": size, "parts": parts, "pair_rel": pair_rel,
+            "pair_row": pair_row}
+    raise PlanError(f"unknown RGCN order {order!r}; choose {' or '.join(ORDERS)}")
+
+
+def _compose(ops: Any, order: str, shape: tuple[int, int, int], rel: Any, row: Any, col: Any,
+             values: Any, piece: int) -> Composed:
+    """The operands of ``order`` from typed COO (any edge order; duplicates add), aggregate-first
+    pieces of at most ``piece`` entries (0: pairs whole). Two host reads: the number of pairs,
+    then the compact rows per relation with the longest rows."""
+    r, rows, cols = shape
+    cols1 = max(cols, 1)
+    rel, row, col = ops.long(rel), ops.long(row), ops.long(col)
+    nnz = int(row.shape[0])
+    counts, longest, a = _rows(ops, order, shape, rel, row, col, piece)
+    if order == TRANSFORM_FIRST:
+        q, owner, target, row_len = a["q"], a["owner"], a["uniq"] % cols1, a["row_len"]
+        n = int(a["uniq"].shape[0])
+    else:
+        n = sum(counts)
+        p, span, size, parts = a["p"], a["span"], a["size"], a["parts"]
+        o = ops.stable_order(p * cols1 + col)                # edges by pair, then column
         pair = p[o]
         k = ops.cumsum0(parts)[pair] + (ops.arange(nnz) - ops.cumsum0(size)[pair]) // span
         of = ops.repeat(parts, n)                            # the pair of each piece
-        owner, target = pair_rel[of], pair_row[of]
-    else:
-        raise PlanError(f"unknown RGCN order {order!r}; choose {' or '.join(ORDERS)}")
-    counts = host[:r]
+        owner, target = a["pair_rel"][of], a["pair_row"][of]
     lay = _tiled(counts, longest)
     per = [-(-c // lay.tile) for c in counts]
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if r else np.zeros(0, np.int64)
@@ -449,6 +463,16 @@ def _compose(ops: Any, order: str, shape: tuple[int, int, int], rel: Any, row: A
 
 def _row_max(graph: Relational) -> int:
     return int(np.bincount(graph.row).max()) if graph.nnz else 0
+
+
+def layout(graph: Relational, order: str, piece: int | None = None) -> Layout:
+    """The layout ``compose(graph, order, piece).layout`` has, without composing (what
+    :func:`plan_rgcn` takes as an order's exact layout)."""
+    piece = piece_entries(_row_max(graph)) if piece is None else piece
+    ops = _NumPyOps
+    counts, longest, _ = _rows(ops, order, graph.shape, ops.long(graph.rel), ops.long(graph.row),
+                               ops.long(graph.col), piece)
+    return _tiled(counts, longest)
 
 
 def compose(graph: Relational, order: str, piece: int | None = None) -> Composed:
