@@ -14,6 +14,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import warnings
 
@@ -171,11 +172,13 @@ def markdown(rows: list[dict], parts: dict, args: argparse.Namespace) -> str:
     """The run as docs/bench/host.md: device, method, one row per op with the target judged."""
     import datetime
     import subprocess
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = os.environ.get("PITGEN_COMMIT")   # a lent GPU's copy may carry no git history
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                    capture_output=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = ["# Host time per steady-state call (issue 16)", "",
            f"Device: **{torch.cuda.get_device_name()}** (torch {torch.__version__}); {now}; "
