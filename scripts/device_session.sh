@@ -14,7 +14,7 @@
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
 #   host      host time per steady-state call of each public op beside torch's
 #             (scripts/host_time.py; results in $LOGS/host.json and host.md)
-#   matmul, attention, moe, training, graphs, dynamic, rgcn, sage, conv, peers
+#   matmul, attention, moe, training, compiled, graphs, dynamic, rgcn, sage, conv, peers
 #             one part of the benchmark suite (python3 -m pitgen.bench PART, i.e. pitgen bench;
 #             STEP_ARGS adds options), results under $LOGS/bench
 #   bench     every part of the suite in one process (BENCH_ARGS adds options, e.g. --quick)
@@ -88,7 +88,7 @@ for step in "$@"; do
     host)
       timeout 200 python3 scripts/host_time.py --json "$LOGS/host.json" --md "$LOGS/host.md" >"$LOGS/host.log" 2>&1; r=$?
       echo "host: exit $r"; grep -v Warning "$LOGS/host.log" | head -18; rc=$((rc | r)) ;;
-    matmul|attention|moe|training|graphs|dynamic|rgcn|sage|conv|peers|bench)
+    matmul|attention|moe|training|compiled|graphs|dynamic|rgcn|sage|conv|peers|bench)
       part=$step limit=300; [ $step = peers ] && limit=400; [ $step = bench ] && part= limit=570
       timeout ${STEP_TIMEOUT:-$limit} python3 -m pitgen.bench $part --out "$LOGS/bench" \
         ${STEP_ARGS:-} ${BENCH_ARGS:-} >"$LOGS/bench-$step.log" 2>&1; r=$?

@@ -186,3 +186,29 @@ def test_compiled_functional_linear_matches_eager():
     yc = torch.compile(linear.sparse_input_linear, backend="aot_eager", fullgraph=True)(x, w)
     assert_close(yc, y.double(), "float16")
     assert_close(y, x.double() @ w.double().t(), "float16")
+
+
+def test_block_with_sparse_attention_compiles_to_one_graph_and_matches_eager():
+    """The benchmark's block (pitgen.bench.compiled: SparseAttention with a block-sparse mask,
+    SparseLinear both ways, MoE) under fullgraph=True: one graph, and forward and gradients
+    as eager's."""
+    from pitgen.bench.compiled import _block, _mask
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    model = _block(128, 2, torch.bfloat16)
+    mask = _mask(300, gen)
+    x = torch.randn(2, 300, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = torch._dynamo.explain(model)(x, mask)
+    assert report.graph_break_count == 0 and report.graph_count == 1, report.break_reasons
+    y = model(x, mask)
+    y.float().square().mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = torch.compile(model, fullgraph=True)(x, mask)
+    got.float().square().mean().backward()
+    assert_close(got, y.detach().double(), "bfloat16", tol=2e-2, what="y")
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert_close(p.grad, want[name].double(), "bfloat16", tol=5e-2, what=f"d{name}")

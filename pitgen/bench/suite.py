@@ -34,6 +34,8 @@ PARTS = {
            "(moe_layer.md)",
     "training": "one sparse-training step of a linear layer vs the dense and masked dense "
                 "steps (training.md)",
+    "compiled": "a training step of a block of pitgen modules (SparseAttention, SparseLinear, "
+                "MoE) under torch.compile(fullgraph=True) vs eager (compiled.md)",
     "graphs": "GNN SpMM / SDDMM on seven synthetic graphs, tuned formats vs cuSPARSE "
               "(graphs.md)",
     "dynamic": "graphs that change every call: GPU conversions to hyb / ELL / BSR vs the SpMM "

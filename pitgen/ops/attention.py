@@ -969,6 +969,9 @@ def _build_module() -> type:
     import torch.nn.functional as F
     from torch import nn
 
+    from .library import ops
+    ops()  # registered before any model using SparseAttention is traced
+
     class SparseAttention(nn.Module):
         """Drop-in for ``nn.MultiheadAttention(embed_dim, num_heads, bias=True,
         batch_first=True)`` (same parameters and state_dict) running ``sparse_attention``;

@@ -117,7 +117,8 @@ _REGISTERED: list[bool] = []
 
 def ops() -> Any:
     """``torch.ops.pitgen``, every op registered (once, on first call; the torch modules
-    ``pitgen.nn.*`` register when their class is built, so a model traces with them in place)."""
+    ``pitgen.nn.*`` register when their class is built and a ``SparseKernel`` when it is made
+    with torch imported, so a model or function traces with them in place)."""
     import torch
     if not _REGISTERED:
         if tracing():
@@ -125,6 +126,7 @@ def ops() -> Any:
                 "pitgen's torch ops are registered on first use, which cannot happen while "
                 "torch traces: call pitgen.ops.library.ops() once before torch.compile")
         _register(torch)
+        importlib.import_module(f"{__package__}.attention")._ops()   # pitgen::sparse_attention
         _REGISTERED.append(True)
     return torch.ops.pitgen
 

@@ -3,6 +3,7 @@ returns a :class:`SparseKernel`; calling it on device arrays builds the micro-ti
 GPU and runs the tile kernel over it, every call, with no host round-trip."""
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
@@ -19,7 +20,7 @@ from ..opspec import OpSpec
 from ..planner import Plan, make_plan
 from ..runtime import (TorchLaunch, capturing, device_arch, device_sms, memset_d32,
                        tensor_map)
-from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
+from .library import jit_config, jit_matmul, no_backward, ops, plain_tensors, tracing
 
 #: The GEMM module (index build, tile kernel, the K = 0 pass). Its permutations depend on the
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
@@ -378,6 +379,8 @@ class SparseKernel:
             self._plan = make_plan(self.operator, sparse, micro_tile=micro_tile, tile=tile)
         #: the ``pitgen::matmul`` argument that rebuilds this kernel
         self.config = jit_config(self)
+        if sys.modules.get("torch") is not None and not tracing():
+            ops()   # registered now, so that a function calling this kernel traces whole
 
     @property
     def plan(self) -> Plan | None:
