@@ -407,6 +407,38 @@ def capturing() -> bool:
     return torch._C._cuda_isCurrentStreamCapturing()
 
 
+#: bytes of scratch each stream keeps between eager calls (:func:`kept_scratch`); a call that
+#: needs more allocates its own from torch's caching allocator (its host cost is small beside
+#: the kernels of such a call)
+KEPT_SCRATCH = 4 << 20
+
+#: stream handle -> (the scratch buffer kept there, the lock its users hold while enqueueing)
+_KEPT = cache.memo("runtime.kept_scratch")
+_KEPT_LOCK = threading.Lock()
+
+
+def kept_scratch(stream: int, nbytes: int, device: Any) -> tuple[Any, Any]:
+    """(uint8 tensor of at least ``nbytes``, lock or None): the one scratch buffer ``stream``
+    keeps for the launch closures of every operator (one allocation less per eager call),
+    with the lock a caller holds while it enqueues the launches that use it (two threads on
+    one stream must not interleave theirs; stream order keeps calls apart on the GPU). Larger
+    requests, and calls while the stream captures a graph (``capturing``), get a fresh buffer
+    and no lock. The kept buffer grows to the largest request up to KEPT_SCRATCH: memory stays
+    bounded by streams, not by the call signatures seen."""
+    import torch
+    if nbytes > KEPT_SCRATCH or capturing():
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+    entry = _KEPT.get(stream)
+    if entry is None or entry[0].numel() < nbytes:
+        with _KEPT_LOCK:
+            entry = _KEPT.get(stream)
+            if entry is None or entry[0].numel() < nbytes:
+                lock = entry[1] if entry is not None else threading.Lock()
+                entry = _KEPT[stream] = (torch.empty(max(nbytes, 1), dtype=torch.uint8,
+                                                     device=device), lock)
+    return entry
+
+
 def stream_counters(by_stream: dict[int, Any], stream: int, size: int, device: Any) -> Any:
     """At least ``size`` int32 counters for launches on ``stream`` (a CUstream handle, as
     :class:`TorchLaunch` gives) whose kernels leave them zero again: zeroed once per stream in

@@ -216,3 +216,40 @@ def test_threads_on_one_stream_keep_their_calls_apart():
         for run in runs:
             for o, w in zip(run, exp):
                 torch.testing.assert_close(o, w, rtol=0, atol=0)
+
+
+def test_kept_buffers_stay_bounded_over_many_call_signatures():
+    """Eager calls keep one scratch buffer per stream (at most KEPT_SCRATCH bytes) whatever the
+    shapes seen, and a SparseKernel at most MAX_LAUNCHERS launchers with their index buffers."""
+    from pitgen import runtime
+    from pitgen.ops import matmul
+    from pitgen.ops.attention import sparse_attention
+    from pitgen.ops.moe import moe_ffn
+    g = torch.Generator(device="cuda").manual_seed(9)
+    w1 = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16, generator=g) / 8
+    w2 = torch.randn(4, 128, 64, device="cuda", dtype=torch.float16, generator=g) / 11
+    for t in range(1, 40, 3):
+        x, ids, gates = _moe_case(t, T=t)   # one plan per T, one kept scratch for all
+        y = moe_ffn(x, ids, gates, w1, w2, check=False)
+        assert_close(y.double().cpu().numpy(), _moe_reference(x, ids, gates, w1, w2),
+                     "float16")
+        q = torch.randn(1, 1, 16 * t, 64, device="cuda", dtype=torch.float16, generator=g)
+        sparse_attention(q, q, q, torch.rand(16 * t, 16 * t, device="cuda", generator=g) < 0.5)
+    stream = torch.cuda.current_stream().cuda_stream
+    buf, _ = runtime._KEPT[stream]
+    assert buf.numel() <= runtime.KEPT_SCRATCH
+    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile="32x1")
+    b = torch.randn(64, 8, device="cuda", dtype=torch.float16)
+    for m in range(1, matmul.MAX_LAUNCHERS + 10):
+        a = sparse_a(m, 64, 0.3, m)
+        out = kern(a, b)
+        if m % 16 == 0:
+            check(out, a, b)
+    assert len(kern._launchers) <= matmul.MAX_LAUNCHERS
+    assert len(kern._fast) <= matmul.MAX_LAUNCHERS
+
+
+def _moe_reference(x, ids, gates, w1, w2):
+    from pitgen.reference import moe_reference
+    f64 = lambda a: a.double().cpu().numpy()  # noqa: E731
+    return moe_reference(f64(x), ids.cpu().numpy(), f64(gates), f64(w1), f64(w2))

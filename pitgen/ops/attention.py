@@ -29,7 +29,6 @@ on first access, so importing this module needs no torch.
 from __future__ import annotations
 
 import math
-import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,7 +40,7 @@ from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, capturing, stream_counters
+from ..runtime import TorchLaunch, kept_scratch, stream_counters
 from . import lazy_torch_classes
 from .library import tracing
 
@@ -777,14 +776,15 @@ class _EagerForward:
     and shared memory, the mask read in place, the static index of a mask-free call, every
     argument that is not an address, and the index buffer's layout with the dense-row
     workspace behind it. A steady-state eager call without autograd allocates out (and lse),
-    reuses that buffer (kept per stream; fresh for autograd and while a graph is captured) and
+    takes that buffer from the stream's kept scratch when it is small (runtime.kept_scratch;
+    fresh for autograd) and
     makes two driver launches (one without a mask): issue 16's host-time budget. The index
     pass's and the merge's counters are this forward's own, per stream (zero between launches;
     fresh while the stream captures a graph)."""
 
     __slots__ = ("plan", "lse_shape", "static", "static_ptrs", "index", "attend", "size",
-                 "arrays", "walked", "index_counters", "merge_counters", "kept", "sizes", "dense",
-                 "ws", "default_scale", "device")
+                 "arrays", "walked", "index_counters", "merge_counters", "sizes", "dense", "ws",
+                 "default_scale", "device")
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
                  device: Any) -> None:
@@ -816,8 +816,6 @@ class _EagerForward:
         #: stream handle -> this forward's index and merge counters there (stream_counters)
         self.index_counters: dict[int, Any] = {}
         self.merge_counters: dict[int, Any] = {}
-        #: stream handle -> the index buffer kept there and its lock (_keep)
-        self.kept: dict[int, tuple[Any, Any]] = {}
         sb, sh = plan.mask_strides
         self.sizes = (plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb)
         self.dense = (plan.n_qb, plan.dense_split, plan.dense_tiles)
@@ -839,15 +837,6 @@ class _EagerForward:
                 stream_counters(self.merge_counters, stream,
                                 plan.batch * plan.heads * plan.dense_tiles, self.device))
 
-    def _keep(self, stream: int) -> tuple[Any, Any]:
-        """The index buffer an eager call without autograd reuses on ``stream`` (stream order
-        keeps one call's index behind the previous call's attention kernel) and the lock that
-        keeps two threads from interleaving their launches over it."""
-        import torch
-        entry = self.kept[stream] = (torch.empty(self.size, dtype=torch.uint8,
-                                                 device=self.device), threading.Lock())
-        return entry
-
     def __call__(self, q: Any, k: Any, v: Any, mask: Any, scale: float | None,
                  with_index: bool = False) -> Any:
         """out, or (out, lse) when built with want_lse; with_index (the custom op's forward,
@@ -867,10 +856,10 @@ class _EagerForward:
             else:
                 held = self._counters(s)
                 counters, merge = held[0].data_ptr(), held[1].data_ptr()
-                if with_index or capturing():   # views of it are returned / a graph keeps it
+                if with_index:   # views of it are returned
                     buf = torch.empty(self.size, dtype=torch.uint8, device=q.device)
                 else:
-                    buf, lock = self.kept.get(s) or self._keep(s)
+                    buf, lock = kept_scratch(s, self.size, q.device)
                 base = buf.data_ptr()
                 arrays = [base + off for off in self.arrays]
                 states, _, order, counts, keys, bits, dense, drows, dcount = arrays[:9]

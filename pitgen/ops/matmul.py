@@ -32,6 +32,12 @@ MATMUL = OpSpec("matmul", "module.cu.j2", {
     "pit_gemm_zero": "Piiii"}, dtypes=tuple(DTYPES))
 
 
+#: call signatures (shapes, strides, dtypes, alignment) a SparseKernel keeps launchers for;
+#: each keeps its index buffers per stream, so a kernel called with ever new shapes starts over
+#: past this many rather than holding all of them
+MAX_LAUNCHERS = 64
+
+
 class Launcher:
     """The validated, compiled launch plan of one call signature: problem sizes, module, grids.
 
@@ -439,6 +445,9 @@ class SparseKernel:
         key = signature(ops, c_op, accumulate, m_op)
         launcher = self._launchers.get(key)
         if launcher is None:
+            if len(self._launchers) >= MAX_LAUNCHERS:   # their index buffers: memory bounded
+                self._launchers.clear()
+                self._fast.clear()
             plan = self._plan
             order = [plan.choice]
             if isinstance(self.micro_tile, str) and self.micro_tile == "auto":

@@ -13,7 +13,6 @@ skipped (they contribute nothing). ``moe_ffn(..., check=True)`` refuses such ids
 """
 from __future__ import annotations
 
-import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,7 +24,7 @@ from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, capturing, memset_d32, stream_counters
+from ..runtime import TorchLaunch, kept_scratch, memset_d32, stream_counters
 from . import lazy_torch_classes
 from .library import ops, tracing
 
@@ -33,10 +32,6 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 ACTIVATIONS = ("relu", "gelu", "silu", "identity")
-#: scratch bytes (routing index, intermediate, fp32 sums) up to which a layer keeps its scratch
-#: per stream between calls (one allocation less per call: decode-sized batches); a larger one
-#: comes from torch's caching allocator every call, its host cost small against the kernels
-KEPT_SCRATCH = 1 << 22
 GEMM1 = "I[t,f] += X[t,h] * W1[h,f]"
 GEMM2 = "Y[t,o] += I[t,f] * W2[f,o]"
 
@@ -180,15 +175,15 @@ class _Launch:
     """moe_ffn's launches for one plan, decided once: kernels bound to their grids and shared
     memory, and one scratch allocation laid out as the routing index's int32 words (counts,
     rank, offsets, row_pair, tile_e, tile_r, ntiles), the intermediate [pairs, F] and, for
-    topk > 1, the fp32 sums [T, H], each at a 128-byte boundary (kept per stream when small:
-    ``_scratch``). A steady-state call allocates y and makes its launches: routing, placing
-    (done by the routing launch itself when it is one block: P <= INDEX_THREADS), the two
-    expert GEMMs; top-k > 1: a driver memset of the fp32 sums first and a finishing pass last.
-    Nothing else (issue 16's host time). The routing counters are this plan's own, per stream,
-    zero between launches."""
+    topk > 1, the fp32 sums [T, H], each at a 128-byte boundary (the stream's kept scratch
+    when small: ``runtime.kept_scratch``). A steady-state call allocates y and makes its
+    launches: routing, placing (done by the routing launch itself when it is one block: P <=
+    INDEX_THREADS), the two expert GEMMs; top-k > 1: a driver memset of the fp32 sums first and
+    a finishing pass last. Nothing else (issue 16's host time). The routing counters are this
+    plan's own, per stream, zero between launches."""
 
     __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "route_index",
-                 "place", "gemm1", "gemm2", "finish", "pending", "kept")
+                 "place", "gemm1", "gemm2", "finish", "pending")
 
     def __init__(self, plan: MoEPlan) -> None:
         kernels = MOE.module(plan)
@@ -211,8 +206,6 @@ class _Launch:
             "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
         #: stream handle -> moe_route's counters there (runtime.stream_counters)
         self.pending: dict[int, Any] = {}
-        #: stream handle -> (this plan's scratch there, its lock), see _scratch
-        self.kept: dict[int, tuple[Any, Any]] = {}
 
     def route(self, stream: int, ids: int, base: int, device: Any, y: int = 0) -> tuple[int, ...]:
         """Enqueue the routing index build into the words at ``base``; their addresses. ``y``
@@ -227,21 +220,6 @@ class _Launch:
                        plan.hidden)
         return counts, rank, offsets, row_pair, tile_e, tile_r, ntiles
 
-    def _scratch(self, stream: int, device: Any) -> tuple[Any, Any]:
-        """(scratch tensor, lock held while its launches are enqueued, or None): this plan's
-        kept scratch on ``stream`` when it is at most KEPT_SCRATCH bytes and the stream is not
-        capturing a graph (stream order keeps calls on one stream apart; the lock keeps two
-        threads from interleaving their launches over it), else a fresh one."""
-        import torch
-        size = sum(self.bytes)
-        if size > KEPT_SCRATCH or capturing():
-            return torch.empty(size, dtype=torch.uint8, device=device), None
-        kept = self.kept.get(stream)
-        if kept is None:
-            kept = self.kept[stream] = (torch.empty(size, dtype=torch.uint8, device=device),
-                                        threading.Lock())
-        return kept
-
     def __call__(self, x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any,
                  b2: Any) -> Any:
         import torch
@@ -254,7 +232,7 @@ class _Launch:
         ints, inter, _ = self.bytes
         with TorchLaunch() as launch:
             s = launch.stream
-            scratch, lock = self._scratch(s, x.device)
+            scratch, lock = kept_scratch(s, sum(self.bytes), x.device)
             base = scratch.data_ptr()
             ws = yp if self.direct else base + ints + inter
             with lock or nullcontext():
