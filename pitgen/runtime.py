@@ -412,7 +412,8 @@ def capturing() -> bool:
 #: the kernels of such a call)
 KEPT_SCRATCH = 4 << 20
 
-#: stream handle -> (the scratch buffer kept there, the lock its users hold while enqueueing)
+#: (device index, stream handle) -> (the scratch buffer kept there, the lock its users hold
+#: while enqueueing)
 _KEPT = cache.memo("runtime.kept_scratch")
 _KEPT_LOCK = threading.Lock()
 
@@ -428,14 +429,15 @@ def kept_scratch(stream: int, nbytes: int, device: Any) -> tuple[Any, Any]:
     import torch
     if nbytes > KEPT_SCRATCH or capturing():
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
-    entry = _KEPT.get(stream)
+    key = (device.index, stream)   # every device's default stream is handle 0
+    entry = _KEPT.get(key)
     if entry is None or entry[0].numel() < nbytes:
         with _KEPT_LOCK:
-            entry = _KEPT.get(stream)
+            entry = _KEPT.get(key)
             if entry is None or entry[0].numel() < nbytes:
                 lock = entry[1] if entry is not None else threading.Lock()
-                entry = _KEPT[stream] = (torch.empty(max(nbytes, 1), dtype=torch.uint8,
-                                                     device=device), lock)
+                entry = _KEPT[key] = (torch.empty(max(nbytes, 1), dtype=torch.uint8,
+                                                  device=device), lock)
     return entry
 
 

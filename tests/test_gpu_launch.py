@@ -236,7 +236,7 @@ def test_kept_buffers_stay_bounded_over_many_call_signatures():
         q = torch.randn(1, 1, 16 * t, 64, device="cuda", dtype=torch.float16, generator=g)
         sparse_attention(q, q, q, torch.rand(16 * t, 16 * t, device="cuda", generator=g) < 0.5)
     stream = torch.cuda.current_stream().cuda_stream
-    buf, _ = runtime._KEPT[stream]
+    buf, _ = runtime._KEPT[(torch.cuda.current_device(), stream)]
     assert buf.numel() <= runtime.KEPT_SCRATCH
     kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile="32x1")
     b = torch.randn(64, 8, device="cuda", dtype=torch.float16)

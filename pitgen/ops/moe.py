@@ -204,15 +204,17 @@ class _Launch:
         self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), (plan.threads, 1, 1), plan.smem)
         self.finish = None if self.direct else kernels.bind(
             "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
-        #: stream handle -> moe_route's counters there (runtime.stream_counters)
-        self.pending: dict[int, Any] = {}
+        #: device index -> stream handle -> moe_route's counters there (stream_counters; the
+        #: default stream of every device is handle 0)
+        self.pending: dict[int, dict[int, Any]] = {}
 
     def route(self, stream: int, ids: int, base: int, device: Any, y: int = 0) -> tuple[int, ...]:
         """Enqueue the routing index build into the words at ``base``; their addresses. ``y``
         (top-1): the output, whose rows of tokens with an out-of-range id are zeroed."""
         plan = self.plan
         counts, rank, offsets, row_pair, tile_e, tile_r, ntiles = (base + o for o in self.offsets)
-        pending = stream_counters(self.pending, stream, plan.experts + 1, device)  # held
+        pending = stream_counters(self.pending.setdefault(device.index, {}), stream,
+                                  plan.experts + 1, device)   # held until the launch
         self.route_index(stream, ids, plan.pairs, plan.experts, plan.max_tiles, pending.data_ptr(),
                          counts, rank, offsets, tile_e, tile_r, ntiles, row_pair, y, plan.hidden)
         if self.place is not None:
