@@ -39,7 +39,8 @@ MOE = OpSpec(
     "moe", "moe.cu.j2",
     # PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2
     {"moe_route": "PiiiPPPPPPPPPi", "moe_place": "PPPiiPPi",
-     "moe_gemm1": "PPPPPPPPPiiiii", "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq"},
+     "moe_gemm1": "PPPPPPPPPiiiii", "moe_gemm1_routed": "Piii" + "P" * 11 + "iiii",
+     "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq"},
     permutes=(
         # tokens gathered into per-expert row blocks (SRead), any order within an expert ...
         Permutation("tokens in", GEMM1, "spatial", "X"),
@@ -177,13 +178,13 @@ class _Launch:
     rank, offsets, row_pair, tile_e, tile_r, ntiles), the intermediate [pairs, F] and, for
     topk > 1, the fp32 sums [T, H], each at a 128-byte boundary (the stream's kept scratch
     when small: ``runtime.kept_scratch``). A steady-state call allocates y and makes its
-    launches: routing, placing (done by the routing launch itself when it is one block: P <=
-    INDEX_THREADS), the two expert GEMMs; top-k > 1: a driver memset of the fp32 sums first and
-    a finishing pass last. Nothing else (issue 16's host time). The routing counters are this
+    launches: routing, placing and the two expert GEMMs (a batch of at most INDEX_THREADS pairs:
+    the first GEMM routes inside, ``moe_gemm1_routed``, so top-1 is two launches); top-k > 1: a
+    driver memset of the fp32 sums first and a finishing pass last. Nothing else (issue 16's host time). The routing counters are this
     plan's own, per stream, zero between launches."""
 
     __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "route_index",
-                 "place", "gemm1", "gemm2", "finish", "pending")
+                 "place", "gemm1", "routed", "gemm2", "finish", "pending")
 
     def __init__(self, plan: MoEPlan) -> None:
         kernels = MOE.module(plan)
@@ -201,6 +202,10 @@ class _Launch:
         self.route_index = kernels.bind("moe_route", index, block)
         self.place = None if index[0] == 1 else kernels.bind("moe_place", index, block)
         self.gemm1 = kernels.bind("moe_gemm1", plan.gemm_grid(F), (plan.threads, 1, 1), plan.smem)
+        #: batches of one routing block: moe_gemm1_routed routes inside (two launches, top-1)
+        self.routed = None if index[0] > 1 or plan.threads < INDEX_THREADS else kernels.bind(
+            "moe_gemm1_routed", plan.gemm_grid(F), (plan.threads, 1, 1),
+            -(-plan.smem // 16) * 16 + 4 * (3 * INDEX_THREADS + 2 * E + 2 * t + 2))
         self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), (plan.threads, 1, 1), plan.smem)
         self.finish = None if self.direct else kernels.bind(
             "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
@@ -240,11 +245,20 @@ class _Launch:
             with lock or nullcontext():
                 if not self.direct:  # the fp32 sums the experts add into start at zero
                     memset_d32(ws, 0, T * H, s)
-                _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
-                    s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0)
+                b1p = 0 if b1 is None else b1.data_ptr()
+                if self.routed is not None:   # the routing inside the first GEMM
+                    counts, _, offsets, row_pair, tile_e, tile_r, ntiles = (
+                        base + o for o in self.offsets)
+                    self.routed(s, expert_ids.data_ptr(), plan.pairs, E, plan.max_tiles, counts,
+                                offsets, row_pair, tile_e, tile_r, ntiles,
+                                yp if self.direct else 0, x.data_ptr(), w1.data_ptr(), b1p,
+                                base + ints, T, topk, H, F)
+                else:
+                    _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
+                        s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0)
+                    self.gemm1(s, x.data_ptr(), w1.data_ptr(), b1p, base + ints, row_pair,
+                               tile_e, tile_r, offsets, ntiles, T, topk, E, H, F)
                 idx = (row_pair, tile_e, tile_r, offsets, ntiles)
-                self.gemm1(s, x.data_ptr(), w1.data_ptr(), 0 if b1 is None else b1.data_ptr(),
-                           base + ints, *idx, T, topk, E, H, F)
                 self.gemm2(s, base + ints, w2.data_ptr(), 0 if b2 is None else b2.data_ptr(),
                            yp, ws, g.data_ptr(), *idx, T, topk, E, F, H, int(self.direct))
                 if self.finish is not None:
