@@ -20,7 +20,8 @@ from ..opspec import OpSpec
 from ..planner import Plan, make_plan
 from ..runtime import (TorchLaunch, capturing, device_arch, device_sms, memset_d32,
                        tensor_map)
-from .library import jit_config, jit_matmul, no_backward, ops, plain_tensors, tracing
+from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
+from .library import ops as torch_ops
 
 #: The GEMM module (index build, tile kernel, the K = 0 pass). Its permutations depend on the
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
@@ -142,7 +143,6 @@ class Launcher:
         buf, half, this, other = entry
         self._scratch[key] = (buf, 1 - half, other, this)
         return buf, half, this, other
-
 
     def torch_call(self) -> Callable[[Any, Any, Any, int], Any]:
         """``call(a, b, out, mask_ptr) -> out``: a steady-state call on plain torch tensors
@@ -386,7 +386,7 @@ class SparseKernel:
         #: the ``pitgen::matmul`` argument that rebuilds this kernel
         self.config = jit_config(self)
         if sys.modules.get("torch") is not None and not tracing():
-            ops()   # registered now, so that a function calling this kernel traces whole
+            torch_ops()   # registered now, so that a function calling this kernel traces whole
 
     @property
     def plan(self) -> Plan | None:
