@@ -12,7 +12,7 @@ come from host numbers recorded at conversion time.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from ..errors import PlanError, ShapeError
 from ..operands import check_tensor, raw_key, validated
@@ -195,6 +195,18 @@ def _matrix(a: DeviceMatrix | DeviceCSR) -> DeviceMatrix:
     return a
 
 
+class SpMMBucket(NamedTuple):
+    """One hyb bucket of the SpMM template context: its width, the lanes of a bucket row
+    (group), the vectors per lane per pass (packs) and how its rows are written. A tuple, so
+    that the whole context hashes and its module is found with one lookup (a list of dicts
+    made every lookup repr the context: ~20 µs of each new matrix's first launch)."""
+
+    width: int
+    group: int
+    packs: int
+    mode: str
+
+
 def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
     """Template context of the SpMM kernel for this matrix, schedule, vector width and feature
     size (a body of g lanes takes min(packs, ceil(F / (g * vec))) vectors per lane per pass)."""
@@ -205,14 +217,15 @@ def spmm_context(m: DeviceMatrix, sched: Mapping, vec: int, feat: int) -> dict:
            "unroll": sched["unroll"]}
     if m.fmt == "hyb":
         k = m.params["k"]
-        ctx["buckets"] = []
+        buckets = []
         for b, (w, at) in enumerate(zip(m.info["widths"], m.info["atomic"])):
             g = sched["groups"][b % (k + 1)]
             # a layout sized by bounds has no host word on cut rows: its widest bucket (c == 1)
             # runs as pieces, which also stores the uncut rows there directly
             mode = "direct" if not at else "atomic" if m.params["c"] > 1 else \
                 sched["cut"] if m.info.get("exact", True) else "pieces"
-            ctx["buckets"].append({"width": w, "group": g, "packs": packs(g), "mode": mode})
+            buckets.append(SpMMBucket(int(w), g, packs(g), mode))
+        ctx["buckets"] = tuple(buckets)
     else:
         ctx["group"] = sched["group"]
         ctx["packs"] = packs(sched["group"])
@@ -267,7 +280,7 @@ def _spmm_launch(m: DeviceMatrix, x: Tensor, schedule: Mapping | None, out: Any,
     if m.fmt == "hyb":
         info = m.info
         kern = HYB_SPMM.module(ctx)
-        pieces = any(bk["mode"] == "pieces" for bk in ctx["buckets"])
+        pieces = any(bk.mode == "pieces" for bk in ctx["buckets"])
         n_ws = 0 if pieces else info["ws_rows"]
         n_cut, n_partials = (info["cut_rows"], info["partial_rows"]) if pieces else (0, 0)
         # buffers a launch does not use are passed as `out` (never dereferenced: n_ws /
@@ -278,10 +291,10 @@ def _spmm_launch(m: DeviceMatrix, x: Tensor, schedule: Mapping | None, out: Any,
         # with the workspace rows
         zero, n_zero = (b["empty_rows"], info["empty_rows"]) if pieces else (_OUT, 0)
         if info.get("exact", True):
-            grid = sum(-(-rows // (threads // ctx_b["group"]))
+            grid = sum(-(-rows // (threads // ctx_b.group))
                        for rows, ctx_b in zip(info["bucket_rows"], ctx["buckets"]))
         else:   # a bound: CTAs past the live buckets' (table) and empty rows' ranges exit
-            grid = -(-info["brows"] // min(threads // bk["group"] for bk in ctx["buckets"])) \
+            grid = -(-info["brows"] // min(threads // bk.group for bk in ctx["buckets"])) \
                 + len(ctx["buckets"])
         grid += -(-n_zero * feat // threads)
         launch.add(kern.bind("pit_spmm", (grid, 1, 1), (threads, 1, 1)),
