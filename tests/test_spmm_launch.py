@@ -69,3 +69,30 @@ def test_empty_shapes_launch_nothing(fake):
     out = torch.empty(3, 0)
     assert K.spmm(m, torch.randn(4, 0), out=out) is out
     assert fake.calls == []
+
+
+def test_hyb_closure_keys_its_module_by_a_hashable_context(fake, monkeypatch):
+    """A hyb layout's closure: its context (buckets as tuples) hashes, so the module lookup
+    needs no repr; one launch covers every bucket and the empty rows (pieces: c == 1)."""
+    seen = []
+    monkeypatch.setattr(type(K.SPMM), "module",
+                        lambda self, ctx: seen.append(hash(tuple(sorted(ctx.items())))) or fake)
+    monkeypatch.setattr(K, "stream_counters",   # the cut rows' counters, on the CPU here
+                        lambda by, stream, n, dev: torch.zeros(max(n, 1), dtype=torch.int32))
+    z = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
+    bufs = {"brow_row": z(4), "cols": z(12), "vals": torch.zeros(12), "table": z(16),
+            "ws_index": z(1), "cut_index": z(1), "cut_info": z(1), "empty_rows": z(2),
+            "fix_rows": z(1)}
+    info = {"widths": [1, 2, 4], "atomic": [False, False, True], "bucket_rows": [2, 1, 1],
+            "brows": 4, "slots": 12, "ws_rows": 0, "cut_rows": 1, "partial_rows": 2,
+            "empty_rows": 2, "fix_rows": 0, "exact": True}
+    for exact in (True, False):   # exact host numbers, or bounds (sync=False conversions)
+        m = DeviceMatrix("hyb", {"k": 2, "c": 1}, (6, 6), 7, "float32", bufs, None,
+                         {**info, "exact": exact})
+        x = torch.randn(6, 8)
+        y = K.spmm(m, x)
+        assert y.shape == (6, 8)
+        name, grid, stream, args = fake.calls[-1]
+        assert (name, stream) == ("pit_spmm", 7) and grid[0] >= 1
+        assert args[4] == x.data_ptr() and args[5] == y.data_ptr()
+    assert len(seen) == 2
