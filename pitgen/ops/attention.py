@@ -511,14 +511,25 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     vec = _vector_mask(plan, mask)
     kernels.launch("pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                    (INDEX_THREADS, 1, 1), launch.stream,
-                   *_index_args(plan, mask.data_ptr(), counters.data_ptr(), _offsets(plan),
-                                buf.data_ptr()))
+                   *_index_args(plan, mask.data_ptr(), counters.data_ptr(),
+                                _arrays(buf.data_ptr(), _array_offsets(plan))))
     return _index_views(plan, buf)
 
 
-def _offsets(plan: AttentionPlan) -> dict[str, int]:
-    """Byte offset of each array of the index buffer (``_index_layout``)."""
-    return {name: off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]}
+#: the index buffer's arrays in the index kernels' argument order
+INDEX_ARRAYS = ("states", "blocks", "order", "counts", "keys", "bits", "dense", "drows",
+                "dcount", "cols", "work")
+
+
+def _array_offsets(plan: AttentionPlan) -> tuple[int, ...]:
+    """Byte offset of each of INDEX_ARRAYS in the index buffer (``_index_layout``)."""
+    offsets = {name: off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]}
+    return tuple(offsets[n] for n in INDEX_ARRAYS)
+
+
+def _arrays(base: int, offsets: tuple[int, ...]) -> list[int]:
+    """Addresses of INDEX_ARRAYS in the index buffer at ``base``."""
+    return [base + off for off in offsets]
 
 
 def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> Any:
@@ -548,12 +559,9 @@ def _dense_args(plan: AttentionPlan, mask: Any, stream: int, device: Any) -> tup
             (ws, merge))
 
 
-def _index_args(plan: AttentionPlan, mask: int, counters: int, offsets: dict[str, int],
-                base: int) -> tuple:
-    """The index kernels' arguments: the mask, sizes, the arrays of the buffer at ``base``, the
+def _index_args(plan: AttentionPlan, mask: int, counters: int, arrays: list[int]) -> tuple:
+    """The index kernels' arguments: the mask, sizes, the buffer's arrays (``_arrays``), the
     counters (``_counters``' layout) and the gathered capacity."""
-    arrays = [base + offsets[n] for n in ("states", "blocks", "order", "counts", "keys", "bits",
-                                          "dense", "drows", "dcount", "cols", "work")]
     qdone = counters + 8 * plan.slices * plan.n_qb
     return (mask, plan.sq, plan.sk, plan.n_kb, *arrays, counters, qdone,
             qdone + 4 * plan.slices * plan.n_qb, plan.gather_cap)
@@ -777,10 +785,9 @@ class _EagerForward:
     argument that is not an address, and the index buffer's layout with the dense-row
     workspace behind it. A steady-state eager call without autograd allocates out (and lse),
     takes that buffer from the stream's kept scratch when it is small (runtime.kept_scratch;
-    fresh for autograd) and
-    makes two driver launches (one without a mask): issue 16's host-time budget. The index
-    pass's and the merge's counters are this forward's own, per stream (zero between launches;
-    fresh while the stream captures a graph)."""
+    fresh for autograd) and makes two driver launches (one without a mask): issue 16's
+    host-time budget. The index pass's and the merge's counters are this forward's own, per
+    stream (zero between launches; fresh while the stream captures a graph)."""
 
     __slots__ = ("plan", "lse_shape", "static", "static_ptrs", "index", "attend", "size",
                  "arrays", "walked", "index_counters", "merge_counters", "sizes", "dense", "ws",
@@ -805,10 +812,7 @@ class _EagerForward:
         #: the index buffer (_index_layout), then the dense rows' float32 workspace (a call
         #: with a mask); the arrays' offsets in the index kernel's argument order
         layout, index_bytes = _index_layout(plan, plan.gather_cap)
-        offsets = {name: off for name, _, _, off in layout}
-        self.arrays = tuple(offsets[n] for n in ("states", "blocks", "order", "counts", "keys",
-                                                 "bits", "dense", "drows", "dcount", "cols",
-                                                 "work"))
+        self.arrays = _array_offsets(plan)
         self.ws = -(-index_bytes // 256) * 256
         self.size = self.ws + 4 * plan.dense_workspace
         #: the layout entries of the arrays the custom op returns for the backward
@@ -861,14 +865,12 @@ class _EagerForward:
                 else:
                     buf, lock = kept_scratch(s, self.size, q.device)
                 base = buf.data_ptr()
-                arrays = [base + off for off in self.arrays]
+                arrays = _arrays(base, self.arrays)
                 states, _, order, counts, keys, bits, dense, drows, dcount = arrays[:9]
                 mptr, cap, ws = mask.data_ptr(), plan.gather_cap, base + self.ws
-                qdone = counters + 8 * plan.slices * plan.n_qb
             with lock or nullcontext():
                 if mask is not None:
-                    self.index(s, mptr, plan.sq, plan.sk, plan.n_kb, *arrays, counters, qdone,
-                               qdone + 4 * plan.slices * plan.n_qb, cap)
+                    self.index(s, *_index_args(plan, mptr, counters, arrays))
                 self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                             0 if lse is None else lse.data_ptr(), mptr, states, order,
                             *self.sizes, scale * math.log2(math.e), counts, keys, bits, cap,

@@ -180,8 +180,8 @@ class _Launch:
     when small: ``runtime.kept_scratch``). A steady-state call allocates y and makes its
     launches: routing, placing and the two expert GEMMs (a batch of at most INDEX_THREADS pairs:
     the first GEMM routes inside, ``moe_gemm1_routed``, so top-1 is two launches); top-k > 1: a
-    driver memset of the fp32 sums first and a finishing pass last. Nothing else (issue 16's host time). The routing counters are this
-    plan's own, per stream, zero between launches."""
+    driver memset of the fp32 sums first and a finishing pass last. Nothing else (issue 16's
+    host time). The routing counters are this plan's own, per stream, zero between launches."""
 
     __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "route_index",
                  "place", "gemm1", "routed", "gemm2", "finish", "pending")
