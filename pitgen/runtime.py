@@ -126,22 +126,25 @@ _TMA_SWIZZLE_128B, _TMA_L2_256B = 3, 3
 
 
 @cache.lru("runtime.tensor_maps", 256)
-def tensor_map(ptr: int, dtype: str, dims: tuple[int, int], row_stride: int,
-               box: tuple[int, int]) -> bytes:
-    """A 2-D TMA descriptor (CUtensorMap, 128 bytes, passed by value to a kernel) of the
-    matrix at ``ptr``: ``dims`` (inner, outer) elements, ``row_stride`` elements between outer
-    rows, ``box`` (inner, outer) elements per copy, 128-byte swizzle, zeros outside. Encoded
-    on the host by the driver (no device work); remembered per argument tuple."""
+def tensor_map(ptr: int, dtype: str, dims: tuple[int, ...], strides: int | tuple[int, ...],
+               box: tuple[int, ...]) -> bytes:
+    """A 2- or 3-D TMA descriptor (CUtensorMap, 128 bytes, passed by value to a kernel) of the
+    array at ``ptr``: ``dims`` elements, innermost first; ``strides`` the elements between
+    consecutive indices of each outer dim (an int for 2-D); ``box`` elements per copy, 128-byte
+    swizzle, zeros outside. Encoded on the host by the driver (no device work); remembered per
+    argument tuple."""
     import ctypes
+    strides = (strides,) if isinstance(strides, int) else tuple(strides)
+    rank = len(dims)
     out = ctypes.create_string_buffer(128)
-    u64, u32 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     rc = _libcuda().cuTensorMapEncodeTiled(
-        out, _TMA_DTYPES[dtype], 2, ctypes.c_void_p(ptr), u64(*dims),
-        (ctypes.c_uint64 * 1)(row_stride * 2), u32(*box), u32(1, 1), 0, _TMA_SWIZZLE_128B,
-        _TMA_L2_256B, 0)
+        out, _TMA_DTYPES[dtype], rank, ctypes.c_void_p(ptr), (u64 * rank)(*dims),
+        (u64 * (rank - 1))(*(s * 2 for s in strides)), (u32 * rank)(*box),
+        (u32 * rank)(*([1] * rank)), 0, _TMA_SWIZZLE_128B, _TMA_L2_256B, 0)
     if rc != 0:
         raise DeviceError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for a {dtype} "
-                          f"matrix {dims} with row stride {row_stride} and box {box}")
+                          f"array {dims} with strides {strides} and box {box}")
     return out.raw
 
 

@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 
 from pitgen import testing as T
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pitgen
+import pitgen.ops.moe as moe_mod
+from pitgen import lower
 from pitgen.errors import DeviceError, PitgenError, ShapeError
 from pitgen.ops.moe import ACTIVATIONS, moe_ffn, moe_route
+from pitgen.runtime import device_arch
 from pitgen.reference import moe_reference, route_reference
 from pitgen.testing import assert_close
 
@@ -28,6 +31,29 @@ def check(y, want, dtype: str) -> None:
         assert_close(y, want, "tf32", tol=5e-3)
     else:
         assert_close(y, want, dtype)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Plans and launches chosen under a test's mainloop do not outlive it."""
+    yield
+    moe_mod.plan_moe.cache_clear()
+    moe_mod._CHECKED.clear()
+
+
+def _use(mainloop: str, monkeypatch, dtype: str, pairs: int) -> str:
+    """Run the next calls on ``mainloop`` (mma_sync: Hopper's wgmma turned off); the mainloop
+    the plan will then have on this device."""
+    if mainloop == "mma_sync":
+        monkeypatch.setattr(lower, "WGMMA_ARCHS", ())
+    moe_mod.plan_moe.cache_clear()
+    moe_mod._CHECKED.clear()
+    hopper = device_arch() in lower.WGMMA_ARCHS
+    return "wgmma" if hopper and dtype != "float32" and pairs > 256 else "mma_sync"
+
+
+def _ran(dev, act) -> str:
+    return moe_mod._checked(*dev, act).plan.mainloop
 
 
 def _ids(rng, T, topk, E, routing):
@@ -61,17 +87,21 @@ def _layer(rng, T, topk, E, H, F, dtype, bias, routing, id_dtype="int64"):
     return (tx, tids, tg, tw1, tw2, tb1, tb2), (f64(tx), ids, gates, f64(tw1), f64(tw2), f64(tb1), f64(tb2))
 
 
-@settings(max_examples=T.examples(15), deadline=None)
+@pytest.mark.parametrize("mainloop", ["wgmma", "mma_sync"])
+@settings(max_examples=T.examples(15), deadline=None, suppress_health_check=list(HealthCheck))
 @given(T=st.sampled_from([1, 7, 64, 97, 300, 1029]), topk=st.sampled_from([1, 2]),
        E=st.sampled_from([1, 3, 8, 33]), H=st.sampled_from([8, 40, 128, 264]),
        F=st.sampled_from([8, 56, 256, 392]), dtype=st.sampled_from(["float16", "bfloat16"]),
        act=st.sampled_from(ACTIVATIONS), bias=st.booleans(),
        routing=st.sampled_from(["uniform", "skewed", "one"]),
        id_dtype=st.sampled_from(["int32", "int64"]), seed=st.integers(0, 2**16))
-def test_moe_ffn_matches_float64(T, topk, E, H, F, dtype, act, bias, routing, id_dtype, seed):
+def test_moe_ffn_matches_float64(monkeypatch, mainloop, T, topk, E, H, F, dtype, act, bias,
+                                 routing, id_dtype, seed):
+    expect = _use(mainloop, monkeypatch, dtype, T * topk)
     rng = np.random.default_rng(seed)
     dev, ref = _layer(rng, T, topk, E, H, F, dtype, bias, routing, id_dtype)
     y = moe_ffn(*dev, activation=act)
+    assert _ran(dev, act) == expect
     assert y.shape == (T, H) and y.dtype == DT[dtype]
     want = moe_reference(*ref, activation=act)
     check(y, want, dtype)
@@ -85,15 +115,35 @@ def test_float32_tf32(topk):
     check(y, moe_reference(*ref, activation="silu"), "float32")
 
 
+@pytest.mark.parametrize("mainloop", ["wgmma", "mma_sync"])
 @pytest.mark.parametrize("topk", [1, 2])
-def test_large_skewed_bm128(topk):
+def test_large_skewed_bm128(monkeypatch, mainloop, topk):
     """Enough rows per expert for BM = 128 tiles, and experts spanning many tiles."""
+    expect = _use(mainloop, monkeypatch, "float16", 2500 * topk)
     rng = np.random.default_rng(4)
     dev, ref = _layer(rng, 2500, topk, 4, 256, 512, "float16", True, "skewed")
-    plan = pitgen.ops.moe.plan_moe(2500, topk, 4, 256, 512)
-    assert plan.bm == 128
     y = moe_ffn(*dev, activation="gelu")
+    assert _ran(dev, "gelu") == expect and moe_mod._checked(*dev, "gelu").plan.bm == 128
     check(y, moe_reference(*ref, activation="gelu"), "float16")
+
+
+@pytest.mark.parametrize("dtype,topk,H,F", [("bfloat16", 1, 264, 392), ("float16", 3, 40, 8),
+                                            ("bfloat16", 2, 8, 200)])
+def test_hopper_ragged_shapes_and_many_experts(monkeypatch, dtype, topk, H, F):
+    """The wgmma path where k and n are not 64-multiples (TMA zero fill, masked stores), many
+    experts with a token or two (tiles mostly rows of the next expert) and ids out of range."""
+    expect = _use("wgmma", monkeypatch, dtype, 700 * topk)
+    rng = np.random.default_rng(11)
+    dev, ref = _layer(rng, 700, topk, 300, H, F, dtype, True, "uniform", "int32")
+    dev[1][3, 0] = 300
+    dev[1][5, -1] = -2
+    torch.empty(1 << 24, device="cuda").fill_(float("nan"))  # poison the caching allocator
+    y = moe_ffn(*dev, activation="silu", check=False)
+    assert _ran(dev, "silu") == expect
+    ids = ref[1].copy()
+    ids[3, 0], ids[5, -1] = 300, -2
+    want = moe_reference(ref[0], ids, *ref[2:], activation="silu")
+    check(y, want, dtype)
 
 
 def test_routing_index_matches_reference():

@@ -17,6 +17,7 @@ import pitgen.ops.moe as moe
 from pitgen import opspec
 from pitgen.opspec import Permutation
 from pitgen import compiler
+from pitgen.runtime import compile_target
 from pitgen.errors import PlanError, RuleError, ShapeError
 
 @settings(max_examples=40, deadline=None)
@@ -94,6 +95,19 @@ def test_plan_decisions():
     assert moe.weight_bytes(64, 768, 3072) == 2 * 64 * 768 * 3072 * 2
 
 
+def test_hopper_plan_decisions():
+    """sm_90: fp16/bf16 batches past one routing block take the wgmma kernels (persistent: one
+    CTA per SM at most); fp32 and decode-sized batches keep mma.sync."""
+    p = moe.plan_moe(4096, 1, 64, 768, 3072, arch="sm_90")
+    assert (p.mainloop, p.bm, p.bn, p.bk, p.threads) == ("wgmma", 128, 256, 64, 384)
+    assert p.smem <= 227 * 1024 and p.context()["mainloop"] == "wgmma"
+    assert p.gemm_grid(3072, 132) == (132, 1, 1) and p.gemm_grid(768, 1000) == (p.max_tiles * 3, 1, 1)
+    assert moe.plan_moe(4096, 1, 64, 768, 3072).mainloop == "mma_sync"   # sm_80
+    assert moe.plan_moe(4096, 1, 64, 768, 3072, "float32", arch="sm_90").mainloop == "mma_sync"
+    assert moe.plan_moe(256, 1, 64, 768, 3072, arch="sm_90").mainloop == "mma_sync"
+    assert moe.plan_moe(129, 2, 64, 768, 3072, "bfloat16", arch="sm_90").mainloop == "wgmma"
+
+
 def test_plan_uses_the_rules(monkeypatch):
     """The plan asks the rule engine about t; an expression where t is not invariant is refused."""
     bad = Permutation("tokens in", "I[t,f] += X[t+f,h] * W1[h,f]", "spatial", "X")
@@ -126,18 +140,25 @@ def test_float32_allows_multiples_of_4():
 
 
 def test_signatures_match_kernel_parameters():
-    """Every PyCUDA signature has one letter per parameter of its kernel in the rendered source."""
-    src = moe.MOE.source(moe.plan_moe(64, 2, 4, 64, 64).context())
+    """Every PyCUDA signature has one letter per parameter of its kernel in the rendered source
+    of one mainloop or the other (the wgmma module leaves the mma.sync GEMMs out, and back)."""
+    srcs = [moe.MOE.source(moe.plan_moe(4096, 2, 4, 64, 64, arch=a).context())
+            for a in ("sm_80", "sm_90")]
+    wgmma = {"moe_place_gather", "moe_gemm1_sm90", "moe_gemm2_sm90"}
     for name, sig in moe.MOE.kernels.items():
-        m = re.search(r"\b" + name + r"\(([^)]*)\)", src)
-        assert m, name
-        params = [p.strip() for p in m.group(1).split(",")]
+        found = [re.search(r"\b" + name + r"\(([^)]*)\)", src) for src in srcs]
+        assert [m is not None for m in found] == (
+            [False, True] if name in wgmma else
+            [True, name not in ("moe_gemm1", "moe_gemm1_routed", "moe_gemm2")]), name
+        params = [p.strip() for p in next(m for m in found if m).group(1).split(",")]
         assert len(params) == len(sig), name
         for p, c in zip(params, sig):
             if c == "P":
                 assert "*" in p, (name, p)
             elif c == "i":
                 assert p.startswith("int "), (name, p)
+            elif c == "M":
+                assert "CUtensorMap" in p, (name, p)
             else:
                 assert p.startswith("long long "), (name, p)
 
@@ -159,21 +180,27 @@ def test_import_without_torch_and_lazy_module():
 
 VARIANTS = [("float16", "gelu", "int32", 4096, "sm_90"), ("float16", "relu", "int64", 4096, "sm_80"),
             ("bfloat16", "silu", "int64", 100000, "sm_90"), ("bfloat16", "identity", "int32", 64, "sm_80"),
-            ("float32", "gelu", "int32", 64, "sm_90"), ("float32", "silu", "int64", 100000, "sm_80")]
+            ("float32", "gelu", "int32", 64, "sm_90"), ("float32", "silu", "int64", 100000, "sm_80"),
+            ("float16", "silu", "int32", 200, "sm_90")]
 
 
 def _plans() -> list[moe.MoEPlan]:
-    return [moe.plan_moe(T, 1, 8, 64, 128, dtype, act, ids) for dtype, act, ids, T, _ in VARIANTS]
+    return [moe.plan_moe(T, 1, 8, 64, 128, dtype, act, ids, arch)
+            for dtype, act, ids, T, arch in VARIANTS]
 
 
 def nvcc_jobs(pool) -> list[Future]:
     """Each variant's compile for its arch (submitted at collection by conftest)."""
-    return [pool.submit(compiler.compile_source, moe.MOE.source(plan.context()), v[-1])
-            for plan, v in zip(_plans(), VARIANTS)]
+    return [pool.submit(compiler.compile_source, moe.MOE.source(plan.context()),
+                        compile_target(v[-1])) for plan, v in zip(_plans(), VARIANTS)]
 
 
 @pytest.mark.nvcc
 def test_compile_variants(nvcc):
-    """Every dtype and activation, both id types and both tile heights compile for sm_80/sm_90."""
-    assert {plan.bm for plan in _plans()} == {64, 128}
+    """Every dtype and activation, both id types, both tile heights and both mainloops compile
+    for sm_80 / sm_90a (wgmma: fp16 and bf16 past one routing block; mma.sync on sm_90a for
+    fp32 and decode-sized batches)."""
+    plans = _plans()
+    assert {p.bm for p in plans if p.mainloop == "mma_sync"} == {64, 128}
+    assert [p.mainloop for p in plans].count("wgmma") == 2
     assert all(len(job.result()) > 1000 for job in nvcc_jobs(nvcc))

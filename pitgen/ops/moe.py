@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .. import cache
+from .. import cache, lower
 from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, kept_scratch, memset_d32, stream_counters
+from ..runtime import (TorchLaunch, device_arch, device_sms, kept_scratch, memset_d32,
+                       stream_counters, tensor_map)
 from . import lazy_torch_classes
 from .library import ops, tracing
 
@@ -40,7 +41,9 @@ MOE = OpSpec(
     # PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2
     {"moe_route": "PiiiPPPPPPPPPi", "moe_place": "PPPiiPPi",
      "moe_gemm1": "PPPPPPPPPiiiii", "moe_gemm1_routed": "Piii" + "P" * 11 + "iiii",
-     "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq"},
+     "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq",
+     "moe_place_gather": "PPPiiPPiPPi", "moe_gemm1_sm90": "MM" + "P" * 7 + "i" * 6,
+     "moe_gemm2_sm90": "MM" + "P" * 9 + "i" * 7},
     permutes=(
         # tokens gathered into per-expert row blocks (SRead), any order within an expert ...
         Permutation("tokens in", GEMM1, "spatial", "X"),
@@ -67,6 +70,9 @@ class MoEPlan:
     wm: int
     wn: int
     stages: int
+    #: 'mma_sync' (every device; wm x wn warps) or 'wgmma' (sm_90a: a producer and two
+    #: consumer warpgroups, TMA; wm, wn unused)
+    mainloop: str = "mma_sync"
 
     @property
     def pairs(self) -> int:
@@ -79,7 +85,7 @@ class MoEPlan:
 
     @property
     def threads(self) -> int:
-        return self.wm * self.wn * 32
+        return 384 if self.mainloop == "wgmma" else self.wm * self.wn * 32
 
     @property
     def max_tiles(self) -> int:
@@ -88,12 +94,18 @@ class MoEPlan:
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory of a GEMM block: STAGES x (A tile + B tile), padded rows."""
+        """Dynamic shared memory of a GEMM block: STAGES x (A tile + B tile), padded rows
+        (wgmma: swizzled, unpadded, 1024-byte alignment slack and two mbarriers per stage)."""
+        if self.mainloop == "wgmma":
+            return self.stages * ((self.bm + self.bn) * self.bk * 2 + 16) + 1024
         pad, size = (4, 4) if self.dtype == "float32" else (8, 2)
         return self.stages * (self.bm * (self.bk + pad) + self.bk * (self.bn + pad)) * size
 
-    def gemm_grid(self, n: int) -> tuple[int, int, int]:
-        """Tiles along x (consecutive blocks share a weight column tile: L2 reuse), N tiles along y."""
+    def gemm_grid(self, n: int, sms: int = 0) -> tuple[int, int, int]:
+        """Tiles along x (consecutive blocks share a weight column tile: L2 reuse), N tiles along
+        y; wgmma: persistent CTAs, at most one per multiprocessor (``sms``)."""
+        if self.mainloop == "wgmma":
+            return (max(1, min(sms, self.max_tiles * -(-n // self.bn))), 1, 1)
         return (self.max_tiles, -(-n // self.bn), 1)
 
     def index_grid(self) -> tuple[int, int, int]:
@@ -103,7 +115,8 @@ class MoEPlan:
         """Template context of moe.cu.j2."""
         return {"dtype": self.dtype, "activation": self.activation, "id_type": self.id_type,
                 "bm": self.bm, "bn": self.bn, "bk": self.bk, "wm": self.wm, "wn": self.wn,
-                "stages": self.stages, "vec": self.vec, "route_threads": INDEX_THREADS}
+                "stages": self.stages, "vec": self.vec, "route_threads": INDEX_THREADS,
+                "mainloop": self.mainloop}
 
 
 def block_m(pairs: int, experts: int) -> int:
@@ -113,11 +126,14 @@ def block_m(pairs: int, experts: int) -> int:
 
 @cache.lru("moe.plans")
 def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype: str = "float16",
-             activation: str = "gelu", id_dtype: str = "int32") -> MoEPlan:
-    """Check the shapes against the PIT rules and choose the tiles.
+             activation: str = "gelu", id_dtype: str = "int32", arch: str = "sm_80") -> MoEPlan:
+    """Check the shapes against the PIT rules and choose the tiles for a device of ``arch``.
 
-    BM = 128 when an expert gets >= 256 rows on average (fewer weight re-reads per row), else
-    64, so that a lightly loaded expert reads each weight tile once for all its tokens."""
+    mma.sync: BM = 128 when an expert gets >= 256 rows on average (fewer weight re-reads per
+    row), else 64, so that a lightly loaded expert reads each weight tile once for all its
+    tokens. Hopper, fp16/bf16, more pairs than one routing block: the wgmma kernels, 128 x 256
+    tiles, 4 stages of 64-deep k (decode-sized batches keep the mma.sync path, whose first GEMM
+    routes inside)."""
     MOE.derive()
     MOE.check_dtype(dtype)
     if activation not in ACTIVATIONS:
@@ -134,6 +150,10 @@ def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype:
     pairs = tokens * topk
     if pairs >= 2**31 or pairs * max(hidden, ffn) >= 2**62 or experts >= 2**31 - 1:
         raise ShapeError(f"T*topk = {pairs} rows is too large (int32 row ids)")
+    if arch in lower.WGMMA_ARCHS and dtype != "float32" and pairs > INDEX_THREADS:
+        return MoEPlan(tokens, topk, experts, hidden, ffn, dtype, activation,
+                       "int" if id_dtype == "int32" else "long long", 128, 256, 64, 2, 1, 4,
+                       "wgmma")
     bm = block_m(pairs, experts)
     stages = 3 if (bm == 128 or dtype == "float32") else 4
     return MoEPlan(tokens, topk, experts, hidden, ffn, dtype, activation,
@@ -184,7 +204,7 @@ class _Launch:
     host time). The routing counters are this plan's own, per stream, zero between launches."""
 
     __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "route_index",
-                 "place", "gemm1", "routed", "gemm2", "finish", "pending")
+                 "place", "gemm1", "routed", "gemm2", "finish", "pending", "wgmma")
 
     def __init__(self, plan: MoEPlan) -> None:
         kernels = MOE.module(plan)
@@ -197,32 +217,49 @@ class _Launch:
         self.direct = plan.topk == 1
         self.esize = 4 if plan.dtype == "float32" else 2
         ints, inter = _round(4 * self.words), _round(P * F * self.esize)
-        self.bytes = (ints, inter, 0 if self.direct else T * H * 4)
+        #: wgmma: the pairs' token rows in expert order (xs, moe_place_gather) follow the sums
+        self.wgmma = plan.mainloop == "wgmma"
+        self.bytes = (ints, inter, _round(0 if self.direct else T * H * 4),
+                      P * H * self.esize if self.wgmma else 0)
         index, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
         self.route_index = kernels.bind("moe_route", index, block)
-        self.place = None if index[0] == 1 else kernels.bind("moe_place", index, block)
-        self.gemm1 = kernels.bind("moe_gemm1", plan.gemm_grid(F), (plan.threads, 1, 1), plan.smem)
-        #: batches of one routing block: moe_gemm1_routed routes inside (two launches, top-1)
-        self.routed = None if index[0] > 1 or plan.threads < INDEX_THREADS else kernels.bind(
-            "moe_gemm1_routed", plan.gemm_grid(F), (plan.threads, 1, 1),
-            -(-plan.smem // 16) * 16 + 4 * (3 * INDEX_THREADS + 2 * E + 2 * t + 2))
-        self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), (plan.threads, 1, 1), plan.smem)
+        threads = (plan.threads, 1, 1)
+        if self.wgmma:  # index[0] > 1 here: P > INDEX_THREADS
+            self.place = kernels.bind("moe_place_gather",
+                                      (min(4096, -(-P * (H // 8) // INDEX_THREADS)), 1, 1), block)
+            sms = device_sms()
+            self.gemm1 = kernels.bind("moe_gemm1_sm90", plan.gemm_grid(F, sms), threads, plan.smem)
+            self.gemm2 = kernels.bind("moe_gemm2_sm90", plan.gemm_grid(H, sms), threads, plan.smem)
+            self.routed = None
+        else:
+            self.place = None if index[0] == 1 else kernels.bind("moe_place", index, block)
+            self.gemm1 = kernels.bind("moe_gemm1", plan.gemm_grid(F), threads, plan.smem)
+            #: batches of one routing block: moe_gemm1_routed routes inside (two launches, top-1)
+            self.routed = None if index[0] > 1 or plan.threads < INDEX_THREADS else kernels.bind(
+                "moe_gemm1_routed", plan.gemm_grid(F), threads,
+                -(-plan.smem // 16) * 16 + 4 * (3 * INDEX_THREADS + 2 * E + 2 * t + 2))
+            self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), threads, plan.smem)
         self.finish = None if self.direct else kernels.bind(
             "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
         #: device index -> stream handle -> moe_route's counters there (stream_counters; the
         #: default stream of every device is handle 0)
         self.pending: dict[int, dict[int, Any]] = {}
 
-    def route(self, stream: int, ids: int, base: int, device: Any, y: int = 0) -> tuple[int, ...]:
+    def route(self, stream: int, ids: int, base: int, device: Any, y: int = 0, x: int = 0,
+              xs: int = 0) -> tuple[int, ...]:
         """Enqueue the routing index build into the words at ``base``; their addresses. ``y``
-        (top-1): the output, whose rows of tokens with an out-of-range id are zeroed."""
+        (top-1): the output, whose rows of tokens with an out-of-range id are zeroed; wgmma:
+        the token rows of ``x`` are copied to ``xs`` in expert order."""
         plan = self.plan
         counts, rank, offsets, row_pair, tile_e, tile_r, ntiles = (base + o for o in self.offsets)
         pending = stream_counters(self.pending.setdefault(device.index, {}), stream,
                                   plan.experts + 1, device)   # held until the launch
         self.route_index(stream, ids, plan.pairs, plan.experts, plan.max_tiles, pending.data_ptr(),
                          counts, rank, offsets, tile_e, tile_r, ntiles, row_pair, y, plan.hidden)
-        if self.place is not None:
+        if self.wgmma:
+            self.place(stream, ids, rank, offsets, plan.pairs, plan.experts, row_pair, y,
+                       plan.hidden, x, xs, plan.topk)
+        elif self.place is not None:
             self.place(stream, ids, rank, offsets, plan.pairs, plan.experts, row_pair, y,
                        plan.hidden)
         return counts, rank, offsets, row_pair, tile_e, tile_r, ntiles
@@ -236,7 +273,7 @@ class _Launch:
             gates.to(torch.float32).contiguous()
         y = torch.empty_like(x)
         yp = y.data_ptr()
-        ints, inter, _ = self.bytes
+        ints, inter, sums, _ = self.bytes
         with TorchLaunch() as launch:
             s = launch.stream
             scratch, lock = kept_scratch(s, sum(self.bytes), x.device)
@@ -246,7 +283,9 @@ class _Launch:
                 if not self.direct:  # the fp32 sums the experts add into start at zero
                     memset_d32(ws, 0, T * H, s)
                 b1p = 0 if b1 is None else b1.data_ptr()
-                if self.routed is not None:   # the routing inside the first GEMM
+                if self.wgmma:
+                    self._wgmma(s, base, x, expert_ids, w1, w2, b1p, b2, yp, ws, g)
+                elif self.routed is not None:   # the routing inside the first GEMM
                     counts, _, offsets, row_pair, tile_e, tile_r, ntiles = (
                         base + o for o in self.offsets)
                     self.routed(s, expert_ids.data_ptr(), plan.pairs, E, plan.max_tiles, counts,
@@ -258,12 +297,35 @@ class _Launch:
                         s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0)
                     self.gemm1(s, x.data_ptr(), w1.data_ptr(), b1p, base + ints, row_pair,
                                tile_e, tile_r, offsets, ntiles, T, topk, E, H, F)
-                idx = (row_pair, tile_e, tile_r, offsets, ntiles)
-                self.gemm2(s, base + ints, w2.data_ptr(), 0 if b2 is None else b2.data_ptr(),
-                           yp, ws, g.data_ptr(), *idx, T, topk, E, F, H, int(self.direct))
+                if not self.wgmma:
+                    idx = (row_pair, tile_e, tile_r, offsets, ntiles)
+                    self.gemm2(s, base + ints, w2.data_ptr(),
+                               0 if b2 is None else b2.data_ptr(), yp, ws, g.data_ptr(), *idx, T,
+                               topk, E, F, H, int(self.direct))
                 if self.finish is not None:
                     self.finish(s, ws, yp, np.int64(T * H))
         return y
+
+    def _wgmma(self, s: int, base: int, x: Any, expert_ids: Any, w1: Any, w2: Any, b1p: int,
+               b2: Any, yp: int, ws: int, g: Any) -> None:
+        """The Hopper path's launches after moe_route: placing with the row copy into expert
+        order, then both GEMMs from TMA descriptors (each remembered per address)."""
+        plan = self.plan
+        T, H, F, E, topk, P, dt = (plan.tokens, plan.hidden, plan.ffn, plan.experts, plan.topk,
+                                   plan.pairs, plan.dtype)
+        ints, inter, sums, _ = self.bytes
+        hbuf, xs = base + ints, base + ints + inter + sums
+        _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
+            s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0, x.data_ptr(), xs)
+        idx = (row_pair, tile_e, tile_r, offsets, ntiles)
+        box_a, box_b = (plan.bk, 64), (64, plan.bk, 1)
+        self.gemm1(s, tensor_map(xs, dt, (H, P), H, box_a),
+                   tensor_map(w1.data_ptr(), dt, (F, H, E), (F, H * F), box_b), b1p, hbuf, *idx,
+                   T, topk, E, H, F, plan.max_tiles)
+        self.gemm2(s, tensor_map(hbuf, dt, (F, P), F, box_a),
+                   tensor_map(w2.data_ptr(), dt, (H, F, E), (H, F * H), box_b),
+                   0 if b2 is None else b2.data_ptr(), yp, ws, g.data_ptr(), *idx, T, topk, E, F,
+                   H, int(self.direct), plan.max_tiles)
 
 
 #: MoEPlan -> its _Launch
@@ -319,7 +381,7 @@ def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2
                     ("b1", b1), ("b2", b2)):
         if t is not None and t.device != x.device:
             raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
-    return plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids))
+    return plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids), device_arch())
 
 
 def _checked(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
