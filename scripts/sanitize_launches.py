@@ -39,9 +39,11 @@ from pitgen.ops.moe import moe_ffn
 from pitgen.ops.sddmm import sddmm
 
 g = torch.Generator(device="cuda").manual_seed(0)
-T, H, F, E = 200, 64, 96, 5
-x = torch.randn(T, H, device="cuda", dtype=torch.float16)
-for topk in (1, 2):
+# T 200: the mma.sync kernels (top-1 routes inside the first GEMM); T 300 with ragged H, F: on
+# Hopper the wgmma + TMA kernels and moe_place_gather
+for T, H, F, E, topk in ((200, 64, 96, 5, 1), (200, 64, 96, 5, 2), (300, 72, 136, 5, 1),
+                         (300, 72, 136, 5, 2)):
+    x = torch.randn(T, H, device="cuda", dtype=torch.float16)
     ids = torch.randint(0, E, (T, topk), device="cuda", dtype=torch.int32)
     gates = torch.rand(T, topk, device="cuda")
     w1 = torch.randn(E, H, F, device="cuda", dtype=torch.float16) / 8
@@ -49,7 +51,7 @@ for topk in (1, 2):
     moe_ffn(x, ids, gates, w1, w2, torch.randn(E, F, device="cuda", dtype=torch.float16),
             torch.randn(E, H, device="cuda", dtype=torch.float16))
 torch.cuda.synchronize()
-print("moe top-1/top-2: ok")
+print("moe top-1/top-2, both mainloops: ok")
 
 rng = np.random.default_rng(0)
 for d in (64, 128):
