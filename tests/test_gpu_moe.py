@@ -89,7 +89,7 @@ def _layer(rng, T, topk, E, H, F, dtype, bias, routing, id_dtype="int64"):
 
 @pytest.mark.parametrize("mainloop", ["wgmma", "mma_sync"])
 @settings(max_examples=T.examples(15), deadline=None, suppress_health_check=list(HealthCheck))
-@given(T=st.sampled_from([1, 7, 64, 97, 300, 1029]), topk=st.sampled_from([1, 2]),
+@given(T=st.sampled_from([1, 7, 64, 97, 300, 1029, 2000]), topk=st.sampled_from([1, 2]),
        E=st.sampled_from([1, 3, 8, 33]), H=st.sampled_from([8, 40, 128, 264]),
        F=st.sampled_from([8, 56, 256, 392]), dtype=st.sampled_from(["float16", "bfloat16"]),
        act=st.sampled_from(ACTIVATIONS), bias=st.booleans(),
