@@ -99,9 +99,9 @@ def test_hopper_plan_decisions():
     """sm_90: fp16/bf16 batches past one routing block take the wgmma kernels (persistent: one
     CTA per SM at most); fp32 and decode-sized batches keep mma.sync."""
     p = moe.plan_moe(4096, 1, 64, 768, 3072, arch="sm_90")
-    assert (p.mainloop, p.bm, p.bn, p.bk, p.threads) == ("wgmma", 128, 256, 64, 384)
+    assert (p.mainloop, p.bm, p.bn, p.bk, p.stages, p.threads) == ("wgmma", 128, 128, 64, 6, 384)
     assert p.smem <= 227 * 1024 and p.context()["mainloop"] == "wgmma"
-    assert p.gemm_grid(3072, 132) == (132, 1, 1) and p.gemm_grid(768, 1000) == (p.max_tiles * 3, 1, 1)
+    assert p.gemm_grid(3072, 132) == (132, 1, 1) and p.gemm_grid(768, 1000) == (p.max_tiles * 6, 1, 1)
     assert moe.plan_moe(4096, 1, 64, 768, 3072).mainloop == "mma_sync"   # sm_80
     assert moe.plan_moe(4096, 1, 64, 768, 3072, "float32", arch="sm_90").mainloop == "mma_sync"
     assert moe.plan_moe(256, 1, 64, 768, 3072, arch="sm_90").mainloop == "mma_sync"

@@ -131,8 +131,9 @@ def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype:
 
     mma.sync: BM = 128 when an expert gets >= 256 rows on average (fewer weight re-reads per
     row), else 64, so that a lightly loaded expert reads each weight tile once for all its
-    tokens. Hopper, fp16/bf16, more pairs than one routing block: the wgmma kernels, 128 x 256
-    tiles, 4 stages of 64-deep k (decode-sized batches keep the mma.sync path, whose first GEMM
+    tokens. Hopper, fp16/bf16, more pairs than one routing block: the wgmma kernels, 128 x 128
+    tiles, 6 stages of 64-deep k (per-kernel times, H100, E 64 / 128: 3-6% below 128 x 256 x 4
+    stages and 128 x 192 x 5; decode-sized batches keep the mma.sync path, whose first GEMM
     routes inside)."""
     MOE.derive()
     MOE.check_dtype(dtype)
@@ -152,7 +153,7 @@ def plan_moe(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype:
         raise ShapeError(f"T*topk = {pairs} rows is too large (int32 row ids)")
     if arch in lower.WGMMA_ARCHS and dtype != "float32" and pairs > INDEX_THREADS:
         return MoEPlan(tokens, topk, experts, hidden, ffn, dtype, activation,
-                       "int" if id_dtype == "int32" else "long long", 128, 256, 64, 2, 1, 4,
+                       "int" if id_dtype == "int32" else "long long", 128, 128, 64, 2, 1, 6,
                        "wgmma")
     bm = block_m(pairs, experts)
     stages = 3 if (bm == 128 or dtype == "float32") else 4
