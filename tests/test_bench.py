@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pitgen.bench import (Ceilings, Progress, fmt, fmt_e, fmt_x, geomean, main, md_table, plot,
@@ -44,7 +45,6 @@ def test_matmul_traffic_by_granularity():
 def test_matmul_floor_judges_the_chosen_plan():
     """A dense choice is judged against dense cuBLAS; a micro-tile choice against its own
     units (here 64x1 units over a 32x1 mask: twice the rows per unit, half the units' B rows)."""
-    import numpy as np
     mask = np.zeros((256, 128), dtype=bool)
     mask[:32, 5] = True                        # one 32x1 unit
     mask[64:96, 7] = True                      # another, in the same 64-row stripe as none
@@ -155,6 +155,27 @@ def test_moe_routing_is_seeded_and_skewed():
     assert (ids == routing(4096, 64, 0)).all()
     counts = sorted(((ids == e).sum() for e in range(64)), reverse=True)
     assert counts[0] > 10 * counts[31]  # Zipf-like: the busiest expert dwarfs the median one
+    two = routing(4096, 64, 0, topk=2)
+    assert two.shape == (4096, 2) and (two[:, 0] != two[:, 1]).all()  # distinct experts
+    counts = sorted(((two == e).sum() for e in range(64)), reverse=True)
+    assert counts[0] > 5 * counts[31]
+
+
+def test_moe_loop_peer_matches_the_reference_for_top2():
+    """The peer every row is checked against computes the layer (top-2: pairs to tokens)."""
+    torch = pytest.importorskip("torch")
+    from pitgen.bench.moe import loop_peer, routing
+    from pitgen.reference import moe_reference
+
+    rng = np.random.default_rng(1)
+    T, H, F, E = 40, 8, 16, 5
+    x, w1, w2 = rng.standard_normal((T, H)), rng.standard_normal((E, H, F)), rng.standard_normal((E, F, H))
+    b1, b2, gates = rng.standard_normal((E, F)), rng.standard_normal((E, H)), rng.random((T, 2))
+    ids = routing(T, E, 3, topk=2)
+    t = torch.from_numpy
+    got = loop_peer(t(x), t(ids), t(gates), t(w1), t(w2), t(b1), t(b2)).numpy()
+    want = moe_reference(x, ids, gates, w1, w2, b1, b2, activation="gelu")
+    assert np.abs(got - want).max() < 1e-9 * np.abs(want).max()
 
 
 # -- graph benchmark: planning and report ------------------------------------------------------

@@ -2,9 +2,10 @@
 grouped tensor-core GEMMs) against a PyTorch loop over experts, torch._grouped_mm and stk
 block-sparse (MegaBlocks style), routing included in every time.
 
-Workload: T=4096 tokens, H=768, F=3072, top-1, skewed (Zipf-like, seeded) expert popularity,
-GELU and biases, E = 64 and 128, fp16. Floor: reading every expert's weights once at the copy
-rate measured in the run. The stk peer runs in a child process (``--stk-only``): a fault in its
+Workload: T=4096 tokens, H=768, F=3072, top-1 and top-2, skewed (Zipf-like, seeded) expert
+popularity, GELU and biases, E = 8, 64 and 128, fp16. Floor: reading every expert's weights once
+at the copy rate measured in the run, or the FLOPs at the dense fp16 matmul rate measured there,
+whichever is longer (E = 8 is compute-bound). The stk peer runs in a child process (``--stk-only``): a fault in its
 kernels kills a CUDA context, and must not take the other rows with it. Writes moe_layer.md and
 moe_layer.json (moe.md is the peer suite's Switch-base workload).
 """
@@ -31,19 +32,24 @@ STK = "stk block-sparse 128 (MegaBlocks-style)"
 TOL = 5e-2
 
 
-def routing(tokens: int, experts: int, seed: int) -> np.ndarray:
-    """Top-1 expert ids with Zipf-like popularity (p_e ~ 1/(e+1)^1.1, experts shuffled)."""
+def routing(tokens: int, experts: int, seed: int, topk: int = 1) -> np.ndarray:
+    """Expert ids [tokens, topk] with Zipf-like popularity (p_e ~ 1/(e+1)^1.1, experts
+    shuffled); top-k > 1: k distinct experts per token (Gumbel top-k over the same weights)."""
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, experts + 1) ** 1.1
     perm = rng.permutation(experts)
-    return perm[rng.choice(experts, size=(tokens, 1), p=p / p.sum())]
+    if topk == 1:
+        return perm[rng.choice(experts, size=(tokens, 1), p=p / p.sum())]
+    scores = np.log(p / p.sum()) + rng.gumbel(size=(tokens, experts))
+    return perm[np.argsort(-scores, axis=1)[:, :topk]]
 
 
 def loop_peer(x, ids, gates, w1, w2, b1, b2):
-    """PyTorch loop over experts: tokens of each expert found by sorting (one sync for the
-    counts), index_select, two matmuls, index_add with the gate."""
+    """PyTorch loop over experts: the (token, j) pairs of each expert found by sorting (one sync
+    for the counts), index_select, two matmuls, index_add with the gate."""
     import torch
     import torch.nn.functional as F
+    topk = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
@@ -51,30 +57,36 @@ def loop_peer(x, ids, gates, w1, w2, b1, b2):
     start = 0
     for e, c in enumerate(counts):
         if c:
-            rows = order[start:start + c]
-            h = F.gelu(torch.index_select(x, 0, rows) @ w1[e] + b1[e], approximate="tanh")
-            o = (h @ w2[e] + b2[e]) * gates.reshape(-1)[rows, None].to(x.dtype)
-            y.index_add_(0, rows, o)
+            pairs = order[start:start + c]
+            tokens = pairs // topk
+            h = F.gelu(torch.index_select(x, 0, tokens) @ w1[e] + b1[e], approximate="tanh")
+            o = (h @ w2[e] + b2[e]) * gates.reshape(-1)[pairs, None].to(x.dtype)
+            y.index_add_(0, tokens, o)
         start += c
     return y
 
 
 def grouped_peer(x, ids, gates, w1, w2, b1, b2):
-    """torch._grouped_mm: sort tokens by expert (GPU, no sync), offs = int32 cumulative row
-    ends, two grouped GEMMs, scatter back with the gate."""
+    """torch._grouped_mm: sort the (token, j) pairs by expert (GPU, no sync), offs = int32
+    cumulative row ends, two grouped GEMMs, scatter back with the gate (top-1: a direct store;
+    top-k: index_add over the tokens)."""
     import torch
     import torch.nn.functional as F
-    E = w1.shape[0]
+    E, topk = w1.shape[0], ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat)
     se = flat[order]
     offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    xs = x[order]
+    tokens = order // topk if topk > 1 else order
+    xs = x[tokens]
     h = torch._grouped_mm(xs, w1, offs=offs) + b1[se]
     h = F.gelu(h, approximate="tanh")
     o = (torch._grouped_mm(h, w2, offs=offs) + b2[se]) * gates.reshape(-1)[order, None].to(x.dtype)
-    y = torch.empty_like(x)
-    y[order] = o
+    if topk == 1:
+        y = torch.empty_like(x)
+        y[order] = o
+    else:
+        y = torch.zeros_like(x).index_add_(0, tokens, o)
     return y
 
 
@@ -130,7 +142,7 @@ def stk_peer(x, ids, gates, w1c, w2c, b1, b2, E, F_, blk=128):
 class _Case:
     """One expert count's inputs, the loop's output as reference, and the rows measured."""
 
-    def __init__(self, timer: Timer, experts: int):
+    def __init__(self, timer: Timer, experts: int, topk: int = 1):
         import torch
 
         from pitgen.ops.moe import flops, weight_bytes
@@ -143,10 +155,11 @@ class _Case:
         self.w2 = (torch.randn(E, F, H, device=dev) * F ** -0.5).half()
         self.b1 = (torch.randn(E, F, device=dev) * 0.1).half()
         self.b2 = (torch.randn(E, H, device=dev) * 0.1).half()
-        self.ids = torch.tensor(routing(T, E, SEED), device=dev, dtype=torch.int64)
-        self.gates = torch.rand(T, 1, device=dev) * 0.5 + 0.5
+        self.ids = torch.tensor(routing(T, E, SEED, topk), device=dev, dtype=torch.int64)
+        self.gates = torch.rand(T, topk, device=dev) * 0.5 + 0.5
         counts = torch.bincount(self.ids.reshape(-1), minlength=E).cpu().numpy()
-        self.base = {"E": E, "T": T, "H": H, "F": F, "topk": 1, "gflop": flops(T, H, F) / 1e9,
+        self.base = {"E": E, "T": T, "H": H, "F": F, "topk": topk,
+                     "gflop": flops(T * topk, H, F) / 1e9,
                      "weight_mb": weight_bytes(E, H, F) / 1e6,
                      "max_tokens_per_expert": int(counts.max()),
                      "empty_experts": int((counts == 0).sum())}
@@ -167,7 +180,7 @@ class _Case:
         except Exception as e:  # a peer that fails is a row, not a crash
             row["error"] = describe(e)
         self.rows.append(row)
-        print(name, self.base["E"], row.get("ms"), row.get("rel_err_vs_loop"),
+        print(name, self.base["E"], self.base["topk"], row.get("ms"), row.get("rel_err_vs_loop"),
               row.get("error", ""), file=sys.stderr, flush=True)
 
     def stk(self) -> None:
@@ -200,11 +213,11 @@ def _stk_child(experts: int, repeats: int) -> list[dict]:
         return [{"E": experts, "impl": STK, "dtype": "float16", "note": "", "error": err}]
 
 
-def _rows(r: Run, experts: int) -> list[dict]:
-    """Every system's row at one expert count (stk's from a child process)."""
+def _rows(r: Run, experts: int, topk: int) -> list[dict]:
+    """Every system's row at one expert count and top-k (stk's from a child process, top-1)."""
     from pitgen.ops.moe import moe_ffn
 
-    case = _Case(r.timer, experts)
+    case = _Case(r.timer, experts, topk)
     x, ids, gates, w1, w2, b1, b2 = case.args()
     case.add("pitgen moe_ffn (check=False)",
              lambda: moe_ffn(x, ids, gates, w1, w2, b1, b2, activation="gelu", check=False))
@@ -222,8 +235,9 @@ def _rows(r: Run, experts: int) -> list[dict]:
     except Exception as e:  # fp16 not supported by this torch
         case.rows.append(dict(case.base, impl="torch._grouped_mm", dtype="float16", note="",
                               error=f"fp16 refused ({type(e).__name__})"))
-    floor_ms = r.ceilings.copy_ms(case.base["weight_mb"] * 1e6)
-    stk = [dict(case.base, **x) for x in _stk_child(experts, r.timer.repeats)]
+    floor_ms = max(r.ceilings.copy_ms(case.base["weight_mb"] * 1e6),
+                   case.base["gflop"] / r.ceilings.matmul_tflops["float16"])
+    stk = [] if topk > 1 else [dict(case.base, **x) for x in _stk_child(experts, r.timer.repeats)]
     return [dict(row, floor_ms=floor_ms) for row in case.rows + stk]
 
 
@@ -231,12 +245,14 @@ def run(r: Run) -> int:
     import torch
 
     rows = []
-    for experts in r.args.experts or ([64] if r.args.quick else [64, 128]):
-        rows += _rows(r, int(experts))
-        torch.cuda.empty_cache()
+    for topk in [1] if r.args.quick else [1, 2]:
+        for experts in r.args.experts or ([64] if r.args.quick else [8, 64, 128]):
+            rows += _rows(r, int(experts), topk)
+            torch.cuda.empty_cache()
     for row in rows:
         gm = min((x["ms"] for x in rows if x["impl"] == "torch._grouped_mm"
-                  and x["E"] == row["E"] and "ms" in x), default=None)
+                  and (x["E"], x["topk"]) == (row["E"], row["topk"]) and "ms" in x),
+                 default=None)
         if "ms" in row:
             row["vs_floor"] = row["ms"] / row["floor_ms"]
             row["speedup_vs_grouped_mm"] = ratio(gm, row["ms"])
@@ -250,22 +266,25 @@ def run(r: Run) -> int:
 
 def table(rows: list[dict], meta: dict, copy_rate: float) -> str:
     lines = [f"# MoE expert layer ({meta['device']})", "",
-             f"fp16, T={T} tokens, H={H}, F={F}, top-1, Zipf-like routing (seeded), GELU (tanh), "
+             f"fp16, T={T} tokens, H={H}, F={F}, Zipf-like routing (seeded), GELU (tanh), "
              "biases; routing/index build included in every time; CUDA events, L2 flushed, "
              f"median of {meta['repeats']}; host ms is eager wall time per call. Floor = reading "
              f"every expert's weights once at the measured copy rate "
-             f"({copy_rate / 1e9:.2f} TB/s).", ""]
+             f"({copy_rate / 1e9:.2f} TB/s) or the FLOPs at the measured dense fp16 matmul rate, "
+             "whichever is longer. `vs _grouped_mm`: against the faster `_grouped_mm` row of "
+             "the same case (bf16 is its fast path).", ""]
     lines += md_table(
-        ["E", "impl", "dtype", "ms", "vs _grouped_mm", "× floor", "TFLOP/s", "host ms/call",
-         "rel err vs loop", "note"],
-        [[x["E"], x["impl"], x["dtype"], "failed", "", "", "", "", "", x["error"]] if "error" in x
-         else [x["E"], x["impl"], x["dtype"], fmt(x["ms"]), fmt_x(x["speedup_vs_grouped_mm"]),
-               fmt(x["vs_floor"], 2), fmt(x["tflops"], 0), fmt(x["host_ms"]),
-               fmt_e(x["rel_err_vs_loop"]), x["note"]] for x in rows])
+        ["E", "top-k", "impl", "dtype", "ms", "vs _grouped_mm", "× floor", "TFLOP/s",
+         "host ms/call", "rel err vs loop", "note"],
+        [[x["E"], x["topk"], x["impl"], x["dtype"], "failed", "", "", "", "", "", x["error"]]
+         if "error" in x
+         else [x["E"], x["topk"], x["impl"], x["dtype"], fmt(x["ms"]),
+               fmt_x(x["speedup_vs_grouped_mm"]), fmt(x["vs_floor"], 2), fmt(x["tflops"], 0),
+               fmt(x["host_ms"]), fmt_e(x["rel_err_vs_loop"]), x["note"]] for x in rows])
     lines.append("")
-    for E in sorted({x["E"] for x in rows}):
-        x = next(x for x in rows if x["E"] == E)
-        lines.append(f"- E={E}: {x['gflop']:.1f} GFLOP, weights {x['weight_mb']:.0f} MB "
-                     f"(floor {x['floor_ms']:.3f} ms), busiest expert "
-                     f"{x['max_tokens_per_expert']} tokens, {x['empty_experts']} experts empty.")
+    for case in sorted({(x["E"], x["topk"]) for x in rows}):
+        x = next(x for x in rows if (x["E"], x["topk"]) == case)
+        lines.append(f"- E={case[0]}, top-{case[1]}: {x['gflop']:.1f} GFLOP, weights "
+                     f"{x['weight_mb']:.0f} MB (floor {x['floor_ms']:.3f} ms), busiest expert "
+                     f"{x['max_tokens_per_expert']} pairs, {x['empty_experts']} experts empty.")
     return "\n".join(lines) + "\n"

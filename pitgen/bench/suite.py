@@ -95,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--granularity", type=_csv,
                    help="mask units (default 32x1,1x64,32x64,128x128; quick 32x1,32x64,128x128)")
     g = ap.add_argument_group("moe")
-    g.add_argument("--experts", type=_csv, help="expert counts (default 64,128; quick 64)")
+    g.add_argument("--experts", type=_csv, help="expert counts (default 8,64,128, top-1 and top-2; quick 64, top-1)")
     g.add_argument("--stk-only", action="store_true", help=argparse.SUPPRESS)
     g = ap.add_argument_group("graphs")
     g.add_argument("--graphs", help="folder caching the generated graphs "
