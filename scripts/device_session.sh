@@ -6,7 +6,8 @@
 #             after THOROUGH_TIMEOUT (500 s); per-test example counts in $LOGS/thorough-counts.txt.
 #             THOROUGH_TESTS replaces the selection below, THOROUGH_SEED repeats a run
 #             (docs/testing.md)
-#   sanitize  compute-sanitizer memcheck + racecheck on one launch of every kernel kind
+#   sanitize  compute-sanitizer memcheck, racecheck and synccheck on one launch of every kernel
+#             kind (SANITIZE_TOOLS picks)
 #   example   build and run the standalone example against generated/ (make -C generated/example run)
 #   tune      schedule sweep (scripts/tune_schedules.py)
 #   tune-attention, tune-spmm, bench-rows (scripts/bench_rows.py)
@@ -70,7 +71,7 @@ for step in "$@"; do
       echo "thorough: pytest exit $r, counts exit $c (1: a family below 2000 examples or never run)"
       rc=$((rc | r | c)) ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
         timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_launches.py \
           >"$LOGS/sanitize-$tool.log" 2>&1; r=$?
         echo "compute-sanitizer $tool: exit $r"; tail -2 "$LOGS/sanitize-$tool.log"; rc=$((rc | r))
