@@ -196,16 +196,18 @@ def _round(nbytes: int) -> int:
 class _Launch:
     """moe_ffn's launches for one plan, decided once: kernels bound to their grids and shared
     memory, and one scratch allocation laid out as the routing index's int32 words (counts,
-    rank, offsets, row_pair, tile_e, tile_r, ntiles), the intermediate [pairs, F] and, for
-    topk > 1, the fp32 sums [T, H], each at a 128-byte boundary (the stream's kept scratch
+    rank, offsets, row_pair, tile_e, tile_r, ntiles), the intermediate [pairs, F], for
+    topk > 1 the fp32 sums [T, H] and, on the wgmma path, the token rows in expert order
+    [pairs, H], each at a 128-byte boundary (the stream's kept scratch
     when small: ``runtime.kept_scratch``). A steady-state call allocates y and makes its
     launches: routing, placing and the two expert GEMMs (a batch of at most INDEX_THREADS pairs:
     the first GEMM routes inside, ``moe_gemm1_routed``, so top-1 is two launches); top-k > 1: a
     driver memset of the fp32 sums first and a finishing pass last. Nothing else (issue 16's
     host time). The routing counters are this plan's own, per stream, zero between launches."""
 
-    __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "route_index",
-                 "place", "gemm1", "routed", "gemm2", "finish", "pending", "wgmma")
+    __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "inter",
+                 "sums", "xs", "route_index", "place", "gemm1", "routed", "gemm2", "finish",
+                 "pending", "wgmma")
 
     def __init__(self, plan: MoEPlan) -> None:
         kernels = MOE.module(plan)
@@ -222,6 +224,8 @@ class _Launch:
         self.wgmma = plan.mainloop == "wgmma"
         self.bytes = (ints, inter, _round(0 if self.direct else T * H * 4),
                       P * H * self.esize if self.wgmma else 0)
+        #: byte offsets in the scratch of the intermediate, the fp32 sums and xs
+        self.inter, self.sums, self.xs = ints, ints + inter, ints + inter + self.bytes[2]
         index, block = plan.index_grid(), (INDEX_THREADS, 1, 1)
         self.route_index = kernels.bind("moe_route", index, block)
         threads = (plan.threads, 1, 1)
@@ -268,61 +272,62 @@ class _Launch:
     def __call__(self, x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any,
                  b2: Any) -> Any:
         import torch
-        plan = self.plan
-        T, H, F, E, topk = plan.tokens, plan.hidden, plan.ffn, plan.experts, plan.topk
+        T, H = self.plan.tokens, self.plan.hidden
         g = gates if gates.dtype == torch.float32 and gates.is_contiguous() else \
             gates.to(torch.float32).contiguous()
         y = torch.empty_like(x)
         yp = y.data_ptr()
-        ints, inter, sums, _ = self.bytes
         with TorchLaunch() as launch:
             s = launch.stream
             scratch, lock = kept_scratch(s, sum(self.bytes), x.device)
             base = scratch.data_ptr()
-            ws = yp if self.direct else base + ints + inter
+            ws = yp if self.direct else base + self.sums
             with lock or nullcontext():
                 if not self.direct:  # the fp32 sums the experts add into start at zero
                     memset_d32(ws, 0, T * H, s)
-                b1p = 0 if b1 is None else b1.data_ptr()
-                if self.wgmma:
-                    self._wgmma(s, base, x, expert_ids, w1, w2, b1p, b2, yp, ws, g)
-                elif self.routed is not None:   # the routing inside the first GEMM
-                    counts, _, offsets, row_pair, tile_e, tile_r, ntiles = (
-                        base + o for o in self.offsets)
-                    self.routed(s, expert_ids.data_ptr(), plan.pairs, E, plan.max_tiles, counts,
-                                offsets, row_pair, tile_e, tile_r, ntiles,
-                                yp if self.direct else 0, x.data_ptr(), w1.data_ptr(), b1p,
-                                base + ints, T, topk, H, F)
-                else:
-                    _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
-                        s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0)
-                    self.gemm1(s, x.data_ptr(), w1.data_ptr(), b1p, base + ints, row_pair,
-                               tile_e, tile_r, offsets, ntiles, T, topk, E, H, F)
-                if not self.wgmma:
-                    idx = (row_pair, tile_e, tile_r, offsets, ntiles)
-                    self.gemm2(s, base + ints, w2.data_ptr(),
-                               0 if b2 is None else b2.data_ptr(), yp, ws, g.data_ptr(), *idx, T,
-                               topk, E, F, H, int(self.direct))
+                gemms = self._wgmma if self.wgmma else self._mma_sync
+                gemms(s, base, x, expert_ids, w1, w2, b1, b2, yp, ws, g)
                 if self.finish is not None:
                     self.finish(s, ws, yp, np.int64(T * H))
         return y
 
-    def _wgmma(self, s: int, base: int, x: Any, expert_ids: Any, w1: Any, w2: Any, b1p: int,
+    def _mma_sync(self, s: int, base: int, x: Any, expert_ids: Any, w1: Any, w2: Any, b1: Any,
+                  b2: Any, yp: int, ws: int, g: Any) -> None:
+        """The mma.sync path: routing and placing (or, for one routing block, the routing
+        inside the first GEMM), then both GEMMs gathering and scattering token rows."""
+        plan = self.plan
+        T, H, F, E, topk = plan.tokens, plan.hidden, plan.ffn, plan.experts, plan.topk
+        b1p, hbuf = 0 if b1 is None else b1.data_ptr(), base + self.inter
+        if self.routed is not None:
+            counts, _, offsets, row_pair, tile_e, tile_r, ntiles = (base + o for o in self.offsets)
+            self.routed(s, expert_ids.data_ptr(), plan.pairs, E, plan.max_tiles, counts, offsets,
+                        row_pair, tile_e, tile_r, ntiles, yp if self.direct else 0,
+                        x.data_ptr(), w1.data_ptr(), b1p, hbuf, T, topk, H, F)
+        else:
+            _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
+                s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0)
+            self.gemm1(s, x.data_ptr(), w1.data_ptr(), b1p, hbuf, row_pair, tile_e, tile_r,
+                       offsets, ntiles, T, topk, E, H, F)
+        self.gemm2(s, hbuf, w2.data_ptr(), 0 if b2 is None else b2.data_ptr(), yp, ws,
+                   g.data_ptr(), row_pair, tile_e, tile_r, offsets, ntiles, T, topk, E, F, H,
+                   int(self.direct))
+
+    def _wgmma(self, s: int, base: int, x: Any, expert_ids: Any, w1: Any, w2: Any, b1: Any,
                b2: Any, yp: int, ws: int, g: Any) -> None:
-        """The Hopper path's launches after moe_route: placing with the row copy into expert
-        order, then both GEMMs from TMA descriptors (each remembered per address)."""
+        """The Hopper path: routing, placing with the row copy into expert order, then both
+        GEMMs from TMA descriptors (each remembered per address)."""
         plan = self.plan
         T, H, F, E, topk, P, dt = (plan.tokens, plan.hidden, plan.ffn, plan.experts, plan.topk,
                                    plan.pairs, plan.dtype)
-        ints, inter, sums, _ = self.bytes
-        hbuf, xs = base + ints, base + ints + inter + sums
+        hbuf, xs = base + self.inter, base + self.xs
         _, _, offsets, row_pair, tile_e, tile_r, ntiles = self.route(
             s, expert_ids.data_ptr(), base, x.device, yp if self.direct else 0, x.data_ptr(), xs)
         idx = (row_pair, tile_e, tile_r, offsets, ntiles)
         box_a, box_b = (plan.bk, 64), (64, plan.bk, 1)
         self.gemm1(s, tensor_map(xs, dt, (H, P), H, box_a),
-                   tensor_map(w1.data_ptr(), dt, (F, H, E), (F, H * F), box_b), b1p, hbuf, *idx,
-                   T, topk, E, H, F, plan.max_tiles)
+                   tensor_map(w1.data_ptr(), dt, (F, H, E), (F, H * F), box_b),
+                   0 if b1 is None else b1.data_ptr(), hbuf, *idx, T, topk, E, H, F,
+                   plan.max_tiles)
         self.gemm2(s, tensor_map(hbuf, dt, (F, P), F, box_a),
                    tensor_map(w2.data_ptr(), dt, (H, F, E), (H, F * H), box_b),
                    0 if b2 is None else b2.data_ptr(), yp, ws, g.data_ptr(), *idx, T, topk, E, F,
