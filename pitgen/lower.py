@@ -91,11 +91,12 @@ class GemmSpec:
     gather: int = 0  # rows: active rows gathered per step (m16 groups of G // 16)
     c_mfast: bool = False  # rows: C written with adjacent threads on adjacent m (m contiguous)
     tk: int = 0  # rows: the k-tile, the micro-tile's extent along k (a compile-time constant)
+    pingpong: bool = False  # wgmma: two consumers take alternate tiles whole (wm x 64 rows, wn 1)
 
     @property
     def threads(self) -> int:
-        if self.mainloop == "wgmma":
-            return 128 * (self.wm * self.wn + 1)  # a producer warpgroup and the consumers
+        if self.mainloop == "wgmma":  # a producer warpgroup and the consumers
+            return 128 * ((2 if self.pingpong else self.wm * self.wn) + 1)
         return self.wm * self.wn * 32
 
     def smem_bytes(self, dtype: str) -> int:
@@ -222,6 +223,16 @@ def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
 NARROW_BLOCK_DENSITY = 0.25
 
 
+#: Which wgmma plans run ping-pong consumers (alternate whole tiles, one's epilogue under the
+#: other's products) rather than split ones (each consumer 64 rows of every tile): "narrow" (block
+#: plans of the narrow tile, where tiles are short: H100, 128x128 blocks at 10%, 8192^3 fp16
+#: 0.287 against 0.324 ms, 4096^3 0.070 against 0.074 ms), "always" or "never". Ping-pong
+#: accumulators hold at most 128 x 128 per consumer, so dense and denser block plans would lose
+#: their 256-wide tiles: dense 4096^3 0.240 against 0.210 ms, blocks at 50% 8192^3 1.032 against
+#: 0.953 ms.
+PINGPONG = "narrow"
+
+
 def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
             c_pair: bool, density: float | None = None) -> GemmSpec | None:
     """The wgmma kernel for a box plan (dense, or k-blocks listed per m-tile) on sm_90a, or None
@@ -236,13 +247,16 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
         return None
     wm = bm // 64
     narrow = block_list and density is not None and density <= NARROW_BLOCK_DENSITY
+    pingpong = PINGPONG == "always" or PINGPONG == "narrow" and narrow
+    narrow = narrow or pingpong and bm == 128  # a consumer's accumulators: at most 128 x 128
     bn = 256 if layout.N > 128 and not narrow else 128
+    wn = 1 if pingpong else 2 // wm
     stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
     c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
              and layout.N % 8 == 0 and layout.align_c % 16 == 0)
     return GemmSpec("pit_gemm", "box", block_list, tk // 64 if block_list else 1,
-                    c_pair, accumulate, bm, bn, 64, wm, 2 // wm, stages, 16 // size, 16 // size,
-                    da == 1, db == 1, "wgmma", c_vec)
+                    c_pair, accumulate, bm, bn, 64, wm, wn, stages, 16 // size, 16 // size,
+                    da == 1, db == 1, "wgmma", c_vec, pingpong=pingpong)
 
 
 #: The row-owner kernel's defaults (rows mode): BN, BK (at most), rows gathered per step, warps

@@ -5,13 +5,14 @@ then GPU times of both against cuBLAS (pitgen.bench.timing.Timer). Prints one ta
     python3 scripts/hopper_dev.py --speed    times only
     python3 scripts/hopper_dev.py --once     one launch per wgmma variant (compute-sanitizer)
     python3 scripts/hopper_dev.py --profile  the 90% 128x128-block case twice (ncu)
-    --bn128: also time the wgmma kernel with BN 128 (and the stages that fit); --only=MICRO: time
-    only the cases of one granularity (e.g. --only=128x128)
+    --only=MICRO[,MICRO]: time only the cases of these granularities (e.g. --only=128x128)
+The wgmma kernel is checked and timed with both consumer schedules (lower.PINGPONG): split
+(the two consumer warpgroups share each tile) and ping-pong (they take alternate tiles).
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from contextlib import contextmanager
 
 import torch
 
@@ -21,6 +22,22 @@ from pitgen.bench.timing import Timer
 from pitgen.bench.workloads import block_mask
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
+SCHEDULES = ("pingpong", "split", "mma_sync")
+BOXES = ("dense", "128x128", "64x128")  # granularities the wgmma kernel runs
+
+
+@contextmanager
+def schedule(name: str):
+    """Plans made inside run the wgmma kernel with ``name``'s consumers, or mma.sync."""
+    saved = lower.WGMMA_ARCHS, lower.PINGPONG
+    if name == "mma_sync":
+        lower.WGMMA_ARCHS = ()
+    else:
+        lower.PINGPONG = "always" if name == "pingpong" else "never"
+    try:
+        yield
+    finally:
+        lower.WGMMA_ARCHS, lower.PINGPONG = saved
 
 
 def check(dt, micro, M, N, K, density, gen, layout="AB"):
@@ -42,18 +59,22 @@ def check(dt, micro, M, N, K, density, gen, layout="AB"):
     ref = a.double() @ b.double()
     err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     bad = int((~torch.isfinite(out)).sum())
-    return call.L.spec.gemm.mainloop, err, bad, kern, a, b, out
+    g = call.L.spec.gemm
+    ml = "mma_sync" if g.mainloop == "mma_sync" else "pingpong" if g.pingpong else "split"
+    return ml, err, bad, kern, a, b, out
 
 
 def once() -> int:
     """One launch of each wgmma variant on ragged shapes (for compute-sanitizer)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     bad = 0
-    for micro in ("dense", "128x128", "64x64"):
-        for layout in ("AB", "AtB", "ABt"):
-            ml, err, nonfinite, *_ = check("float16", micro, 200, 136, 328, 0.5, gen, layout)
-            bad += ml != "wgmma" or err > 1e-2 or nonfinite > 0
-            print(micro, layout, ml, f"{err:.1e}", nonfinite)
+    for name in SCHEDULES[:2]:
+        for micro in ("dense", "128x128", "64x64"):
+            for layout in ("AB", "AtB", "ABt"):
+                with schedule(name):
+                    ml, err, nonfinite, *_ = check("float16", micro, 200, 136, 328, 0.5, gen, layout)
+                bad += ml != name or err > 1e-2 or nonfinite > 0
+                print(micro, layout, ml, f"{err:.1e}", nonfinite)
     return bad
 
 
@@ -64,7 +85,7 @@ def profile() -> int:
     for _ in range(2):
         ml, err, bad, *_ = check("float16", "128x128", 4096, 4096, 4096, 0.1, gen)
     print(ml, f"{err:.1e}", bad)
-    return int(ml != "wgmma" or err > 1e-2 or bad > 0)
+    return int(ml == "mma_sync" or err > 1e-2 or bad > 0)
 
 
 def main() -> int:
@@ -80,18 +101,20 @@ def main() -> int:
     for dt in (() if "--speed" in sys.argv else ("float16", "bfloat16")):
         for micro in ("dense", "128x128", "64x128", "128x1", "64x1"):
             for (M, N, K) in ((256, 256, 256), (200, 136, 328), (513, 1000, 777), (64, 8, 64)):
-                for layout in ("AB", "AtB", "ABt"):
-                    for density in ((1.0,) if micro == "dense" else (0.0, 0.1, 1.0)):
-                        try:
+                for layout, density, name in ((lay, d, n) for lay in ("AB", "AtB", "ABt")
+                                              for d in ((1.0,) if micro == "dense" else (0.0, 0.1, 1.0))
+                                              for n in SCHEDULES[:1 + (micro in BOXES)]):
+                    try:
+                        with schedule(name):
                             ml, err, bad, *_ = check(dt, micro, M, N, K, density, gen, layout)
-                        except pitgen.PitgenError as e:
-                            print(f"skip {dt} {micro} {M}x{N}x{K} {layout}: {e}")
-                            continue
-                        ok = bad == 0 and err < 1e-2
-                        fails += not ok
-                        if not ok or (M, N, K) == (513, 1000, 777):
-                            print(f"{'ok ' if ok else 'BAD'} {dt} {micro:>7} {M}x{N}x{K} {layout} "
-                                  f"d={density} {ml} err={err:.2e} nonfinite={bad}")
+                    except pitgen.PitgenError as e:
+                        print(f"skip {dt} {micro} {M}x{N}x{K} {layout}: {e}")
+                        continue
+                    ok = bad == 0 and err < 1e-2
+                    fails += not ok
+                    if not ok or (M, N, K) == (513, 1000, 777):
+                        print(f"{'ok ' if ok else 'BAD'} {dt} {micro:>7} {M}x{N}x{K} {layout} "
+                              f"d={density} {ml} err={err:.2e} nonfinite={bad}")
     print(f"correctness failures: {fails}")
     # speed
     for n in (4096, 8192):
@@ -101,31 +124,20 @@ def main() -> int:
             b = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
             dense = timer(lambda: torch.mm(a0, b))
             print(f"{n}^3 {dt} cuBLAS {dense:.4f} ms ({2 * n ** 3 / dense / 1e9:.0f} TFLOP/s)")
-            only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
+            only = [m for a in sys.argv if a.startswith("--only=") for m in a[7:].split(",")]
             for micro, dens in (("dense", 1.0), ("128x128", 0.5), ("128x128", 0.1),
                                 ("128x1", 0.1), ("64x1", 0.1)):
                 if only and micro not in only:
                     continue
-                for ml in ("wgmma", "mma_sync") + (("wgmma_bn128",) if "--bn128" in sys.argv
-                                                   else ()):
-                    saved, hop = lower.WGMMA_ARCHS, lower._hopper
-                    if ml == "mma_sync":
-                        lower.WGMMA_ARCHS = ()
-                    if ml == "wgmma_bn128":
-                        def narrow(*args, _h=hop):
-                            g = _h(*args)
-                            return g and replace(g, bn=128, stages=min(8, 225 * 1024 // ((g.bm + 128) * 128)))
-                        lower._hopper = narrow
-                    try:
-                        _, err, bad, kern, a, bb, out = check(dt, micro, n, n, n, dens, gen)
+                for name in SCHEDULES if micro in BOXES else SCHEDULES[2:]:
+                    with schedule(name):
+                        ml, err, bad, kern, a, bb, out = check(dt, micro, n, n, n, dens, gen)
                         call = kern.prepare(a, bb, out=out)
                         call.build_index(None)
                         comp = timer(lambda: call.compute(None))
                         index = timer(lambda: call.build_index(None))
                         both = timer.both(lambda: kern(a, bb, out=out), calls=30)
                         whole = both.gpu_ms
-                    finally:
-                        lower.WGMMA_ARCHS, lower._hopper = saved, hop
                     print(f"  {micro:>7} d={dens:<4} {ml:>8}: compute {comp:.4f} whole {whole:.4f} ms "
                           f"= {whole / dense:.2f}x cuBLAS time (compute {dense / comp:.2f}x speed) "
                           f"index {index:.4f} host {both.wall_ms:.4f} err {err:.1e} nonfinite {bad}")

@@ -26,6 +26,24 @@ for dtype in ("float16", "float32"):
     torch.cuda.synchronize()
     print(f"{dtype} masked index: ok")
 
+# The tile kernel on Hopper (wgmma + TMA; elsewhere mma.sync): its own dense tiles and 128- and
+# 64-row k-blocks, ragged, with both consumer schedules (rows of 328 elements: TMA can map them)
+from pitgen import lower
+
+A = torch.randn(M, 328, device="cuda", dtype=torch.float16)
+A = A * (torch.rand(M, 328, device="cuda") < 0.5).to(A.dtype)
+B = torch.randn(328, N, device="cuda", dtype=A.dtype)
+ref = A.double() @ B.double()
+for pingpong in (True, False):
+    lower.PINGPONG = "always" if pingpong else "never"
+    for micro in ("dense", "128x128", "64x128"):
+        out = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype="float16",
+                             micro_tile=micro, vendor_dense=False)(A, B)
+        torch.cuda.synchronize()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        print(f"tile kernel {micro}, ping-pong {pingpong}: relative error {err:.2e}")
+        assert err < 1e-2
+
 # The whole-operator kernels: MoE (routing, grouped GEMMs, scatter), attention (block index,
 # fused kernel), SDDMM (both outputs), GPU format conversion + SpMM/SDDMM in every format, and
 # the sparse-training autograd path.

@@ -13,6 +13,7 @@ import pytest
 
 import pitgen
 from pitgen import compiler
+from pitgen import lower as lower_mod
 from pitgen.lower import Layout, Schedule, gemm_form, geometry, lower
 from pitgen.ops.matmul import MATMUL
 
@@ -123,18 +124,31 @@ def test_hopper_devices_get_wgmma_where_the_plan_allows():
     assert {why: s.gemm.mainloop for why, s in keep.items()} == dict.fromkeys(keep, "mma_sync")
 
 
-def test_sparse_block_plans_take_the_narrow_wgmma_tile():
-    """BN 128 (more stages) for block plans measured at most NARROW_BLOCK_DENSITY dense; BN 256
-    for denser ones, unmeasured ones and dense plans."""
+def test_sparse_block_plans_take_the_narrow_wgmma_tile_with_ping_pong_consumers():
+    """BN 128 (more stages) and ping-pong consumers for block plans measured at most
+    NARROW_BLOCK_DENSITY dense; BN 256 split between the consumers for denser ones, unmeasured
+    ones and dense plans."""
     from pitgen.lower import NARROW_BLOCK_DENSITY as d
     bn = {(kind, density): hopper_variant("float16", "AB", kind, density=density).gemm
           for kind in HOPPER_KINDS for density in (0.05, d, 0.5, None)}
-    assert {k: (g.bn, g.mainloop) for k, g in bn.items()} == {
-        ("block", 0.05): (128, "wgmma"), ("block", d): (128, "wgmma"),
-        ("block", 0.5): (256, "wgmma"), ("block", None): (256, "wgmma"),
-        ("dense", 0.05): (256, "wgmma"), ("dense", d): (256, "wgmma"),
-        ("dense", 0.5): (256, "wgmma"), ("dense", None): (256, "wgmma")}
+    assert {k: (g.bn, g.mainloop, g.pingpong) for k, g in bn.items()} == {
+        ("block", 0.05): (128, "wgmma", True), ("block", d): (128, "wgmma", True),
+        ("block", 0.5): (256, "wgmma", False), ("block", None): (256, "wgmma", False),
+        ("dense", 0.05): (256, "wgmma", False), ("dense", d): (256, "wgmma", False),
+        ("dense", 0.5): (256, "wgmma", False), ("dense", None): (256, "wgmma", False)}
     assert bn["block", 0.05].stages > bn["block", 0.5].stages
+    assert {g.threads for g in bn.values()} == {384}
+
+
+@pytest.mark.parametrize("rule", ["always", "never"])
+def test_either_consumer_schedule_fits_every_wgmma_plan(monkeypatch, rule):
+    """lower.PINGPONG forces a schedule (the GPU tests run both): ping-pong keeps each consumer's
+    accumulators within 128 x 128, a split tile is shared by wm x wn consumers."""
+    monkeypatch.setattr(lower_mod, "PINGPONG", rule)
+    for v in HOPPER_VARIANTS:
+        g = hopper_variant(*v, density=0.5).gemm
+        assert g.mainloop == "wgmma" and g.pingpong == (rule == "always") and g.threads == 384
+        assert g.bm * g.bn <= 128 * 128 * 2 ** (not g.pingpong) and g.bm == 64 * g.wm
 
 
 def test_wgmma_grid_is_persistent():
@@ -240,8 +254,9 @@ def _compiles() -> dict[tuple, tuple[str, tuple[str, ...]]]:
 
 @functools.cache
 def _hopper_sources() -> tuple[str, ...]:
-    """Each wgmma variant's source (every other one accumulating into C); sm_90a only."""
-    return tuple(render(hopper_variant(*v, accumulate=bool(i % 2), density=(0.1, None)[i // 2 % 2]))
+    """Each wgmma variant's source (every other one accumulating into C; the first half of
+    them 10% dense: block plans with ping-pong consumers); sm_90a only."""
+    return tuple(render(hopper_variant(*v, accumulate=bool(i % 2), density=(0.1, None)[i // 4 % 2]))
                  for i, v in enumerate(HOPPER_VARIANTS))
 
 

@@ -50,7 +50,7 @@ def _operands(rng, form, M, N, K, dtype, mask):
 mult8 = st.integers(1, 66).map(lambda v: 8 * v)
 
 
-@pytest.mark.parametrize("mainloop", ["wgmma", "mma_sync"])
+@pytest.mark.parametrize("mainloop", ["pingpong", "split", "mma_sync"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @settings(max_examples=T.examples(12, share=2), deadline=None,   # 2 dtypes per mainloop
           suppress_health_check=list(HealthCheck))
@@ -62,6 +62,8 @@ def test_hopper_kernel_matches_float64_reference(monkeypatch, mainloop, dtype, f
                                                  t_m, t_k, density, accumulate, seed):
     if mainloop == "mma_sync":
         monkeypatch.setattr(lower, "WGMMA_ARCHS", ())
+    else:  # the wgmma kernel's two consumer schedules
+        monkeypatch.setattr(lower, "PINGPONG", "always" if mainloop == "pingpong" else "never")
     rng = np.random.default_rng(seed)
     op, arrays, ref, scale = _operands(rng, form, M, N, K, dtype,
                                 lambda shp: T.tile_mask(rng, shp[0], shp[1], (t_m, t_k), density))
@@ -76,6 +78,8 @@ def test_hopper_kernel_matches_float64_reference(monkeypatch, mainloop, dtype, f
     else:
         out = T.poison(torch.empty(M, N, dtype=tdt, device="cuda"))
     call = kern.prepare(**arrays, out=out, accumulate=accumulate)
-    assert call.L.spec.gemm.mainloop == mainloop
+    g = call.L.spec.gemm
+    assert (g.mainloop, g.pingpong) == (("mma_sync", False) if mainloop == "mma_sync"
+                                        else ("wgmma", mainloop == "pingpong"))
     assert call.run() is out
     T.assert_close(out, ref, dtype, scale=scale)
