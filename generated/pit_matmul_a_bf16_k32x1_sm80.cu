@@ -745,7 +745,7 @@ namespace pit_host {
 using elem_t = pit_matmul_a_bf16_k32x1_sm80_wide_module::elem_t;
 constexpr int64_t INT32_LIMIT = 2147483647;
 constexpr int64_t GRID_LIMIT = 65535;  // grid y and z
-constexpr int BM = 32, BN = 256, THREADS = 128, SMEM = 58368;
+constexpr int BM = 32;  // rows of an index group and of a tile (every variant's)
 constexpr int INDEX_PER_BLOCK = 256;  // micro-tiles (or blocks) one index block tests
 
 thread_local const char* last_error = "";
@@ -776,7 +776,7 @@ struct Problem {
 // Workspace layout (byte offsets, 256-byte aligned) and the index's shape.
 struct Workspace {
     int groups, cap;  // index: lists, and the capacity of each
-    size_t counts, ids, pack, bytes;
+    size_t counts, ids, pack, order, bytes;
 };
 
 // Everything that depends on the extents only: their checks, strides, index shape, workspace.
@@ -858,13 +858,15 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
 cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, const elem_t* b, elem_t* c,
                        unsigned char* ws, cudaStream_t stream)
 {
-    const cudaError_t e = cudaFuncSetAttribute(pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    constexpr int BN = 256, THREADS = 128, SMEM = 58368;
+    cudaError_t e = cudaFuncSetAttribute(pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_wide, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
     if (e != cudaSuccess) return e;
+    const int* counts = reinterpret_cast<const int*>(ws + w.counts);
+    const int* ids = reinterpret_cast<const int*>(ws + w.ids);
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));  // a CTA per output tile
     pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_wide<<<grid, THREADS, SMEM, stream>>>(
-        a, b, c, reinterpret_cast<const int*>(ws + w.counts),
-        reinterpret_cast<const int*>(ws + w.ids), p.M, p.N, p.K, p.sa_m, p.sa_k, p.sb_k, p.sb_n, p.sc_m, p.sc_n, 0);
+        a, b, c, counts, ids, p.M, p.N, p.K, p.sa_m, p.sa_k, p.sb_k, p.sb_n, p.sc_m, p.sc_n, 0);
     return cudaGetLastError();
 }
 
@@ -873,13 +875,13 @@ cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, 
 cudaError_t compute_narrow(const Problem& p, const Workspace& w, const elem_t* a, const elem_t* b, elem_t* c,
                        unsigned char* ws, cudaStream_t stream)
 {
-    const cudaError_t e = cudaFuncSetAttribute(pit_matmul_a_bf16_k32x1_sm80_narrow_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (e == cudaErrorInvalidValue) last_error = "this device cannot give the kernel its 58368 bytes of shared memory";
-    if (e != cudaSuccess) return e;
+    constexpr int BN = 128, THREADS = 128, SMEM = 33792;
+    cudaError_t e = cudaSuccess;
+    const int* counts = reinterpret_cast<const int*>(ws + w.counts);
+    const int* ids = reinterpret_cast<const int*>(ws + w.ids);
     const dim3 grid((unsigned)((p.N + BN - 1) / BN), (unsigned)((p.M + BM - 1) / BM));  // a CTA per output tile
     pit_matmul_a_bf16_k32x1_sm80_narrow_module::pit_gemm::pit_matmul_a_bf16_k32x1_sm80_narrow<<<grid, THREADS, SMEM, stream>>>(
-        a, b, c, reinterpret_cast<const int*>(ws + w.counts),
-        reinterpret_cast<const int*>(ws + w.ids), p.M, p.N, p.K, p.sa_m, p.sa_k, p.sb_k, p.sb_n, p.sc_m, p.sc_n, 0);
+        a, b, c, counts, ids, p.M, p.N, p.K, p.sa_m, p.sa_k, p.sb_k, p.sb_n, p.sc_m, p.sc_n, 0);
     return cudaGetLastError();
 }
 

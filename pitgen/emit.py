@@ -35,8 +35,14 @@ from .render import render_template, template_dir
 
 #: Opt-in shared memory per block (bytes) of the archs the kernels run on: cp.async and
 #: mma.sync need sm_80 or newer (CUDA C++ Programming Guide, compute capabilities table).
+#: sm_90a: Hopper's arch-specific features (wgmma, TMA, setmaxnreg), for the wgmma kernel.
 ARCH_SMEM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_87": 163 * 1024, "sm_89": 99 * 1024,
-             "sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024}
+             "sm_90": 227 * 1024, "sm_90a": 227 * 1024, "sm_100": 227 * 1024,
+             "sm_120": 99 * 1024}
+#: The device arch lowering plans for, per emit arch: sm_90a files get the JIT path's wgmma
+#: kernel (the device arch "sm_90" compiles its modules for sm_90a); a source for any other arch
+#: keeps to mma.sync, which every arch from sm_80 on runs.
+LOWERING_ARCH = {"sm_90a": "sm_90"}
 #: Shared memory kept for the kernels' static arrays (row ids) on top of the pipeline's.
 STATIC_SMEM = 1024
 DEFAULT_ARCH = "sm_80"
@@ -93,9 +99,13 @@ class Request:
 
 
 CATALOGUE_EXPR = "C[m,n] += A[m,k] * B[k,n]"
-#: ``generated/``: A sparse along k (32x1 micro-tiles), along m (1x64) and in 64x64 blocks.
+#: ``generated/``: A sparse along k (32x1 micro-tiles), along m (1x64) and in 64x64 blocks, for
+#: sm_80 on; and in 128x128 blocks (the block-sparse libraries' granularity) on Hopper's wgmma
+#: kernel, for sm_90a.
 CATALOGUE = tuple(Request(CATALOGUE_EXPR, "A", micro_tile, dtype)
-                  for dtype in ("float16", "bfloat16") for micro_tile in ("32x1", "1x64", "64x64"))
+                  for dtype in ("float16", "bfloat16") for micro_tile in ("32x1", "1x64", "64x64")
+                  ) + tuple(Request(CATALOGUE_EXPR, "A", "128x128", dtype, arch="sm_90a")
+                            for dtype in ("float16", "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -139,7 +149,7 @@ class Emitted:
         g = spec.gemm
         along = f" along {spec.plan_axis}" if spec.plan_axis else ""
         return (f"{self.request.dtype:<9} {spec.plan_kind} {self.request.micro_tile}{along}, "
-                f"tile {g.bm}x{g.bn}x{g.bk}, {self.request.arch}")
+                f"tile {g.bm}x{g.bn}x{g.bk} ({g.mainloop}), {self.request.arch}")
 
     def pick(self, extents: dict[str, int], align: dict[str, int]) -> Variant:
         """The variant the emitted host code runs for these operands (mirrors host.cu.j2)."""
@@ -174,9 +184,10 @@ def _stride_names(op: Operator, form: GemmForm) -> dict[str, str]:
 
 
 def _variants(op: Operator, form: GemmForm, choice: Candidate, dtype: str,
-              schedule: Schedule) -> list[tuple[ModuleSpec, tuple[Requirement, ...]]]:
-    """[(spec, requirements)], the widest variant first. Micro-tiles along m are probed with K
-    past the micro-tile's extent, where lowering keeps it (it clips one that covers K): the
+              schedule: Schedule, arch: str) -> list[tuple[ModuleSpec, tuple[Requirement, ...]]]:
+    """[(spec, requirements)], the widest variant first (on sm_90a, the wgmma kernel where the
+    plan allows it: its operands must be ones TMA can map). Micro-tiles along m are probed with
+    K past the micro-tile's extent, where lowering keeps it (it clips one that covers K): the
     kernel's k-tiles are then those of the plan, and it runs for any K."""
     size = DTYPES[dtype]
     rows = choice.kind == "micro" and choice.axis == form.m_axis
@@ -190,7 +201,7 @@ def _variants(op: Operator, form: GemmForm, choice: Candidate, dtype: str,
         lay = _row_major(op, form, ext,
                          (align.get("a", 16), align.get("b", 16), align.get("c", 16)))
         return lower(op, form.sparse, choice.kind, choice.axis, choice.shape, dtype, lay,
-                     schedule=schedule)
+                     schedule=schedule, arch=LOWERING_ARCH.get(arch, "sm_80"))
 
     wide = at({}, {})
     narrow = at({"M": 1, "N": 1, "K": 1}, {"a": size, "b": size, "c": size})
@@ -295,7 +306,7 @@ def emit(req: Request) -> Emitted:
         ct = plan.compute_tile
         schedule = Schedule(bn=ct[form.n_axis], bk=ct[form.k_axis])
     name = kernel_name(req, op, form, choice)
-    found = _variants(op, form, choice, req.dtype, schedule)
+    found = _variants(op, form, choice, req.dtype, schedule, req.arch)
     variants = tuple(Variant(("wide" if needs else "narrow") if len(found) > 1 else "main", spec,
                              needs) for spec, needs in found)
     specs = [v.spec for v in variants]
@@ -324,10 +335,14 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
         kernel = f"{e.name}_{v.tag}"
         index = replace(ix, name=f"{e.name}_index") if v is e.variants[0] else None
         spec = replace(v.spec, gemm=replace(v.spec.gemm, name=kernel), index=index)
+        vg = v.spec.gemm
         variants.append({"tag": v.tag, "ns": f"{kernel}_module", "kernel": kernel,
                          "source": MATMUL.source(spec.context()).rstrip("\n"), "needs": v.needs,
-                         "a_vec": v.spec.gemm.a_vec, "b_vec": v.spec.gemm.b_vec,
-                         "c_pair": v.spec.gemm.c_pair})
+                         "a_vec": vg.a_vec, "b_vec": vg.b_vec, "c_pair": vg.c_pair,
+                         "wgmma": vg.mainloop == "wgmma", "bn": vg.bn, "bk": vg.bk,
+                         "threads": vg.threads, "smem": vg.smem_bytes(req.dtype),
+                         "a_kcontig": vg.a_smem_kcontig, "b_ncontig": vg.b_smem_ncontig,
+                         "c_vec": vg.c_vec})
     rule = None
     if first.plan_kind == "micro":
         ar = rules.axes[first.plan_axis]
@@ -345,7 +360,9 @@ def _context(e: Emitted, op: Operator, form: GemmForm, rules, smem: int) -> dict
         "plan": {"shape": req.micro_tile, "grain": list(zip(sparse_axes, first.plan_shape))},
         "rule": rule,
         "tile": {"bm": g.bm, "bn": g.bn, "bk": g.bk, "warps": g.wm * g.wn, "threads": g.threads,
-                 "stages": g.stages, "smem": smem},
+                 "stages": g.stages, "smem": smem, "wgmma": g.mainloop == "wgmma"},
+        "sm90a": req.arch == "sm_90a",
+        "ordered": g.mainloop == "wgmma" and g.block_list,  # the m-tile order kernel runs
         "a_mode": g.a_mode, "ksub": g.ksub, "packed": g.a_mode == "packed",
         "tk": first.plan_shape[form.a_dims[1]] if g.a_mode == "rows" else 0,
         "index_kernel": f"{e.name}_index",

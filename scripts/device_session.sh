@@ -8,7 +8,8 @@
 #             (docs/testing.md)
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck on one launch of every kernel
 #             kind (SANITIZE_TOOLS picks)
-#   example   build and run the standalone example against generated/ (make -C generated/example run)
+#   example   build and run the standalone example against generated/ (make -C generated/example
+#             run, ARCH=sm_90a on Hopper: the sm_90a kernels too)
 #   tune      schedule sweep (scripts/tune_schedules.py)
 #   tune-attention, tune-spmm, bench-rows (scripts/bench_rows.py)
 #             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
@@ -77,7 +78,10 @@ for step in "$@"; do
         echo "compute-sanitizer $tool: exit $r"; tail -2 "$LOGS/sanitize-$tool.log"; rc=$((rc | r))
       done ;;
     example)
-      timeout 200 make -C generated/example run ARCH=sm_90 >"$LOGS/example.log" 2>&1; r=$?
+      # on a Hopper GPU with the sm_90a kernels too (wgmma + TMA)
+      cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
+      arch=sm_${cap/./}; [ "$arch" = sm_90 ] && arch=sm_90a
+      timeout 200 make -C generated/example run ARCH=$arch >"$LOGS/example.log" 2>&1; r=$?
       echo "example: exit $r"; tail -15 "$LOGS/example.log"; rc=$((rc | r)) ;;
     tune)
       timeout 240 python3 scripts/tune_schedules.py >"$LOGS/tune.log" 2>&1; tail -30 "$LOGS/tune.log" ;;

@@ -1,6 +1,7 @@
 """CPU checks of ``pitgen emit`` (no GPU): generated/ is exactly what ``pitgen emit --catalogue``
 writes today; every emitted source compiles with nvcc alone (for sm_80 or sm_90: each arch
-meets both dtypes and every kind), the headers are C, and the example links; the run-time
+meets both dtypes and every kind; the Hopper kernels for sm_90a), the headers are C, and the
+example links; sm_90a kernels run the wgmma kernel where TMA can map the operands; the run-time
 variant choice never runs a variant that lowering would refuse for those operands; impossible
 requests exit 1 (refused by the library) or 2 (bad options) before anything is written."""
 from __future__ import annotations
@@ -68,7 +69,9 @@ def test_list_shows_the_catalogue(capsys):
     assert sorted(line.split()[0] for line in lines) == sorted(p.stem for p in GENERATED.glob("pit_*.cu"))
     assert any("micro 32x1 along k" in ln for ln in lines) and any("micro 1x64 along m" in ln for ln in lines)
     assert any("block 64x64" in ln for ln in lines) and {"float16", "bfloat16"} <= set(out.split())
-    assert err.count("] 6/6") == 1  # the progress bar ends once
+    n = len(emit.CATALOGUE)
+    assert err.count(f"] {n}/{n}") == 1  # the progress bar ends once
+    assert sum("(wgmma), sm_90a" in ln for ln in lines) == 2
 
 
 # -- one kernel ------------------------------------------------------------------------------------
@@ -98,6 +101,27 @@ def test_emit_writes_a_pair_that_its_own_command_rewrites(tmp_path, monkeypatch)
     monkeypatch.chdir(again)
     assert main(shlex.split(command)[1:]) == 0
     assert _files(again) == _files(first)
+
+
+def test_sm90a_kernels_run_wgmma_where_tma_maps_the_operands():
+    """--arch sm_90a: the wide variant is the JIT path's wgmma kernel (TMA: rows a multiple of
+    16 bytes, 16-byte aligned bases; 16-byte stores of C), the narrow one mma.sync; the host
+    code encodes the tensor maps, sizes the persistent grid by the SM count and orders the
+    m-tiles after the index pass."""
+    e = emit.emit(emit.Request(EXPR, "A", "128x128", "bfloat16", arch="sm_90a"))
+    wide, narrow = e.variants
+    assert (wide.spec.gemm.mainloop, narrow.spec.gemm.mainloop) == ("wgmma", "mma_sync")
+    assert {(n.kind, n.what, n.value) for n in wide.needs} == {
+        ("multiple", "N", 8), ("multiple", "K", 8), ("aligned", "a", 16), ("aligned", "b", 16),
+        ("aligned", "c", 16)}
+    src = e.files[f"{e.name}.cu"]
+    for fact in ("cudaGetDriverEntryPointByVersion(\"cuTensorMapEncodeTiled\"", "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
+                 "cudaDevAttrMultiProcessorCount", f"{e.name}_wide_sm90_order<<<1, 1024, 0, stream>>>",
+                 "__CUDA_ARCH_FEAT_SM90_ALL", "arch=compute_90a,code=sm_90a"):
+        assert fact in src, fact
+    # micro-tiles gather rows, which TMA cannot: an sm_90a file of them keeps to mma.sync
+    micro = emit.emit(emit.Request(EXPR, "A", "32x1", arch="sm_90a"))
+    assert {v.spec.gemm.mainloop for v in micro.variants} == {"mma_sync"}
 
 
 REFUSALS = {
@@ -164,14 +188,17 @@ CHOICES = [*emit.CATALOGUE,
 def _lowered(req: emit.Request, spec, ext: dict[str, int], align: dict[str, int]) -> GemmSpec:
     """What lowering chooses for these operands; a row kernel is compared with lowering's choice
     for K past the micro-tile (moved by a multiple of 64: its factors of two stay), where the
-    micro-tile keeps its extent, as in the emitted kernel."""
+    micro-tile keeps its extent, as in the emitted kernel. An sm_90a kernel's mma.sync variant is
+    compared with what lowering chooses for mma.sync (a device without wgmma)."""
     op = pitgen.parse(req.expr)
     form = gemm_form(op, req.sparse)
     tk = spec.plan_shape[form.a_dims[1]]
     if spec.gemm.a_mode == "rows" and ext["K"] <= tk:
         ext = {**ext, "K": ext["K"] + 64 * (tk // 64 + 1)}
     lay = emit._row_major(op, form, ext, (align["a"], align["b"], align["c"]))
-    return lower(op, req.sparse, spec.plan_kind, spec.plan_axis, spec.plan_shape, req.dtype, lay).gemm
+    return lower(op, req.sparse, spec.plan_kind, spec.plan_axis, spec.plan_shape, req.dtype, lay,
+                 arch=emit.LOWERING_ARCH.get(req.arch, "sm_80") if spec.gemm.mainloop == "wgmma"
+                 else "sm_80").gemm
 
 
 def _runs_as(got: GemmSpec, ref: GemmSpec) -> bool:
@@ -181,7 +208,11 @@ def _runs_as(got: GemmSpec, ref: GemmSpec) -> bool:
     (lowering takes a shorter one for a short M) and the stages its accumulator leaves room for
     are free: the kernel and its index share them, and any gives the same sums; so are the BN
     of a kernel that copies B' one element at a time and the stages that BN leaves room for."""
-    free = {"a_vec": 0, "b_vec": 0, "c_pair": False, "c_mfast": False}
+    free = {"a_vec": 0, "b_vec": 0, "c_pair": False, "c_mfast": False, "c_vec": False}
+    if got.c_vec and not ref.c_vec:
+        return False
+    if got.mainloop == "wgmma":  # any n-tile and ring depth is right: TMA zero-fills the edges
+        free.update(bn=0, stages=0)
     if got.a_mode == "rows":
         free.update(bm=0, stages=0)
     if got.a_vec == 1:
@@ -212,9 +243,12 @@ def test_run_time_choice_only_runs_what_lowering_allows(req):
 # -- compiling (nvcc, no GPU) ----------------------------------------------------------------------
 
 def _catalogue_archs() -> dict[Path, str]:
-    """generated/*.cu (sorted: bf16 then f16, three kinds each), alternately for sm_80 and sm_90:
-    each arch meets both dtypes and every kind, at half the nvcc time of both archs for all."""
-    return {src: ARCHS[i % 2] for i, src in enumerate(sorted(GENERATED.glob("pit_*.cu")))}
+    """generated/*.cu: the sm_80 kernels (sorted: bf16 then f16, three kinds each) alternately
+    for sm_80 and sm_90, so each arch meets both dtypes and every kind at half the nvcc time of
+    both archs for all; the Hopper kernels for sm_90a."""
+    portable = sorted(p for p in GENERATED.glob("pit_*.cu") if not p.stem.endswith("_sm90a"))
+    return {**{src: ARCHS[i % 2] for i, src in enumerate(portable)},
+            **{src: "sm_90a" for src in sorted(GENERATED.glob("pit_*_sm90a.cu"))}}
 
 
 def nvcc_jobs(pool) -> list[Future]:
@@ -232,8 +266,9 @@ def objects(nvcc) -> list[Path]:
 def test_catalogue_compiles_for_sm80_and_sm90(objects):
     assert len(objects) == len(emit.CATALOGUE)
     archs = _catalogue_archs()
+    assert sorted(a for a in archs.values() if a == "sm_90a") == ["sm_90a"] * 2
     for part in (3, 4):   # pit_matmul_a_<dtype>_<kind>_sm80.cu: each arch meets every one
-        every = {src.name.split("_")[part] for src in archs}
+        every = {src.name.split("_")[part] for src, a in archs.items() if a in ARCHS}
         for arch in ARCHS:
             assert {src.name.split("_")[part] for src, a in archs.items() if a == arch} == every
     cuobjdump = shutil.which("cuobjdump")
@@ -247,7 +282,8 @@ def test_catalogue_compiles_for_sm80_and_sm90(objects):
 def test_example_and_c_headers_build(objects, tmp_path):
     with ThreadPoolExecutor(2) as pool:
         link = pool.submit(subprocess.run, [
-            NVCC, "-std=c++17", "-O3", "-arch=sm_80", "-I", str(GENERATED), "-o", str(tmp_path / "example"),
+            NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DPITGEN_EXAMPLE_SM90A",
+            "-I", str(GENERATED), "-o", str(tmp_path / "example"),
             str(GENERATED / "example" / "example.cu"), *map(str, objects)], capture_output=True, text=True)
         c_file = tmp_path / "headers.c"
         c_file.write_text("".join(f'#include "{p.name}"\n' for p in sorted(GENERATED.glob("pit_*.h")))
@@ -262,10 +298,14 @@ def test_example_and_c_headers_build(objects, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_example_makefile_builds_with_nvcc_alone(tmp_path):
-    make = subprocess.run(["make", "-n", "-C", str(GENERATED / "example"), f"BUILD={tmp_path}", "ARCH=sm_90",
+@pytest.mark.parametrize("arch, flag, kernels", [
+    ("sm_90", "-arch=sm_90", len(emit.CATALOGUE) - 2),           # the portable kernels
+    ("sm_90a", "-gencode arch=compute_90a,code=sm_90a", len(emit.CATALOGUE))])  # and Hopper's
+def test_example_makefile_builds_with_nvcc_alone(tmp_path, arch, flag, kernels):
+    make = subprocess.run(["make", "-n", "-C", str(GENERATED / "example"), f"BUILD={tmp_path}", f"ARCH={arch}",
                            "NVCC=nvcc"],
                           capture_output=True, text=True, check=False)
     assert make.returncode == 0, make.stderr
     lines = [ln for ln in make.stdout.splitlines() if ln.startswith("nvcc ")]
-    assert len(lines) == len(emit.CATALOGUE) + 1 and all("-arch=sm_90" in ln for ln in lines)
+    assert len(lines) == kernels + 1 and all(f"{flag} " in ln for ln in lines)
+    assert ("-DPITGEN_EXAMPLE_SM90A" in lines[-1]) == (arch == "sm_90a")

@@ -5,7 +5,8 @@
 // kernel forgets to write shows up. Then the argument checks, then timings.
 // Exit status: 0 when every check passes, 1 on a mismatch (rel. error > 1e-2), 2 on a CUDA error.
 //
-// Build and run with nvcc alone: make run [ARCH=sm_90]; `example --no-timing` only checks.
+// Build and run with nvcc alone: make run [ARCH=sm_90 | ARCH=sm_90a: the Hopper kernels too];
+// `example --no-timing` only checks.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,6 +24,10 @@
 #include "pit_matmul_a_f16_block64x64_sm80.h"
 #include "pit_matmul_a_f16_k32x1_sm80.h"
 #include "pit_matmul_a_f16_m1x64_sm80.h"
+#ifdef PITGEN_EXAMPLE_SM90A  // built with ARCH=sm_90a: the Hopper kernels too
+#include "pit_matmul_a_bf16_block128x128_sm90a.h"
+#include "pit_matmul_a_f16_block128x128_sm90a.h"
+#endif
 
 #define CUDA_CHECK(call)                                                                  \
     do {                                                                                  \
@@ -62,6 +67,9 @@ const Kernel KERNELS[] = {
     KERNEL(pit_matmul_a_f16_k32x1_sm80),  KERNEL(pit_matmul_a_f16_m1x64_sm80),
     KERNEL(pit_matmul_a_f16_block64x64_sm80), KERNEL(pit_matmul_a_bf16_k32x1_sm80),
     KERNEL(pit_matmul_a_bf16_m1x64_sm80), KERNEL(pit_matmul_a_bf16_block64x64_sm80),
+#ifdef PITGEN_EXAMPLE_SM90A
+    KERNEL(pit_matmul_a_f16_block128x128_sm90a), KERNEL(pit_matmul_a_bf16_block128x128_sm90a),
+#endif
 };
 
 enum class Mask { Tiles, Elements, Empty, Full };
@@ -235,7 +243,7 @@ bool check_case(const Kernel& k, const Case& c, cudaStream_t stream, uint64_t se
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const double err = relative_error(got, a, b, c, k.dtype);
     const bool ok = err <= TOLERANCE;  // false for NaN
-    std::printf("%-34s %-9s %4dx%4dx%4d%s  rel err %.2e  %s\n", k.name, c.label, c.M, c.N, c.K,
+    std::printf("%-37s %-9s %4dx%4dx%4d%s  rel err %.2e  %s\n", k.name, c.label, c.M, c.N, c.K,
                 c.offset ? "+1" : "  ", err, ok ? "ok" : "MISMATCH");
     return ok;
 }
@@ -256,7 +264,7 @@ bool check_arguments(const Kernel& k, cudaStream_t stream)
         if (got == cudaErrorInvalidValue && why[0]) {
             example = refused++ ? example : why;
         } else {
-            std::printf("%-34s args      %s: expected cudaErrorInvalidValue and a reason, got %s\n", k.name,
+            std::printf("%-37s args      %s: expected cudaErrorInvalidValue and a reason, got %s\n", k.name,
                         what, cudaGetErrorString(got));
         }
     };
@@ -268,7 +276,7 @@ bool check_arguments(const Kernel& k, cudaStream_t stream)
     expect("m*k >= 2^31", k.workspace_size(1 << 16, N, 1 << 15, &bytes));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const bool ok = refused == 6;
-    std::printf("%-34s args      %d/6 refused  %s (e.g. \"%s\")\n", k.name, refused, ok ? "ok" : "MISMATCH", example);
+    std::printf("%-37s args      %d/6 refused  %s (e.g. \"%s\")\n", k.name, refused, ok ? "ok" : "MISMATCH", example);
     return ok;
 }
 
@@ -292,7 +300,7 @@ void time_kernel(const Kernel& k, cudaStream_t stream)
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     const double us = 1000.0 * ms / reps;
-    std::printf("%-34s time      %dx%dx%d, 10%% of tiles: %8.1f us per build_and_run (%.1f dense-equivalent TFLOP/s)\n",
+    std::printf("%-37s time      %dx%dx%d, 10%% of tiles: %8.1f us per build_and_run (%.1f dense-equivalent TFLOP/s)\n",
                 k.name, c.M, c.N, c.K, us, 2.0 * c.M * c.N * c.K / (us * 1e6));
     CUDA_CHECK(cudaEventDestroy(start));
     CUDA_CHECK(cudaEventDestroy(stop));
