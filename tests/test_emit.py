@@ -103,6 +103,23 @@ def test_emit_writes_a_pair_that_its_own_command_rewrites(tmp_path, monkeypatch)
     assert _files(again) == _files(first)
 
 
+@pytest.mark.parametrize("req", emit.CATALOGUE, ids=lambda r: f"{r.dtype}:{r.micro_tile}:{r.arch}")
+def test_each_variant_launches_with_its_own_tile(req):
+    """The host code sizes each variant's grid, block and shared memory by that variant's
+    kernel: a narrow variant with a narrower BN than the wide one's, launched on the wide one's
+    grid, left C's columns unwritten (the k32x1 and 64x64 narrow variants, caught by the
+    example on an H100)."""
+    e = emit.emit(req)
+    src = e.files[f"{e.name}.cu"]
+    for v in e.variants:
+        g = v.spec.gemm
+        body = src.split(f"cudaError_t compute_{v.tag}(", 1)[1].split("\n}\n", 1)[0]
+        assert f"constexpr int BN = {g.bn}, THREADS = {g.threads}, SMEM = {g.smem_bytes(req.dtype)};" in body
+        ns = f"{e.name}_{v.tag}_module"
+        module = src.split(f"namespace {ns} {{", 1)[1].split(f"}}  // namespace {ns}", 1)[0]
+        assert f"constexpr int BM = {g.bm}, BN = {g.bn}," in module
+
+
 def test_sm90a_kernels_run_wgmma_where_tma_maps_the_operands():
     """--arch sm_90a: the wide variant is the JIT path's wgmma kernel (TMA: rows a multiple of
     16 bytes, 16-byte aligned bases; 16-byte stores of C), the narrow one mma.sync; the host
