@@ -216,20 +216,22 @@ def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
     return None
 
 
-#: Block plans at most this dense run the wgmma kernel with BN 128 (7 stages instead of 4):
-#: twice the tiles for the persistent CTAs to balance and more loads in flight. H100, 128x128
-#: blocks, 8192^3 fp16: at 10% 0.361 ms against 0.394 with BN 256; at 50% 1.098 against 1.036
-#: (the A blocks are read by twice the n-tiles); at 4096^3 equal within 1% at 10%.
-NARROW_BLOCK_DENSITY = 0.25
+#: Block plans at most this dense run the wgmma kernel with BN 128 (7 stages instead of 4) and
+#: ping-pong consumers (PINGPONG): twice the tiles for the persistent CTAs to balance, more loads
+#: in flight, each tile's epilogue under the other consumer's products. H100, 128x128 blocks,
+#: whole call against BN 256 split (hopper_dev.py --densities): 8192^3 fp16 at 10% 0.342 against
+#: 0.394 ms, at 20% 0.502 against 0.547, at 30% 0.704 against 0.706, at 40% 0.902 against 0.888,
+#: at 50% 1.101 against 1.016 (the A blocks are read by twice the n-tiles); 4096^3 at 30% 0.125
+#: against 0.139 ms (bf16 0.134 both).
+NARROW_BLOCK_DENSITY = 0.3
 
 
 #: Which wgmma plans run ping-pong consumers (alternate whole tiles, one's epilogue under the
 #: other's products) rather than split ones (each consumer 64 rows of every tile): "narrow" (block
 #: plans of the narrow tile, where tiles are short: H100, 128x128 blocks at 10%, 8192^3 fp16
-#: 0.287 against 0.324 ms, 4096^3 0.070 against 0.074 ms), "always" or "never". Ping-pong
-#: accumulators hold at most 128 x 128 per consumer, so dense and denser block plans would lose
-#: their 256-wide tiles: dense 4096^3 0.240 against 0.210 ms, blocks at 50% 8192^3 1.032 against
-#: 0.953 ms.
+#: kernel 0.287 against 0.324 ms split on the same tile, 4096^3 0.070 against 0.074 ms),
+#: "always" or "never". Ping-pong accumulators hold at most 128 x 128 per consumer, so dense and
+#: denser block plans would lose their 256-wide tiles: dense 4096^3 0.240 against 0.210 ms.
 PINGPONG = "narrow"
 
 

@@ -6,6 +6,8 @@ then GPU times of both against cuBLAS (pitgen.bench.timing.Timer). Prints one ta
     python3 scripts/hopper_dev.py --once     one launch per wgmma variant (compute-sanitizer)
     python3 scripts/hopper_dev.py --profile  the 90% 128x128-block case twice (ncu)
     --only=MICRO[,MICRO]: time only the cases of these granularities (e.g. --only=128x128)
+    --densities=D[,D]: the 128x128-block densities to time (default 0.5,0.1)
+    --sizes=N[,N]: the cubes to time (default 4096,8192)
 The wgmma kernel is checked and timed with both consumer schedules (lower.PINGPONG): split
 (the two consumer warpgroups share each tile) and ping-pong (they take alternate tiles).
 """
@@ -117,17 +119,21 @@ def main() -> int:
                               f"d={density} {ml} err={err:.2e} nonfinite={bad}")
     print(f"correctness failures: {fails}")
     # speed
-    for n in (4096, 8192):
+    def listed(flag: str, default: str) -> list[str]:
+        return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(flag + "=")), default).split(",")
+
+    densities = [float(d) for d in listed("--densities", "0.5,0.1")]
+    for n in (int(v) for v in listed("--sizes", "4096,8192")):
         for dt in ("float16", "bfloat16"):
             tdt = getattr(torch, dt)
             a0 = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
             b = torch.randn(n, n, device="cuda", dtype=tdt, generator=gen)
             dense = timer(lambda: torch.mm(a0, b))
             print(f"{n}^3 {dt} cuBLAS {dense:.4f} ms ({2 * n ** 3 / dense / 1e9:.0f} TFLOP/s)")
-            only = [m for a in sys.argv if a.startswith("--only=") for m in a[7:].split(",")]
-            for micro, dens in (("dense", 1.0), ("128x128", 0.5), ("128x128", 0.1),
+            only = listed("--only", "")
+            for micro, dens in (("dense", 1.0), *(("128x128", d) for d in densities),
                                 ("128x1", 0.1), ("64x1", 0.1)):
-                if only and micro not in only:
+                if only != [""] and micro not in only:
                     continue
                 for name in SCHEDULES if micro in BOXES else SCHEDULES[2:]:
                     with schedule(name):

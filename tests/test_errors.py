@@ -25,7 +25,7 @@ from pitgen.emit import Request, emit
 from pitgen.graph import formats as F
 
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
-FUZZ_INPUTS = int(os.environ.get("PITGEN_FUZZ_INPUTS", "10000"))
+FUZZ_INPUTS = int(os.environ.get("PITGEN_FUZZ_INPUTS", "6000"))
 #: Seconds any one input may take: more is a hang.
 INPUT_SECONDS = 10
 
