@@ -3,12 +3,15 @@
 wrong, and the per-call device buffers the launches use."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
 from .errors import DeviceError, ShapeError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def bind_operands(text: str, names: Sequence[str], args: tuple,
@@ -55,11 +58,61 @@ def check_device(name: str, x: Any) -> None:
     current = (torch.cuda.current_device() if torch.compiler.is_compiling()
                else torch._C._cuda_getDevice())
     if x.device.index != current:
-        raise DeviceError(f"{name} is on {x.device} but pitgen runs on cuda:{current} "
-                          f"(the current device)")
+        raise DeviceError(f"{name} is on {x.device} but this call runs on cuda:{current} (its "
+                          f"first operand's device): every operand must be on one device")
 
 
 _PLAIN: list[Any] = []
+
+
+def _plain() -> list[Any]:
+    """[torch.Tensor, torch._C._cuda_getDevice, torch.compiler.is_compiling, torch.device],
+    or Nones without a usable torch: what the per-call fast checks read, looked up once."""
+    if not _PLAIN:
+        try:
+            import torch
+            usable = torch.cuda.is_available()
+        except ImportError:
+            usable = False
+        _PLAIN[:] = [torch.Tensor, torch._C._cuda_getDevice, torch.compiler.is_compiling,
+                     torch.device] if usable else [None] * 4
+    return _PLAIN
+
+
+def _other_device(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    """The index of the device the first argument with a CUDA ``device`` (a tensor, a
+    DeviceCSR, ...) is on, when that is not torch's current device; None otherwise (nothing to
+    switch: the common case costs one attribute read)."""
+    tensor, current, compiling, device = _plain()
+    if tensor is None or compiling():
+        return None
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, tensor):
+            dev = x.get_device()
+        else:  # a DeviceCSR, DeviceMatrix, ...: its ``device``
+            d = getattr(x, "device", None)
+            if not isinstance(d, device):
+                continue
+            dev = d.index if d.type == "cuda" and d.index is not None else -1
+        return dev if dev >= 0 and dev != current() else None
+    return None
+
+
+def on_operand_device(fn: F) -> F:
+    """The device guard of a public operator: ``fn`` runs on the device of its first argument
+    that has one (a torch tensor, a DeviceCSR), torch's current device switched there for the
+    call when it differs (``torch.cuda.device``), so the launches, modules, streams and buffers
+    are that device's, as torch's own ops do. Operands on other devices than that one are
+    refused by validation (:func:`check_device`, a DeviceError naming both devices)."""
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        dev = _other_device(args, kwargs)
+        if dev is None:
+            return fn(*args, **kwargs)
+        import torch
+        with torch.cuda.device(dev):
+            return fn(*args, **kwargs)
+    return guarded  # type: ignore[return-value]
 
 
 def raw_key(*xs: Any) -> tuple | None:
@@ -67,15 +120,7 @@ def raw_key(*xs: Any) -> tuple | None:
     device and each one's shape, strides, dtype, device and pointer alignment (None entries stay
     None). None when one is not a plain CUDA-capable torch tensor, or while torch traces. A call
     whose key was validated before needs no validation again: operators memoise their plan by it."""
-    if not _PLAIN:
-        try:
-            import torch
-            usable = torch.cuda.is_available()
-        except ImportError:
-            usable = False
-        _PLAIN[:] = [torch.Tensor, torch._C._cuda_getDevice, torch.compiler.is_compiling] \
-            if usable else [None, None, None]
-    tensor, device, compiling = _PLAIN
+    tensor, device, compiling, _ = _plain()
     if tensor is None or compiling():
         return None
     key: list[Any] = [device()]

@@ -19,7 +19,7 @@ from . import cache
 from .errors import RuleError, ShapeError
 from .render import render_template
 from .rules import Rules, analyse
-from .runtime import Module, load
+from .runtime import Module, device_index, load
 
 ROLES = ("spatial", "reduction")
 
@@ -99,19 +99,21 @@ class OpSpec:
         return render_template(self.template, **ctx)
 
     def module(self, ctx: Mapping[str, Any] | Any) -> Module:
-        """The loaded module for ``ctx``: a template context, or a hashable plan whose
-        ``context()`` gives it. A plan seen before returns at once (one dictionary lookup:
-        operators call this on every launch); contexts that render alike share one module."""
+        """The loaded module for ``ctx`` on the current device: a template context, or a
+        hashable plan whose ``context()`` gives it. A plan seen before returns at once (one
+        dictionary lookup: operators call this on every launch); contexts that render alike
+        share one module."""
         if not isinstance(ctx, Mapping):
-            mod = _PLAN_MODULES.get((self.name, ctx))
+            key = (self.name, ctx, device_index())
+            mod = _PLAN_MODULES.get(key)
             if mod is None:
-                mod = _PLAN_MODULES[(self.name, ctx)] = self.module(ctx.context())
+                mod = _PLAN_MODULES[key] = self.module(ctx.context())
             return mod
         try:  # scalar contexts key by their items; nested ones (lists, dicts) by their repr
-            config: tuple = (self.name, tuple(sorted(ctx.items())))
+            config: tuple = (self.name, tuple(sorted(ctx.items())), device_index())
             mod = _MODULES.get(config)
         except TypeError:
-            config = (self.name, repr(sorted(ctx.items())))
+            config = (self.name, repr(sorted(ctx.items())), device_index())
             mod = _MODULES.get(config)
         if mod is None:
             mod = _MODULES[config] = load(self.source(ctx), self.kernels)

@@ -1,9 +1,12 @@
 """Runtime: load compiled modules and launch their kernels, nothing else.
 
 Kernels launch on PyTorch tensors or PyCUDA GPUArrays, on torch's current stream, with no host
-synchronisation. PyCUDA shares PyTorch's (primary) context: ``pycuda.autoprimaryctx`` keeps it
-current in the main thread, and any other thread pushes it for the length of a call
-(``bound_context``), so operators run from autograd's backward thread or a worker pool alike.
+synchronisation. PyCUDA shares PyTorch's (primary) contexts: ``pycuda.autoprimaryctx`` keeps the
+first device's current in the main thread, and a launch elsewhere (another thread, or another
+current device: torch's ``torch.cuda.device``) pushes the current device's for the length of a
+call (``bound_context``), so operators run from autograd's backward thread, a worker pool or on
+any device alike. Loaded modules belong to one device's context: their cache is keyed by the
+device index (:func:`device_index`).
 Modules load and kernels launch through the driver API itself (``cuLaunchKernel`` on torch's
 CUstream handle, arguments packed once per call): a steady-state launch costs a few
 microseconds of host time, and no stream or event is created or waited on per call.
@@ -37,18 +40,22 @@ def _drv():
     if _DRV and (not main or "pycuda.autoprimaryctx" in sys.modules):
         return _DRV[0]
     try:
+        current = None
         try:
             import torch
             if torch.cuda.is_available():
                 torch.cuda.init()
+                current = torch.cuda.current_device()
         except ImportError:
             pass
         import pycuda.driver as drv
         if main:
             import pycuda.autoprimaryctx  # noqa: F401  (retains and pushes the primary context)
+            if current:  # its push made the first device's context current: torch's back
+                torch._C._cuda_setDevice(current)
         else:
             drv.init()
-            _primary_context(drv)
+            _primary_context(drv, current or 0)
     except ImportError as e:
         raise DeviceError(f"pycuda is not installed ({e}); pip install 'pitgen[cuda]'") from None
     except Exception as e:  # driver missing, no device
@@ -57,43 +64,83 @@ def _drv():
     return drv
 
 
-_PRIMARY: list[Any] = []
+#: device index -> its primary context, retained here (the one PyTorch uses on that device)
+_PRIMARY: dict[int, Any] = {}
+#: [torch._C._cuda_getDevice, or None without a usable torch]
+_GET_DEVICE: list[Any] = []
 
 
-def _primary_context(drv: Any) -> Any:
-    """The primary context PyTorch uses: autoprimaryctx's once imported, else retained here for
-    torch's current device (the same CUcontext, so modules loaded under either work in both)."""
-    auto = sys.modules.get("pycuda.autoprimaryctx")
-    if auto is not None:
-        return auto.context
-    if not _PRIMARY:
+def device_index() -> int:
+    """The device launches go to: torch's current device (``torch.cuda.device`` or
+    ``set_device`` moves it); 0 without torch (PyCUDA GPUArray callers run on the first
+    device's context). One call into torch: operators key their loaded modules by it."""
+    if not _GET_DEVICE:
         try:
             import torch
-            dev = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            _GET_DEVICE.append(torch._C._cuda_getDevice if torch.cuda.is_available() else None)
         except ImportError:
-            dev = 0
-        _PRIMARY.append(drv.Device(dev).retain_primary_context())
-    return _PRIMARY[0]
+            _GET_DEVICE.append(None)
+    get = _GET_DEVICE[0]
+    return get() if get is not None else 0
+
+
+#: PCI bus id -> driver ordinal (the ordering torch's device indices use)
+_ORDINALS: dict[str, int] = {}
+
+
+def _ordinal(drv: Any, device: Any) -> int:
+    """The driver ordinal of a pycuda Device."""
+    if not _ORDINALS:
+        _ORDINALS.update({drv.Device(i).pci_bus_id(): i for i in range(drv.Device.count())})
+    return _ORDINALS[device.pci_bus_id()]
+
+
+def _primary_context(drv: Any, dev: int | None = None) -> Any:
+    """The primary context of device ``dev`` (default: the current one), as PyTorch uses it:
+    autoprimaryctx's for its device, else retained here once per device (the same CUcontext,
+    so modules loaded under either work in both)."""
+    dev = device_index() if dev is None else dev
+    ctx = _PRIMARY.get(dev)
+    if ctx is None:
+        auto = sys.modules.get("pycuda.autoprimaryctx")
+        if auto is not None and _ordinal(drv, auto.device) == dev:
+            ctx = auto.context
+        else:
+            ctx = drv.Device(dev).retain_primary_context()
+        _PRIMARY[dev] = ctx
+    return ctx
+
+
+#: [the device index of autoprimaryctx's context, the main thread's for good]
+_MAIN_DEVICE: list[int] = []
 
 
 def _context_is_current() -> bool:
-    """True when the shared context is current in this thread for good (the main thread, once
-    ``pycuda.autoprimaryctx`` made it so): a launch there needs no push."""
-    return bool(_DRV) and "pycuda.autoprimaryctx" in sys.modules \
-        and threading.current_thread() is threading.main_thread()
+    """True when the current device's context is current in this thread for good (the main
+    thread, once ``pycuda.autoprimaryctx`` made its device's so, while that device is torch's
+    current one): a launch there needs no push."""
+    if not (_DRV and "pycuda.autoprimaryctx" in sys.modules
+            and threading.current_thread() is threading.main_thread()):
+        return False
+    if not _MAIN_DEVICE:
+        _MAIN_DEVICE.append(_ordinal(_DRV[0], sys.modules["pycuda.autoprimaryctx"].device))
+    return device_index() == _MAIN_DEVICE[0]
 
 
 @contextmanager
-def bound_context() -> Iterator[Any]:
-    """pycuda.driver with the shared primary context current in this thread while the block
-    runs: a launch from a thread other than the main one (autograd's backward thread, a
-    server's worker pool) pushes it here and pops it again, since PyCUDA aborts the process when
-    a thread ends with a context on its stack."""
+def bound_context(dev: int | None = None) -> Iterator[Any]:
+    """pycuda.driver with device ``dev``'s (default: the current device's) primary context
+    current in this thread while the block runs: a launch from a thread other than the main
+    one (autograd's backward thread, a server's worker pool), or on another device than the
+    main thread's context, pushes it here and pops it again, since PyCUDA aborts the process
+    when a thread ends with a context on its stack."""
     drv = _drv()
-    if drv.Context.get_current() is not None:
+    dev = device_index() if dev is None else dev
+    ctx = _primary_context(drv, dev)
+    if drv.Context.get_current() is not None and _ordinal(drv, drv.Context.get_device()) == dev:
         yield drv
         return
-    _primary_context(drv).push()
+    ctx.push()
     try:
         yield drv
     finally:
@@ -319,10 +366,10 @@ _MODULES = cache.memo("runtime.modules", before_clear=_finish_work)
 
 
 def load(source: str, signatures: Mapping[str, str]) -> Module:
-    """The module of ``source`` for this device, compiled (through the on-disk cache) and loaded
-    once per process."""
+    """The module of ``source`` for the current device, compiled (through the on-disk cache)
+    and loaded once per process and device."""
     arch = device_arch()
-    key = (hashlib.sha256(source.encode()).hexdigest(), arch)
+    key = (hashlib.sha256(source.encode()).hexdigest(), arch, device_index())
     mod = _MODULES.get(key)
     if mod is None:
         mod = _MODULES[key] = Module(compile_source(source, compile_target(arch)), signatures)

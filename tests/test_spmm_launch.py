@@ -36,7 +36,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(K, "check_tensor", lambda *a, **k: None)   # CPU tensors stand in
     monkeypatch.setattr(K, "TorchLaunch", FakeLaunch)
     # call signatures keyed as on a GPU: device 0, tracing off
-    monkeypatch.setattr(operands, "_PLAIN", [torch.Tensor, lambda: 0, lambda: False])
+    monkeypatch.setattr(operands, "_PLAIN", [torch.Tensor, lambda: 0, lambda: False, torch.device])
     return mod
 
 

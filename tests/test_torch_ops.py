@@ -199,3 +199,63 @@ def test_moe_backward_math_matches_float64_autograd(monkeypatch, activation, T, 
         assert mine.dtype == torch.float32 and mine.shape == ref.shape, name
         torch.testing.assert_close(mine.double(), ref.grad, rtol=1e-4, atol=1e-4, msg=name)
     assert torch.count_nonzero(got[2][E - 1]) == 0 and torch.count_nonzero(got[4][E - 1]) == 0
+
+
+def test_device_guard_runs_a_call_on_its_first_operands_device(monkeypatch):
+    """operands.on_operand_device with fake tensors: a switch (torch.cuda.device) only when the
+    first argument that has a device is a CUDA one other than the current; back after the call,
+    also when it raises; nothing while torch traces."""
+    from pitgen import operands
+
+    class Fake:   # a tensor on device d (-1: the CPU)
+        def __init__(self, d):
+            self.d = d
+
+        def get_device(self):
+            return self.d
+
+    class Graph:  # a DeviceCSR-like object: its tensors' device
+        device = torch.device("cuda", 1)
+
+    events, compiling = [], [False]
+
+    class Switch:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            events.append(("to", self.d))
+
+        def __exit__(self, *exc):
+            events.append(("back", self.d))
+
+    monkeypatch.setattr(torch.cuda, "device", Switch)
+    monkeypatch.setattr(operands, "_PLAIN", [Fake, lambda: 0, lambda: compiling[0], torch.device])
+
+    @operands.on_operand_device
+    def op(*args, **kwargs):
+        """An operator."""
+        events.append("ran")
+        if kwargs.get("fail"):
+            raise pitgen.ShapeError("bad")
+        return len(args)
+
+    assert op.__doc__ == "An operator."
+    cases = [((Fake(0), Fake(1)), {}, ["ran"]),                      # current device: no switch
+             ((Fake(1), Fake(0)), {}, [("to", 1), "ran", ("back", 1)]),
+             (("config", 3, Graph(), Fake(0)), {}, [("to", 1), "ran", ("back", 1)]),
+             ((Fake(-1),), {}, ["ran"]),                             # a CPU tensor: validation's
+             ((), {"x": Fake(2)}, [("to", 2), "ran", ("back", 2)]),   # keyword operands
+             (("no operands",), {}, ["ran"])]
+    for args, kwargs, want in cases:
+        events.clear()
+        assert op(*args, **kwargs) == len(args)
+        assert events == want, (args, kwargs)
+    events.clear()
+    with pytest.raises(pitgen.ShapeError):
+        op(Fake(1), fail=True)
+    assert events == [("to", 1), "ran", ("back", 1)]
+    compiling[0] = True            # torch traces: the op's body runs with the device as it is
+    events.clear()
+    op(Fake(1))
+    assert events == ["ran"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INT32_MAX
-from ..operands import check_tensor
+from ..operands import check_tensor, on_operand_device
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
 from .formats import BSR, BSR_BLOCKS, CSR, ELL, FORMATS, SPMM_EXPR, Hyb, HybBucket
@@ -149,6 +149,11 @@ class DeviceCSR:
     def dtype(self) -> str:
         return _dtype_name(self.values)
 
+    @property
+    def device(self) -> Any:
+        """The torch device its tensors are on (operators on it run there)."""
+        return self.indptr.device
+
     @classmethod
     def from_host(cls, csr: CSR, dtype: str = "float32") -> DeviceCSR:
         """Validate ``csr`` on the host (CSR.validate: monotone indptr, sorted unique in-range
@@ -173,6 +178,7 @@ class DeviceCSR:
         return cls.from_host(CSR.from_scipy(m), dtype)
 
     @classmethod
+    @on_operand_device
     def from_coo(cls, shape: tuple[int, int], rows: Any, cols: Any, values: Any = None, *,
                  dtype: str | None = None, check: bool = True, sort: bool = True) -> DeviceCSR:
         """A CSR from an edge list on the GPU (a graph that changes every step): ``rows`` and
@@ -243,6 +249,7 @@ class DeviceCSR:
         return cls((n_rows, n_cols), indptr, indices, vals, sorted_columns=False)
 
     @classmethod
+    @on_operand_device
     def from_dense(cls, t: Any, dtype: str | None = None) -> DeviceCSR:
         """A 2-D CUDA tensor's non-zeros, found on the GPU: a bool/uint8 mask gives values 1, a
         float16/float32 tensor its values. Synchronises with the host once (to read nnz)."""
@@ -277,6 +284,7 @@ class DeviceCSR:
         if t is not None and t.csr._transposed is not None and t.csr._transposed.csr is self:
             t.csr._transposed = None
 
+    @on_operand_device
     def row_ids(self) -> Any:
         """int32 row of every non-zero (built on the GPU once, no sync)."""
         if self._rows is None:
@@ -286,6 +294,7 @@ class DeviceCSR:
                     self.shape[0], self.nnz, self._rows)
         return self._rows
 
+    @on_operand_device
     def transpose(self) -> DeviceTranspose:
         """Aᵀ on the GPU, built once and kept (no host sync): count per column, scan, a stable
         sort of the entries by column, place (templates/graph_transpose.cu.j2). Its rows
@@ -317,6 +326,7 @@ class DeviceCSR:
             t._transposed = DeviceTranspose(self, inverse, perm)
         return self._transposed
 
+    @on_operand_device
     def row_stats(self) -> dict[str, float]:
         """Host numbers describing the rows (the tuner's cache key): rows, cols, nnz, mean /
         max / std (population) row length, fraction of empty rows. One kernel; synchronises
@@ -369,6 +379,12 @@ class DeviceMatrix:
     #: SpMM launch closures of this layout's buffers by call signature (kernels.spmm)
     launches: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def device(self) -> Any:
+        """The torch device its buffers are on (its source's)."""
+        return self.source.device
+
+    @on_operand_device
     def with_values(self, values: Any) -> DeviceMatrix:
         """The same layout filled from new CSR-order values [nnz] on the GPU (no sync)."""
         torch = _torch()
@@ -390,6 +406,7 @@ class DeviceMatrix:
         return DeviceMatrix(self.fmt, dict(self.params), self.shape, self.nnz, self.dtype, bufs,
                             src, dict(self.info))
 
+    @on_operand_device
     def exact(self) -> DeviceMatrix:
         """This layout with exact host numbers. A hyb layout sized by bounds (``to_format(...,
         sync=False)``) reads its table (one sync) and comes back with its buffers trimmed to
@@ -435,6 +452,7 @@ class DeviceMatrix:
                 needs_atomics=self.info["atomic"][bk]))
         return out
 
+    @on_operand_device
     def to_dense(self) -> Any:
         """Dense torch tensor (float32) rebuilt from this layout's own buffers (tests)."""
         if not self.info.get("exact", True):
@@ -474,6 +492,7 @@ def _check_params(fmt: str, params: dict[str, Any], allowed: tuple[str, ...]) ->
         raise PlanError(f"format {fmt!r} takes {list(allowed) or 'no'} parameters, got {extra}")
 
 
+@on_operand_device
 def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> DeviceMatrix:
     """Convert ``csr`` on the GPU: "csr" (a view, no sync), "ell" (width=None: the longest
     row), "bsr" (block in 8/16/32), "hyb" (c in 1..8 column parts, k in 0..6: bucket widths

@@ -26,7 +26,7 @@ import sympy
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..rules import analyse
-from ..operands import bind_operands, check_tensor
+from ..operands import bind_operands, check_tensor, on_operand_device
 from . import kernels as graph_ops
 from .device import VALUE_DTYPES, DeviceCSR, to_format
 from .formats import CSR, FORMATS
@@ -273,6 +273,7 @@ class FormatKernel:
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         return bind_operands(self.operator.text, self.form.inputs, args, kwargs)
 
+    @on_operand_device
     def __call__(self, *args: Any, sample: Any = None, out: Any = None, **kwargs: Any) -> Any:
 
         ops = self._bind(args, kwargs)

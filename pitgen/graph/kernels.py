@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from ..errors import PlanError, ShapeError
-from ..operands import check_tensor, raw_key, validated
+from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
@@ -245,6 +245,7 @@ def spmm_source(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None
     return (HYB_SPMM if m.fmt == "hyb" else SPMM).source(ctx)
 
 
+@on_operand_device
 def spmm(a: DeviceMatrix | DeviceCSR, x: Tensor, schedule: Mapping | None = None,
          out: Any = None, spec: OpSpec | None = None) -> Any:
     """Y = A @ X for a sparse A (any format; a DeviceCSR runs as "csr") and dense X [cols, F]
@@ -391,6 +392,7 @@ class _SpMMLaunch:
         return out
 
 
+@on_operand_device
 def sddmm(a: DeviceMatrix | DeviceCSR, u: Tensor, v: Tensor,
           schedule: Mapping | None = None) -> Tensor:
     """E[p] = U[row(p)] . V[col(p)] at every non-zero p of A, in A's CSR order whatever the

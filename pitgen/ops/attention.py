@@ -38,7 +38,7 @@ import numpy as np
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import check_tensor, raw_key, validated
+from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, kept_scratch, stream_counters
 from . import lazy_torch_classes
@@ -567,6 +567,7 @@ def _index_args(plan: AttentionPlan, mask: int, counters: int, arrays: list[int]
             qdone + 4 * plan.slices * plan.n_qb, plan.gather_cap)
 
 
+@on_operand_device
 def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
@@ -719,6 +720,7 @@ def _ops() -> Any:
         "pitgen::sparse_attention", mutates_args=(),
         schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor[]? index, "
                "bool is_causal) -> (Tensor, Tensor, Tensor, Tensor)")
+    @on_operand_device
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
                 index: list[Tensor] | None,
                 is_causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -746,6 +748,7 @@ def _ops() -> Any:
         "pitgen::sparse_attention_backward", mutates_args=(),
         schema="(Tensor dout, Tensor[] saved, Tensor? mask, float scale, Tensor? dlse) "
                "-> (Tensor, Tensor, Tensor)")
+    @on_operand_device
     def backward(dout: Tensor, saved: list[Tensor], mask: Tensor | None, scale: float,
                  dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """saved: q, k, v, out, lse, and the forward's blocks and order."""
@@ -902,6 +905,7 @@ def _eager(q: Any, k: Any, v: Any, mask: Any, causal: bool, want_lse: bool,
     return fast
 
 
+@on_operand_device
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                      scale: float | None = None, index: BlockIndex | None = None, *,
                      is_causal: bool = False, return_lse: bool = False) -> Any:

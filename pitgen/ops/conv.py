@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import GRID_Y_MAX, INT32_MAX
-from ..operands import check_device, raw_key, validated
+from ..operands import check_device, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
 from . import lazy_torch_classes
@@ -269,6 +269,7 @@ def index_launch(x: Tensor) -> tuple[Tensor, Tensor]:
     return ids, count
 
 
+@on_operand_device
 def channel_index(x: Tensor) -> tuple[Tensor, Tensor]:
     """The active channels of X [N, C, H, W] (fp16/bf16, NCHW or channels_last), on the GPU
     with no host sync: ``(ids, count)``, int32 [C] and [1]; ``ids[:count]`` are the channels
@@ -369,6 +370,7 @@ def _check_conv(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilat
     return plan
 
 
+@on_operand_device
 def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1,
                   padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Tensor:
     """``torch.nn.functional.conv2d`` skipping X's all-zero channels, on the GPU, no host sync.

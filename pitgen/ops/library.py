@@ -31,6 +31,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from ..errors import BackwardError, PitgenError
+from ..operands import on_operand_device
 
 NAMESPACE = "pitgen"
 
@@ -139,8 +140,10 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
                              for m in ("linear", "moe", "sddmm", "conv"))
 
     def op(name: str, schema: str, mutates: tuple[str, ...] = ()) -> Any:
-        # explicit schemas: this module's annotations are strings (postponed evaluation)
-        return custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates, schema=schema)
+        # explicit schemas: this module's annotations are strings (postponed evaluation); the
+        # body runs on its operands' device (a compiled graph calls it with the device as it is)
+        define = custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates, schema=schema)
+        return lambda fn: define(on_operand_device(fn))
 
     # -- the JIT GEMM and the training linear's GEMMs ----------------------------------------
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import cache
 from ..errors import PlanError, ShapeError
-from ..operands import check_tensor
+from ..operands import check_tensor, on_operand_device
 from .library import ops
 from .matmul import SparseKernel, compile as compile_kernel
 from .sddmm import SDDMM, normalise_tile
@@ -205,6 +205,7 @@ def _flat(x: Any) -> tuple[Any, tuple[int, ...]]:
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
+@on_operand_device
 def sparse_weight_linear(x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor | None = None,
                          micro_tile: Any = (32, 1), dx_micro_tile: Any = "dense",
                          sddmm_tile: Any = (32, 1)) -> Any:
@@ -225,6 +226,7 @@ def sparse_weight_linear(x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor |
     return y.reshape(*lead, weight.shape[0])
 
 
+@on_operand_device
 def sparse_input_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                         micro_tile: str | tuple[int, int] = "auto") -> Tensor:
     """``x weightᵀ + bias`` with gradients, skipping x's zeros in forward and dW. With

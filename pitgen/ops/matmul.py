@@ -15,7 +15,7 @@ from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
 from ..lower import DTYPES, GemmForm, Layout, Schedule, gemm_form, geometry, lower_first
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
-                        distinct_strides, raw_key, signature)
+                        distinct_strides, on_operand_device, raw_key, signature)
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
 from ..runtime import (TorchLaunch, capturing, device_arch, device_sms, memset_d32,
@@ -412,6 +412,7 @@ class SparseKernel:
         ct = plan.compute_tile
         return Schedule(bn=ct[self.form.n_axis], bk=ct[self.form.k_axis])
 
+    @on_operand_device
     def prepare(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
                 **kwargs: Any) -> GemmCall:
         """Validate the operands and compile (or load) the module for them; launches nothing.
@@ -465,6 +466,7 @@ class SparseKernel:
         return GemmCall(launcher, ops[self.sparse].obj, ops[self.form.dense].obj, out,
                         m_op.ptr if m_op is not None else 0, reuse)
 
+    @on_operand_device
     def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
                  **kwargs: Any) -> Any:
         """Compute the operator; ``out`` receives the result (``accumulate=True`` adds to it).
@@ -506,6 +508,7 @@ class SparseKernel:
         ops = tuple(bound[n] for n in names)
         return ops if all(_is_tensor(t) for t in ops) else None
 
+    @on_operand_device
     def index(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Build only the micro-tile index of the sparse operand; returns device arrays
         ``(counts, ids)`` (``ids`` rows padded past ``counts``; order within a row is free),
@@ -518,6 +521,7 @@ class SparseKernel:
             call.build_index(launch.stream)
         return call.counts, call.ids
 
+    @on_operand_device
     def source(self, *args: Any, **kwargs: Any) -> str:
         """The CUDA source this kernel runs for these operands."""
         launcher = self.prepare(*args, **kwargs).L

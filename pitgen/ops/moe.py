@@ -22,9 +22,9 @@ import numpy as np
 from .. import cache, lower
 from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INDEX_THREADS
-from ..operands import check_tensor, raw_key, validated
+from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import (TorchLaunch, device_arch, device_sms, kept_scratch, memset_d32,
+from ..runtime import (TorchLaunch, device_arch, device_index, device_sms, kept_scratch, memset_d32,
                        stream_counters, tensor_map)
 from . import lazy_torch_classes
 from .library import ops, tracing
@@ -334,14 +334,15 @@ class _Launch:
                    H, int(self.direct), plan.max_tiles)
 
 
-#: MoEPlan -> its _Launch
+#: (MoEPlan, device index) -> its _Launch (bound kernels of that device's modules)
 _LAUNCHES = cache.memo("moe.launches")
 
 
 def _launcher(plan: MoEPlan) -> _Launch:
-    return validated(_LAUNCHES, plan, lambda: _Launch(plan))
+    return validated(_LAUNCHES, (plan, device_index()), lambda: _Launch(plan))
 
 
+@on_operand_device
 def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[Routing, Tensor]:
     """Build the routing index on the GPU for ``expert_ids [T, topk]`` (int32/int64 CUDA tensor);
     returns (Routing of device tensors, ntiles [1]). ``tile_e/tile_r`` hold ``ntiles`` valid
@@ -412,6 +413,7 @@ def _requires_grad(*tensors: Any) -> bool:
     return False
 
 
+@on_operand_device
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
             b1: Tensor | None = None, b2: Tensor | None = None,
             activation: str = "gelu", check: bool = True) -> Tensor:

@@ -43,7 +43,7 @@ from ..graph.device import VALUE_DTYPES, DeviceCSR
 from ..graph.formats import CSR, RGCN_EXPR, Relational, check_dense_operand, index_dtype
 from ..graph.kernels import SPMM, spmm
 from ..limits import INT32_MAX
-from ..operands import check_tensor
+from ..operands import check_tensor, on_operand_device
 from ..opspec import OpSpec, Permutation
 from ..reference import spmm_csr
 from . import lazy_torch_classes
@@ -556,6 +556,11 @@ class DeviceRelational:
     def dtype(self) -> str:
         return str(self.values.dtype).replace("torch.", "")
 
+    @property
+    def device(self) -> Any:
+        """The torch device its tensors are on (operators on it run there)."""
+        return self.rel.device
+
     @classmethod
     def from_host(cls, graph: Relational, dtype: str = "float32") -> DeviceRelational:
         """Upload a (validated) host graph; values rounded once to ``dtype``."""
@@ -642,6 +647,7 @@ class DeviceRelational:
         return hit
 
 
+@on_operand_device
 def transform(h: Tensor, weight: Tensor, c: Composed) -> Tensor:
     """Z[k] = H[k] @ W[relation of k] over the padded compact rows: one ``torch.bmm`` of the
     tiles by their relations' weights (gathered per call: W may change between calls)."""
@@ -653,6 +659,7 @@ def transform(h: Tensor, weight: Tensor, c: Composed) -> Tensor:
     return z.view(t * tile, weight.shape[2])
 
 
+@on_operand_device
 def rgcn(graph: DeviceRelational, x: Tensor, weight: Tensor, order: str = "auto",
          out: Tensor | None = None) -> Tensor:
     """Y = sum_r A_r X W_r on the GPU: ``x`` [cols, F_in] and ``weight`` [relations, F_in,

@@ -38,7 +38,7 @@ from ..graph.kernels import SPMM, default_schedule, sddmm, spmm
 from ..graph.jit import search_settings
 from ..graph.model import plan as auto_plan, warn_if_slow
 from ..graph.tune import GraphStats, default_params
-from ..operands import check_tensor
+from ..operands import check_tensor, on_operand_device
 from . import lazy_torch_classes
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ def _check_tune(fmt: str, tune: Any) -> bool:
     return tune
 
 
+@on_operand_device
 def aggregation_values(graph: DeviceCSR, aggr: str, dtype: str) -> Tensor:
     """Edge values [nnz] of an aggregator, in ``graph``'s CSR order and ``dtype``: ``sum``
     gives 1, ``mean`` 1 / (entries in the row). Built on the GPU (no sync) once per graph,
@@ -164,6 +165,7 @@ def _check_csr(graph: DeviceCSR, feat: int, dtype: str) -> None:
                  default_schedule("spmm", "csr", feat, dtype), stacklevel=5)
 
 
+@on_operand_device
 def graph_plan(graph: DeviceCSR, values: Tensor, feat: int, fmt: str = DEFAULT_FORMAT,
                owned: bool = False, tune: bool = False) -> GraphPlan:
     """The plan of ``graph`` with edge ``values`` (the aggregator's when ``owned``) at ``feat``
@@ -271,6 +273,7 @@ def _graph_tensors(graph: DeviceCSR) -> tuple:
             t.csr.row_ids(), t.perm, t.inverse)
 
 
+@on_operand_device
 def graph_spmm(graph: DeviceCSR, x: Tensor, values: Tensor | None = None,
                format: str = DEFAULT_FORMAT, tune: bool = False) -> Tensor:
     """Y = A X [rows, F] with gradients to ``x`` and to ``values`` (edge values [nnz] in A's
@@ -309,6 +312,7 @@ def _graph_spmm(graph: DeviceCSR, x: Any, values: Any, fmt: str, owned: bool,
     return _ops()(x, values, *_graph_tensors(graph), plan)
 
 
+@on_operand_device
 def aggregate(graph: DeviceCSR, x: Tensor, aggr: str = "mean",
               format: str = DEFAULT_FORMAT, tune: bool = False) -> Tensor:
     """The ``aggr`` ("mean" or "sum") of every node's neighbours' rows of ``x`` (the graph's

@@ -20,7 +20,7 @@ import numpy as np
 from .. import cache
 from ..errors import PlanError, ShapeError
 from ..limits import GRID_Y_MAX, INDEX_THREADS
-from ..operands import check_tensor
+from ..operands import check_tensor, on_operand_device
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
 from .library import no_backward, ops
@@ -171,6 +171,7 @@ def _check_int32(name: str, x: Any) -> None:
 GRAD_EXPR = "C[m,n] += A[m,k] * B[k,n]"
 
 
+@on_operand_device
 def sddmm(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int] = (32, 1),
           out: Tensor | None = None, scale: float = 1.0,
           layout: Any = None) -> SparseTiles | Tensor:
@@ -234,6 +235,7 @@ def sddmm(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int] = (32, 1),
                                        (M, N), check_invariants=False)
 
 
+@on_operand_device
 def launch(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int], out: Tensor | None,
            scale: float) -> SparseTiles | Tensor:
     """The SDDMM's launches on validated operands (the body of the ``pitgen::sddmm*`` ops):
