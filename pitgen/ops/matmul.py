@@ -18,7 +18,7 @@ from ..operands import (Operand, Workspace, align, as_operand, bind_operands, co
                         distinct_strides, on_operand_device, raw_key, signature)
 from ..opspec import OpSpec
 from ..planner import Plan, make_plan
-from ..runtime import (TorchLaunch, capturing, device_arch, device_sms, memset_d32,
+from ..runtime import (TorchLaunch, capturing, device_arch, device_index, device_sms, memset_d32,
                        tensor_map)
 from .library import jit_config, jit_matmul, no_backward, plain_tensors, tracing
 from .library import ops as torch_ops
@@ -443,7 +443,7 @@ class SparseKernel:
         if self._plan is None:
             self._plan = plan_on_device(self.operator, self.sparse, m_op or ops[self.sparse], self.tile)
         c_op = as_operand("out", out) if out is not None else None
-        key = signature(ops, c_op, accumulate, m_op)
+        key = signature(ops, c_op, accumulate, m_op), device_index()   # its modules' device
         launcher = self._launchers.get(key)
         if launcher is None:
             if len(self._launchers) >= MAX_LAUNCHERS:   # their index buffers: memory bounded
