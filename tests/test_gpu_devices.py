@@ -5,6 +5,8 @@ alternating between devices stays right; operands on two devices are refused wit
 naming both; the current device is left as it was."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -175,3 +177,28 @@ def test_operands_on_two_devices_are_refused(name):
         MIXED[name](d0, d1)
     assert "cuda:0" in str(e.value) and "cuda:1" in str(e.value)
     assert torch.cuda.current_device() == 0
+
+
+FIRST_USE_ON_DEVICE_ONE = """
+import torch, pitgen
+torch.cuda.set_device(1)
+a = torch.randn(96, 160, device="cuda", dtype=torch.float16)
+b = torch.randn(160, 72, device="cuda", dtype=torch.float16)
+k = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", micro_tile="32x1", vendor_dense=False)
+c1 = k(A=a, B=b)                          # pitgen's first use: PyCUDA starts while cuda:1 is current
+assert torch.cuda.current_device() == 1 and c1.device.index == 1
+c1 = (c1 + torch.ones_like(c1)).cpu()     # torch's own ops still run on cuda:1
+c0 = k(A=a.to(0), B=b.to(0))
+assert c0.device.index == 0 and torch.cuda.current_device() == 1
+torch.testing.assert_close(c0.cpu() + 1, c1)
+print("done")
+"""
+
+
+def test_first_use_with_another_current_device():
+    """A process that makes cuda:1 current before pitgen's first call: PyCUDA's start (which
+    pushes the first device's context) leaves torch on cuda:1, and the process exits cleanly."""
+    r = subprocess.run([sys.executable, "-c", FIRST_USE_ON_DEVICE_ONE], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
+    assert "PyCUDA ERROR" not in r.stderr
