@@ -225,6 +225,7 @@ def _ops() -> Any:
     import torch
 
     @torch.library.custom_op("pitgen::graph_sddmm", mutates_args=(), schema=SDDMM_SCHEMA)
+    @on_operand_device
     def graph_sddmm_op(u, v, indptr, indices, rows):
         """E[p] = U[row(p)] . V[col(p)] over the pattern (indptr, indices) in CSR order."""
         a = _csr(indptr, indices, u.new_empty(indices.shape[0]), rows, int(v.shape[0]))
@@ -235,6 +236,7 @@ def _ops() -> Any:
         return u.new_empty(indices.shape[0])
 
     @torch.library.custom_op("pitgen::graph_spmm", mutates_args=(), schema=SPMM_SCHEMA)
+    @on_operand_device
     def graph_spmm_op(x, values, indptr, indices, rows, t_indptr, t_indices, t_rows, t_perm,
                       inverse, plan):
         """Y = A X for A = (indptr, indices, values) with x.shape[0] columns."""
