@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -139,23 +138,15 @@ def test_current_device_one_with_operands_on_zero():
 
 
 def test_a_worker_thread_runs_on_the_operands_device():
+    """From a new thread (its PyCUDA context stack left empty: test_gpu_threads.in_thread)."""
+    from test_gpu_threads import in_thread
+
     inputs = _inputs(2)
-    want = {n: [r.cpu() for r in _run(n, "cuda:0", inputs)] for n in ("matmul 32x1", "moe", "sddmm")}
-    box = {}
-
-    def body():
-        try:
-            box["got"] = {n: [r.cpu() for r in _run(n, "cuda:1", inputs)] for n in want}
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            box["error"] = e
-
-    worker = threading.Thread(target=body)
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]
+    names = ("matmul 32x1", "moe", "sddmm")
+    want = {n: [r.cpu() for r in _run(n, "cuda:0", inputs)] for n in names}
+    got = in_thread(lambda: {n: [r.cpu() for r in _run(n, "cuda:1", inputs)] for n in names})
     for n, w in want.items():
-        for r, x in zip(box["got"][n], w):
+        for r, x in zip(got[n], w):
             torch.testing.assert_close(r.float(), x.float(), rtol=2e-3, atol=2e-3)
 
 
