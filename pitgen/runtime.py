@@ -128,14 +128,14 @@ def _context_is_current() -> bool:
 
 
 @contextmanager
-def bound_context(dev: int | None = None) -> Iterator[Any]:
-    """pycuda.driver with device ``dev``'s (default: the current device's) primary context
-    current in this thread while the block runs: a launch from a thread other than the main
-    one (autograd's backward thread, a server's worker pool), or on another device than the
-    main thread's context, pushes it here and pops it again, since PyCUDA aborts the process
-    when a thread ends with a context on its stack."""
+def bound_context() -> Iterator[Any]:
+    """pycuda.driver with the current device's primary context current in this thread while
+    the block runs: a launch from a thread other than the main one (autograd's backward thread,
+    a server's worker pool), or on another device than the main thread's context, pushes it
+    here and pops it again, since PyCUDA aborts the process when a thread ends with a context
+    on its stack."""
     drv = _drv()
-    dev = device_index() if dev is None else dev
+    dev = device_index()
     ctx = _primary_context(drv, dev)
     if drv.Context.get_current() is not None and _ordinal(drv, drv.Context.get_device()) == dev:
         yield drv
