@@ -240,6 +240,12 @@ class GemmCall:
         self.counts_ptr = self.ids_ptr = self.order_ptr = 0
 
     @property
+    def device(self) -> Any:
+        """The torch device of its operands (None for GPUArrays): its launches run there, also
+        when another device is current by the time they are made (on_operand_device)."""
+        return self.a.device if self.L.is_torch else None
+
+    @property
     def counts(self) -> Any:
         """The index's per-group counts (None before build_index, or without an index)."""
         return None if self._counts is None else self._counts[0][self._counts[1]]
@@ -263,6 +269,7 @@ class GemmCall:
             return self.L.scratch(stream, size, dtype)
         return Workspace(self.L.is_torch).alloc((size,), dtype)
 
+    @on_operand_device
     def build_index(self, stream: int | None) -> None:
         """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block).
         ids (and the wgmma kernel's m-tile order) and fresh counts share one int32 buffer; a
@@ -295,6 +302,7 @@ class GemmCall:
             L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream, self.counts_ptr,
                          self.order_ptr, n)
 
+    @on_operand_device
     def compute(self, stream: int | None) -> None:
         """The tile kernel over the index (box and packed: an upper-bound grid whose empty tiles
         exit; rows: a CTA per output tile, which writes all of it)."""
@@ -331,6 +339,7 @@ class GemmCall:
         else:
             c.copy_(a @ b)
 
+    @on_operand_device
     def run(self) -> Any:
         """build_index + compute on the caller's stream; returns the output array."""
         if self.L.vendor:
