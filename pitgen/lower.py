@@ -248,10 +248,10 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
     if da is None or db is None:
         return None
     wm = bm // 64
-    narrow = block_list and density is not None and density <= NARROW_BLOCK_DENSITY
-    pingpong = PINGPONG == "always" or PINGPONG == "narrow" and narrow
-    narrow = narrow or pingpong and bm == 128  # a consumer's accumulators: at most 128 x 128
-    bn = 256 if layout.N > 128 and not narrow else 128
+    sparse = block_list and density is not None and density <= NARROW_BLOCK_DENSITY
+    pingpong = PINGPONG == "always" or (PINGPONG == "narrow" and sparse)
+    # a ping-pong consumer holds a whole tile's accumulators: at most 128 x 128
+    bn = 256 if layout.N > 128 and not sparse and not (pingpong and bm == 128) else 128
     wn = 1 if pingpong else 2 // wm
     stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
     c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0

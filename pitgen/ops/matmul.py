@@ -530,7 +530,6 @@ class SparseKernel:
             call.build_index(launch.stream)
         return call.counts, call.ids
 
-    @on_operand_device
     def source(self, *args: Any, **kwargs: Any) -> str:
         """The CUDA source this kernel runs for these operands."""
         launcher = self.prepare(*args, **kwargs).L
