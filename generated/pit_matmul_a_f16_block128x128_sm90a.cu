@@ -544,33 +544,38 @@ pit_matmul_a_f16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorMa
             for (int part = 0; part < 2 * HALVES; ++part) {  // rows 8 apart in each 64-row accumulator
                 const int hf = part >> 1, h = part & 1;
                 const int m = m0 + (wg_m + hf) * 64 + row_in + h * 8;
-                if (m >= M) continue;
-                // The four lanes of a quad (one row) trade pairs so that each holds 8 adjacent
-                // columns: one 16-byte store per lane for every 4 chunks of 8 columns.
-                const unsigned quad = 0xfu << (lane & 28);
+                // The four lanes of a quad (one row) transpose their 4 x 4 words of 4 chunks of 8
+                // columns in two xor rounds, so that each holds 8 adjacent columns: one 16-byte
+                // store per lane for every 4 chunks. The whole warp shuffles (full mask, no
+                // convergence check); only the stores depend on the row.
                 const int q = lane & 3;
+                const bool odd = q & 1, high = q & 2;
                 #pragma unroll
                 for (int j0 = 0; j0 < WTN / 8; j0 += 4) {
-                    uint32_t w[4], o[4] = {0u, 0u, 0u, 0u};
+                    uint32_t w[4];
                     #pragma unroll
                     for (int u = 0; u < 4; ++u) {
                         const elem_t two[2] = {from_float(acc[hf][(j0 + u) * 4 + h * 2]),
                                                from_float(acc[hf][(j0 + u) * 4 + h * 2 + 1])};
                         w[u] = bits32(two);
                     }
-                    #pragma unroll
-                    for (int r = 0; r < 4; ++r) {  // lane s sends chunk j0 + (s + r) % 4 to lane s + r
-                        const int send = (q + r) & 3, from = (q - r) & 3;
-                        const uint32_t mine = send == 0 ? w[0] : send == 1 ? w[1] : send == 2 ? w[2] : w[3];
-                        const uint32_t got = __shfl_sync(quad, mine, (lane & 28) | from);
-                        o[0] = from == 0 ? got : o[0];
-                        o[1] = from == 1 ? got : o[1];
-                        o[2] = from == 2 ? got : o[2];
-                        o[3] = from == 3 ? got : o[3];
-                    }
+                    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects,
+                    // not indices: a runtime index would put w in local memory)
+                    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
+                    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
+                    w[0] = odd ? x0 : w[0];
+                    w[1] = odd ? w[1] : x0;
+                    w[2] = odd ? x1 : w[2];
+                    w[3] = odd ? w[3] : x1;
+                    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? w[0] : w[2], 2);
+                    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? w[1] : w[3], 2);
+                    w[0] = high ? y0 : w[0];
+                    w[1] = high ? y1 : w[1];
+                    w[2] = high ? w[2] : y0;
+                    w[3] = high ? w[3] : y1;
                     const int nb = n0 + wg_n * WTN + (j0 + q) * 8;
-                    if (nb < N)  // N is a multiple of 8: the chunk is whole
-                        *reinterpret_cast<uint4*>(c + (size_t)m * sc_m + nb) = make_uint4(o[0], o[1], o[2], o[3]);
+                    if (m < M && nb < N)  // N is a multiple of 8: the chunk is whole
+                        *reinterpret_cast<uint4*>(c + (size_t)m * sc_m + nb) = make_uint4(w[0], w[1], w[2], w[3]);
                 }
             }
         }
