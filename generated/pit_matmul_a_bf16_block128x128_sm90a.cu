@@ -324,20 +324,61 @@ struct PingPong {
 namespace pit_index {
 constexpr int BL = 128, BKC = 128;
 
-// One CTA per block: all 256 threads' loads of a round are in flight before the CTA votes
-// (__syncthreads_or), and the first non-zero round ends the scan. (With one warp per block a
-// 4096^2 scan in 128 x 128 blocks ran 16 dependent rounds per warp: latency bound, 0.028 ms on
-// an H100 for 32 MB that a copy reads in 0.013 ms.)
-extern "C" __global__ void __launch_bounds__(256)
-pit_matmul_a_bf16_block128x128_sm90a_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
-           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next)
+// The wgmma kernel's m-tile order, built by the index pass's last CTA (no launch of its own):
+// the groups by count, most first, ties by index (a bitonic sort of 32-bit keys in shared
+// memory; past MAX_ORDER groups, the identity). Every CTA counts itself done in the word after
+// the counts, which starts at zero (a fresh buffer's memset, or a pair zeroed once) and which
+// the last CTA sets back to zero.
+constexpr int MAX_ORDER = 4096;
+__device__ __forceinline__ void order_groups(const int* counts, int* __restrict__ order)
 {
-    const int tid = threadIdx.x, g = blockIdx.y, x = blockIdx.x;
-    const int nblk = (n_id + BKC - 1) / BKC;
-    if (x >= nblk) return;  // the whole CTA
-    if (zero_next != nullptr && x == 0 && tid == 0) zero_next[g] = 0;  // the other counts buffer
-    bool nz = false;
+    __shared__ unsigned keys[MAX_ORDER];
+    __shared__ bool s_last;
+    const int tid = threadIdx.x, groups = gridDim.y;
+    int* const done = const_cast<int*>(counts) + groups;
+    if (tid == 0) {
+        __threadfence();  // this CTA's id and count before its arrival
+        s_last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (groups > MAX_ORDER) {
+        for (int i = tid; i < groups; i += blockDim.x) order[i] = i;
+    } else {
+        int n = 1;
+        while (n < groups) n <<= 1;
+        for (int i = tid; i < n; i += blockDim.x)
+            keys[i] = i < groups ? (unsigned)(0xffff - min(max(__ldcg(counts + i), 0), 0xffff)) << 16 | (unsigned)i
+                                 : ~0u;
+        __syncthreads();
+        for (int k = 2; k <= n; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int i = tid; i < n; i += blockDim.x) {
+                    const int p = i ^ j;
+                    if (p > i) {
+                        const unsigned a = keys[i], b = keys[p];
+                        if ((a > b) == ((i & k) == 0)) { keys[i] = b; keys[p] = a; }
+                    }
+                }
+                __syncthreads();
+            }
+        }
+        for (int i = tid; i < groups; i += blockDim.x) order[i] = (int)(keys[i] & 0xffffu);
+    }
+    if (tid == 0) *done = 0;  // for the next launch on these buffers
+}
+
+// Whether block (g, x) holds a non-zero element (or a set mask byte), the same answer in every
+// thread. One CTA per block: all 256 threads' loads of a round are in flight before the CTA
+// votes (__syncthreads_or), and the first non-zero round ends the scan. (With one warp per
+// block a 4096^2 scan in 128 x 128 blocks ran 16 dependent rounds per warp: latency bound,
+// 0.028 ms on an H100 for 32 MB that a copy reads in 0.013 ms.)
+__device__ __forceinline__ bool block_nonzero(const elem_t* __restrict__ src, int s_long, int s_id,
+                                              int n_long, int n_id, const unsigned char* __restrict__ mask,
+                                              int m_long, int m_id, int g, int x)
+{
+    const int tid = threadIdx.x;
     constexpr int VEC = 8, ROWV = BKC / VEC, UNROLL = 8;  // 16-byte vectors per block row
     constexpr uint32_t VALUE_BITS = sizeof(elem_t) == 2 ? 0x7fff7fffu : 0x7fffffffu;  // sign bits off
     static_assert(BKC % VEC == 0, "block rows are whole vectors");
@@ -355,21 +396,34 @@ pit_matmul_a_bf16_block128x128_sm90a_index(const elem_t* __restrict__ src, int s
                     bits |= (v.x | v.y | v.z | v.w) & VALUE_BITS;
                 }
             }
-            if (__syncthreads_or(bits != 0u)) { nz = true; break; }
+            if (__syncthreads_or(bits != 0u)) return true;
         }
-    } else
-    {
-        for (int e0 = 0; e0 < BL * BKC; e0 += 256) {
-            const int e = e0 + tid;
-            const int r = e / BKC, cidx = e % BKC;   // adjacent threads: adjacent k
-            const int l = g * BL + r, k = x * BKC + cidx;
-            const bool inb = e < BL * BKC && l < n_long && k < n_id;
-            const bool hit = inb && (mask ? mask[(size_t)l * m_long + (size_t)k * m_id] != 0
-                                          : is_nonzero(src[(size_t)l * s_long + (size_t)k * s_id]));
-            if (__syncthreads_or(hit)) { nz = true; break; }
-        }
+        return false;
     }
-    if (tid == 0 && nz) ids[(size_t)g * nblk + atomicAdd(&counts[g], 1)] = x;
+    for (int e0 = 0; e0 < BL * BKC; e0 += 256) {
+        const int e = e0 + tid;
+        const int r = e / BKC, cidx = e % BKC;   // adjacent threads: adjacent k
+        const int l = g * BL + r, k = x * BKC + cidx;
+        const bool inb = e < BL * BKC && l < n_long && k < n_id;
+        const bool hit = inb && (mask ? mask[(size_t)l * m_long + (size_t)k * m_id] != 0
+                                      : is_nonzero(src[(size_t)l * s_long + (size_t)k * s_id]));
+        if (__syncthreads_or(hit)) return true;
+    }
+    return false;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+pit_matmul_a_bf16_block128x128_sm90a_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
+           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+           int* __restrict__ order)
+{
+    const int g = blockIdx.y, x = blockIdx.x;
+    const int nblk = (n_id + BKC - 1) / BKC;
+    if (zero_next != nullptr && x == 0 && threadIdx.x == 0) zero_next[g] = 0;  // the other counts buffer
+    const bool nz = x < nblk && block_nonzero(src, s_long, s_id, n_long, n_id, mask, m_long, m_id, g, x);
+    if (threadIdx.x == 0 && nz) ids[(size_t)g * nblk + atomicAdd(&counts[g], 1)] = x;
+    order_groups(counts, order);
 }
 
 }  // namespace pit_index
@@ -459,7 +513,8 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
     // m-tiles multiply it, instead of each m-tile's listed k-block rows of all of B' (which
     // re-read B' from HBM once per m-tile when it outgrows L2: 8192^3 at 90%, 0.32 ms against a
     // 0.14 ms tensor floor). Within a group the m-tiles go longest first (``order``, built on the
-    // GPU), in snake order across waves: every CTA ends with about the same number of k-blocks.
+    // GPU by the index pass; null: in index order), in snake order across waves: every CTA ends
+    // with about the same number of k-blocks.
     constexpr int KSUB = 2;  // k-iterations per listed block
     const int nkb = (K + BK * KSUB - 1) / (BK * KSUB);
     const int GN = max(1, min(tiles_n, (int)gridDim.x / tiles_m));
@@ -470,7 +525,7 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
         const int t = i * gridDim.x + ((i & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
         const int per_group = GN * tiles_m, g0 = (t / per_group) * GN;
         const int cols = min(GN, tiles_n - g0), r = t % per_group;
-        mt = t < tiles ? order[r / cols] : 0;
+        mt = t >= tiles ? 0 : order != nullptr ? order[r / cols] : r / cols;
         nt = g0 + r % cols;
         return t < tiles && (unsigned)mt < (unsigned)tiles_m;
     };
@@ -581,38 +636,6 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
             }
         }
     }
-}
-
-// The m-tiles by listed k-blocks, most first (ties by index): one CTA, a bitonic sort in shared
-// memory; beyond MAX_ORDER m-tiles the order is the identity.
-constexpr int MAX_ORDER = 4096;
-extern "C" __global__ void __launch_bounds__(1024)
-pit_matmul_a_bf16_block128x128_sm90a_wide_sm90_order(const int* __restrict__ counts, int* __restrict__ order, int groups)
-{
-    __shared__ unsigned long long keys[MAX_ORDER];
-    const int tid = threadIdx.x;
-    if (groups > MAX_ORDER) {
-        for (int i = tid; i < groups; i += blockDim.x) order[i] = i;
-        return;
-    }
-    int n = 1;
-    while (n < groups) n <<= 1;
-    for (int i = tid; i < n; i += blockDim.x)
-        keys[i] = i < groups ? ((unsigned long long)(0x7fffffff - counts[i]) << 32) | (unsigned)i : ~0ull;
-    __syncthreads();
-    for (int k = 2; k <= n; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = tid; i < n; i += blockDim.x) {
-                const int p = i ^ j;
-                if (p > i) {
-                    const unsigned long long a = keys[i], b = keys[p];
-                    if ((a > b) == ((i & k) == 0)) { keys[i] = b; keys[p] = a; }
-                }
-            }
-            __syncthreads();
-        }
-    }
-    for (int i = tid; i < groups; i += blockDim.x) order[i] = (int)(keys[i] & 0xffffffffu);
 }
 
 }  // namespace pit_gemm
@@ -1009,8 +1032,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     ws.groups = (int)groups;
     ws.cap = (int)cap;
     size_t at = 0;
-    ws.counts = at;
-    at = round_up(at + (size_t)groups * sizeof(int));
+    ws.counts = at;  // and after them the index pass's done counter
+    at = round_up(at + (size_t)(groups + 1) * sizeof(int));
     ws.ids = at;
     at = round_up(at + (size_t)groups * cap * sizeof(int));
     ws.order = at;  // the m-tiles by listed k-blocks, most first (the wgmma kernel's order)
@@ -1051,17 +1074,14 @@ cudaError_t check(const Problem& p, const Workspace& w, const void* a, const voi
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
-    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)w.groups * sizeof(int), stream);
+    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 1) * sizeof(int), stream);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
+    // Its last CTA also sorts the m-tiles longest first (the wgmma kernel's order).
     pit_matmul_a_bf16_block128x128_sm90a_wide_module::pit_index::pit_matmul_a_bf16_block128x128_sm90a_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
-        nullptr, nullptr, 0, 0, nullptr);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-    // The m-tiles longest first, for the wgmma kernel's persistent CTAs (one CTA sorts them).
-    pit_matmul_a_bf16_block128x128_sm90a_wide_module::pit_gemm::pit_matmul_a_bf16_block128x128_sm90a_wide_sm90_order<<<1, 1024, 0, stream>>>(
-        counts, reinterpret_cast<int*>(ws + w.order), w.groups);
+        nullptr, nullptr, 0, 0, nullptr,
+        reinterpret_cast<int*>(ws + w.order));
     return cudaGetLastError();
 }
 

@@ -146,20 +146,16 @@ __device__ __forceinline__ void mma_tile(float (&d)[4], const uint32_t (&a)[4], 
 namespace pit_index {
 constexpr int BL = 64, BKC = 64;
 
-// One CTA per block: all 256 threads' loads of a round are in flight before the CTA votes
-// (__syncthreads_or), and the first non-zero round ends the scan. (With one warp per block a
-// 4096^2 scan in 128 x 128 blocks ran 16 dependent rounds per warp: latency bound, 0.028 ms on
-// an H100 for 32 MB that a copy reads in 0.013 ms.)
-extern "C" __global__ void __launch_bounds__(256)
-pit_matmul_a_f16_block64x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
-           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next)
+// Whether block (g, x) holds a non-zero element (or a set mask byte), the same answer in every
+// thread. One CTA per block: all 256 threads' loads of a round are in flight before the CTA
+// votes (__syncthreads_or), and the first non-zero round ends the scan. (With one warp per
+// block a 4096^2 scan in 128 x 128 blocks ran 16 dependent rounds per warp: latency bound,
+// 0.028 ms on an H100 for 32 MB that a copy reads in 0.013 ms.)
+__device__ __forceinline__ bool block_nonzero(const elem_t* __restrict__ src, int s_long, int s_id,
+                                              int n_long, int n_id, const unsigned char* __restrict__ mask,
+                                              int m_long, int m_id, int g, int x)
 {
-    const int tid = threadIdx.x, g = blockIdx.y, x = blockIdx.x;
-    const int nblk = (n_id + BKC - 1) / BKC;
-    if (x >= nblk) return;  // the whole CTA
-    if (zero_next != nullptr && x == 0 && tid == 0) zero_next[g] = 0;  // the other counts buffer
-    bool nz = false;
+    const int tid = threadIdx.x;
     constexpr int VEC = 8, ROWV = BKC / VEC, UNROLL = 8;  // 16-byte vectors per block row
     constexpr uint32_t VALUE_BITS = sizeof(elem_t) == 2 ? 0x7fff7fffu : 0x7fffffffu;  // sign bits off
     static_assert(BKC % VEC == 0, "block rows are whole vectors");
@@ -177,21 +173,33 @@ pit_matmul_a_f16_block64x64_sm80_index(const elem_t* __restrict__ src, int s_lon
                     bits |= (v.x | v.y | v.z | v.w) & VALUE_BITS;
                 }
             }
-            if (__syncthreads_or(bits != 0u)) { nz = true; break; }
+            if (__syncthreads_or(bits != 0u)) return true;
         }
-    } else
-    {
-        for (int e0 = 0; e0 < BL * BKC; e0 += 256) {
-            const int e = e0 + tid;
-            const int r = e / BKC, cidx = e % BKC;   // adjacent threads: adjacent k
-            const int l = g * BL + r, k = x * BKC + cidx;
-            const bool inb = e < BL * BKC && l < n_long && k < n_id;
-            const bool hit = inb && (mask ? mask[(size_t)l * m_long + (size_t)k * m_id] != 0
-                                          : is_nonzero(src[(size_t)l * s_long + (size_t)k * s_id]));
-            if (__syncthreads_or(hit)) { nz = true; break; }
-        }
+        return false;
     }
-    if (tid == 0 && nz) ids[(size_t)g * nblk + atomicAdd(&counts[g], 1)] = x;
+    for (int e0 = 0; e0 < BL * BKC; e0 += 256) {
+        const int e = e0 + tid;
+        const int r = e / BKC, cidx = e % BKC;   // adjacent threads: adjacent k
+        const int l = g * BL + r, k = x * BKC + cidx;
+        const bool inb = e < BL * BKC && l < n_long && k < n_id;
+        const bool hit = inb && (mask ? mask[(size_t)l * m_long + (size_t)k * m_id] != 0
+                                      : is_nonzero(src[(size_t)l * s_long + (size_t)k * s_id]));
+        if (__syncthreads_or(hit)) return true;
+    }
+    return false;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+pit_matmul_a_f16_block64x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
+           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+           int* __restrict__ order)
+{
+    const int g = blockIdx.y, x = blockIdx.x;
+    const int nblk = (n_id + BKC - 1) / BKC;
+    if (zero_next != nullptr && x == 0 && threadIdx.x == 0) zero_next[g] = 0;  // the other counts buffer
+    const bool nz = x < nblk && block_nonzero(src, s_long, s_id, n_long, n_id, mask, m_long, m_id, g, x);
+    if (threadIdx.x == 0 && nz) ids[(size_t)g * nblk + atomicAdd(&counts[g], 1)] = x;
 }
 
 }  // namespace pit_index
@@ -776,8 +784,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     ws.groups = (int)groups;
     ws.cap = (int)cap;
     size_t at = 0;
-    ws.counts = at;
-    at = round_up(at + (size_t)groups * sizeof(int));
+    ws.counts = at;  // and after them the index pass's done counter
+    at = round_up(at + (size_t)(groups + 1) * sizeof(int));
     ws.ids = at;
     at = round_up(at + (size_t)groups * cap * sizeof(int));
     ws.bytes = at;
@@ -816,12 +824,13 @@ cudaError_t check(const Problem& p, const Workspace& w, const void* a, const voi
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
-    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)w.groups * sizeof(int), stream);
+    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 1) * sizeof(int), stream);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_f16_block64x64_sm80_wide_module::pit_index::pit_matmul_a_f16_block64x64_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
-        nullptr, nullptr, 0, 0, nullptr);
+        nullptr, nullptr, 0, 0, nullptr,
+        nullptr);
     return cudaGetLastError();
 }
 

@@ -153,7 +153,8 @@ constexpr int L = 32;
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_f16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next)
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+           int* __restrict__ order)
 {
     const int g = blockIdx.y;
     const int x = blockIdx.x * blockDim.x + threadIdx.x;
@@ -794,8 +795,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     ws.groups = (int)groups;
     ws.cap = (int)cap;
     size_t at = 0;
-    ws.counts = at;
-    at = round_up(at + (size_t)groups * sizeof(int));
+    ws.counts = at;  // and after them the index pass's done counter
+    at = round_up(at + (size_t)(groups + 1) * sizeof(int));
     ws.ids = at;
     at = round_up(at + (size_t)groups * cap * sizeof(int));
     ws.pack = at;  // the non-zero micro-tiles, packed: 32 elements each
@@ -842,12 +843,13 @@ const elem_t* tiles(const Workspace& w, const void* ws)
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
-    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)w.groups * sizeof(int), stream);
+    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 1) * sizeof(int), stream);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_f16_k32x1_sm80_wide_module::pit_index::pit_matmul_a_f16_k32x1_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
-        reinterpret_cast<elem_t*>(ws + w.pack), nullptr, 0, 0, nullptr);
+        reinterpret_cast<elem_t*>(ws + w.pack), nullptr, 0, 0, nullptr,
+        nullptr);
     return cudaGetLastError();
 }
 

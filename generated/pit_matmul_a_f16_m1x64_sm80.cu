@@ -154,7 +154,8 @@ constexpr int ID_BLOCK = 512;  // ids per list
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next)
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+           int* __restrict__ order)
 {
     const int g = blockIdx.y;
     const int lane = threadIdx.x & 31;
@@ -926,8 +927,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     ws.groups = (int)groups;
     ws.cap = (int)cap;
     size_t at = 0;
-    ws.counts = at;
-    at = round_up(at + (size_t)groups * sizeof(int));
+    ws.counts = at;  // and after them the index pass's done counter
+    at = round_up(at + (size_t)(groups + 1) * sizeof(int));
     ws.ids = at;
     at = round_up(at + (size_t)groups * cap * sizeof(int));
     ws.bytes = at;
@@ -966,12 +967,12 @@ cudaError_t check(const Problem& p, const Workspace& w, const void* a, const voi
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
-    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)w.groups * sizeof(int), stream);
+    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 1) * sizeof(int), stream);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p.M + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)((p.K + TK - 1) / TK));
     pit_matmul_a_f16_m1x64_sm80_wide_module::pit_index::pit_matmul_a_f16_m1x64_sm80_index<<<grid, 256, 0, stream>>>(
         a, p.sa_k, p.sa_m, p.K, p.M, counts, reinterpret_cast<int*>(ws + w.ids), nullptr,
-        nullptr, 0, 0, nullptr);
+        nullptr, 0, 0, nullptr, nullptr);
     return cudaGetLastError();
 }
 

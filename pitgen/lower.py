@@ -126,6 +126,7 @@ class IndexSpec:
     id_contiguous: bool  # block: adjacent k adjacent in memory
     vec: int = 1  # block: elements per 16-byte test where the layout allows (checked at run time)
     id_block: int = 0  # micro: ids listed per run of this many (rows: the GEMM's row block)
+    ordered: bool = False  # block: the last CTA also sorts the groups by count (wgmma m-tile order)
 
     @property
     def per_block(self) -> int:
@@ -430,6 +431,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         gemm = _fit(gemm, dtype)
     if arch in WGMMA_ARCHS and schedule == Schedule() and a_mode == "box":
         gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair, density) or gemm
+        if gemm.mainloop == "wgmma" and block_list:   # persistent CTAs take m-tiles longest first
+            index = replace(index, ordered=True)
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
 
 

@@ -123,8 +123,8 @@ def test_each_variant_launches_with_its_own_tile(req):
 def test_sm90a_kernels_run_wgmma_where_tma_maps_the_operands():
     """--arch sm_90a: the wide variant is the JIT path's wgmma kernel (TMA: rows a multiple of
     16 bytes, 16-byte aligned bases; 16-byte stores of C), the narrow one mma.sync; the host
-    code encodes the tensor maps, sizes the persistent grid by the SM count and orders the
-    m-tiles after the index pass."""
+    code encodes the tensor maps, sizes the persistent grid by the SM count and hands the index
+    pass the buffer its last CTA writes the m-tile order to."""
     e = emit.emit(emit.Request(EXPR, "A", "128x128", "bfloat16", arch="sm_90a"))
     wide, narrow = e.variants
     assert (wide.spec.gemm.mainloop, narrow.spec.gemm.mainloop) == ("wgmma", "mma_sync")
@@ -133,7 +133,7 @@ def test_sm90a_kernels_run_wgmma_where_tma_maps_the_operands():
         ("aligned", "c", 16)}
     src = e.files[f"{e.name}.cu"]
     for fact in ("cudaGetDriverEntryPointByVersion(\"cuTensorMapEncodeTiled\"", "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
-                 "cudaDevAttrMultiProcessorCount", f"{e.name}_wide_sm90_order<<<1, 1024, 0, stream>>>",
+                 "cudaDevAttrMultiProcessorCount", "reinterpret_cast<int*>(ws + w.order));",
                  "__CUDA_ARCH_FEAT_SM90_ALL", "arch=compute_90a,code=sm_90a"):
         assert fact in src, fact
     # micro-tiles gather rows, which TMA cannot: an sm_90a file of them keeps to mma.sync

@@ -28,8 +28,7 @@ from .library import ops as torch_ops
 #: axes), so none is declared here.
 MATMUL = OpSpec("matmul", "module.cu.j2", {
     "pit_gemm": "PPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPiiiiiiiiii",
-    "pit_gemm_sm90_order": "PPi",
-    "pit_build_index": "PiiiiPPPPiiP",
+    "pit_build_index": "PiiiiPPPPiiPP",
     "pit_gemm_zero": "Piiii"}, dtypes=tuple(DTYPES))
 
 
@@ -107,9 +106,10 @@ class Launcher:
         lay, g = self.layout, self.spec.gemm
         #: the tile kernel's size arguments
         self.sizes = (M, N, K, *lay.sa, *lay.sb, *lay.sc, self.geo.tk)
-        #: int32 words of the index (counts, ids, and the wgmma kernel's m-tile order)
+        #: int32 words of the index: counts, the index pass's done counter (the word after
+        #: the counts), ids, and the wgmma kernel's m-tile order
         n = self.geo.groups
-        self.index_words = n + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
+        self.index_words = n + 1 + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
         #: per stream handle: index buffers that calls on that stream reuse (stream order
         #: keeps one call's index build behind the previous call's tile kernel)
         self._scratch: dict[tuple[int, str], Any] = {}
@@ -128,14 +128,15 @@ class Launcher:
 
     def counts_pair(self, stream: int | None) -> tuple[Any, int, int, int]:
         """(buffer, half, its address, the other half's address) of the index counts for this
-        launch on ``stream``: the two halves of one [2, groups] buffer zeroed once, taken in
-        turn. Each index launch zeroes the other half for the launch after it (stream order
+        launch on ``stream``: the two halves of one [2, groups + 1] buffer zeroed once, taken in
+        turn (a half's last word is its done counter, which the index pass leaves zero). Each
+        index launch zeroes the other half's counts for the launch after it (stream order
         keeps the two apart), so calls that reuse their index buffers enqueue no memset (one
         driver call fewer per call; addresses, not tensor views, to keep the call lean)."""
         key = (stream or 0, "counts")
         entry = self._scratch.get(key)
         if entry is None:
-            n = self.geo.groups
+            n = self.geo.groups + 1
             buf = Workspace(self.is_torch).alloc((2, n), "int32")
             base = Workspace.ptr(buf)
             memset_d32(base, 0, 2 * n, stream or 0)
@@ -150,7 +151,7 @@ class Launcher:
         launches as ``GemmCall(..., reuse=True).run()`` with everything but the pointers and
         the stream decided here, once: kernels bound to their grids, argument tuples built, the
         index buffers and counts pair per stream. A call allocates its output and makes its
-        driver calls (index pass, tile kernel; wgmma: the m-tile order between), nothing else."""
+        driver calls (index pass, tile kernel), nothing else."""
         if self._torch_call is None:
             self._torch_call = self._make_torch_call()
         return self._torch_call
@@ -167,7 +168,6 @@ class Launcher:
         index = self.mod.bind("pit_build_index", geo.index_grid, (256, 1, 1))
         wgmma = g.mainloop == "wgmma"
         if wgmma:
-            order = self.mod.bind("pit_gemm_sm90_order", (1, 1), (1024, 1, 1))
             tile = self.mod.bind("pit_gemm_sm90", geo.grid, (g.threads, 1, 1), self.smem)
         else:
             tile = self.mod.bind("pit_gemm", geo.grid, (g.threads, 1, 1), self.smem)
@@ -175,7 +175,7 @@ class Launcher:
 
         def buffers(stream: int) -> tuple[int, int]:
             """(ids, packed A') addresses of this stream's index buffers (build_index's)."""
-            ids = self.scratch(stream, self.index_words, "int32").data_ptr() + 4 * n
+            ids = self.scratch(stream, self.index_words, "int32").data_ptr() + 4 * (n + 1)
             pack = self.scratch(stream, n * geo.cap * ix.long_extent, self.dtype).data_ptr() \
                 if ix.pack else 0
             by_stream[stream] = ids, pack
@@ -191,11 +191,10 @@ class Launcher:
                 stream = launch.stream
                 ids, pack = by_stream.get(stream) or buffers(stream)
                 _, _, counts, zero = self.counts_pair(stream)
+                order_ptr = ids + 4 * n * geo.cap if wgmma else 0
                 index(stream, a_ptr, *index_args, counts, ids, pack, mask_ptr, *mask_strides,
-                      zero)
+                      zero, order_ptr)
                 if wgmma:
-                    order_ptr = ids + 4 * n * geo.cap
-                    order(stream, counts, order_ptr, n)
                     tile(stream, *self.tensor_maps(a_ptr, b_ptr), pack or a_ptr, b_ptr,
                          out.data_ptr(), counts, ids, order_ptr, *sizes)
                 else:
@@ -257,7 +256,7 @@ class GemmCall:
         if self._ints is None:
             return None
         n, cap = self.L.geo.groups, self.L.geo.cap
-        return self._ints[n:n + n * cap].reshape(n, cap)
+        return self._ints[n + 1:n + 1 + n * cap].reshape(n, cap)
 
     def use_index(self, counts: Any, ids: Any) -> None:
         """Compute over an index built elsewhere (device arrays shaped as ``counts``/``ids``)."""
@@ -271,9 +270,10 @@ class GemmCall:
 
     @on_operand_device
     def build_index(self, stream: int | None) -> None:
-        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block).
-        ids (and the wgmma kernel's m-tile order) and fresh counts share one int32 buffer; a
-        reusing call takes the launcher's counts pair instead, zeroed by the launch before."""
+        """Zero the counts, then one pass over A' appends every non-zero micro-tile (or block)
+        (wgmma: and its last CTA sorts the m-tiles longest first). Fresh counts and their done
+        counter, ids and the m-tile order share one int32 buffer; a reusing call takes the
+        launcher's counts pair instead, zeroed by the launch before."""
         L = self.L
         ix = L.spec.index
         if ix is None or L.vendor or L.M * L.N * L.K == 0:
@@ -283,24 +283,22 @@ class GemmCall:
         words = L.index_words
         self._ints = ints = self._buffer(stream, words, "int32")
         base = Workspace.ptr(ints)
-        self.ids_ptr = base + 4 * n
+        self.ids_ptr = base + 4 * (n + 1)
         pack = 0
         if ix.pack:
             self.pack = self._buffer(stream, cap * ix.long_extent, L.dtype)
             pack = Workspace.ptr(self.pack)
         if self.reuse:
             buf, half, self.counts_ptr, zero_ptr = L.counts_pair(stream)
-            self._counts = (buf, half)
+            self._counts = (buf, (half, slice(0, n)))
         else:
             self._counts, self.counts_ptr, zero_ptr = (ints, slice(0, n)), base, 0
-            memset_d32(base, 0, n, stream)
+            memset_d32(base, 0, n + 1, stream)
+        if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
+            self.order_ptr = base + 4 * (n + 1 + cap)
         L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
                      *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
-                     *L.mask_strides, zero_ptr)
-        if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
-            self.order_ptr = base + 4 * (n + cap)
-            L.mod.launch("pit_gemm_sm90_order", (1, 1), (1024, 1, 1), stream, self.counts_ptr,
-                         self.order_ptr, n)
+                     *L.mask_strides, zero_ptr, self.order_ptr)
 
     @on_operand_device
     def compute(self, stream: int | None) -> None:
