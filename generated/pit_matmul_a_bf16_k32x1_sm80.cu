@@ -797,8 +797,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     ws.groups = (int)groups;
     ws.cap = (int)cap;
     size_t at = 0;
-    ws.counts = at;  // and after them the index pass's done counter
-    at = round_up(at + (size_t)(groups + 1) * sizeof(int));
+    ws.counts = at;  // and after them the index pass's done counter and the wgmma kernel's tile counter
+    at = round_up(at + (size_t)(groups + 2) * sizeof(int));
     ws.ids = at;
     at = round_up(at + (size_t)groups * cap * sizeof(int));
     ws.pack = at;  // the non-zero micro-tiles, packed: 32 elements each
@@ -845,7 +845,7 @@ const elem_t* tiles(const Workspace& w, const void* ws)
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
-    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 1) * sizeof(int), stream);
+    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 2) * sizeof(int), stream);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     pit_matmul_a_bf16_k32x1_sm80_wide_module::pit_index::pit_matmul_a_bf16_k32x1_sm80_index<<<grid, 256, 0, stream>>>(

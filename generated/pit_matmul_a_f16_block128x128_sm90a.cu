@@ -299,6 +299,43 @@ struct Ring {
     }
 };
 
+// Work items handed from the producer thread to the consumer warpgroups: a ring of D slots in
+// shared memory, each with a full barrier (the producer's arrival after writing it) and an empty
+// one (one arrival per consumer warp once all its lanes have read it). Item j uses slot j % D
+// in phase (j / D) & 1, as the stage ring does.
+template <int D>
+struct Handoff {
+    int4* slot;
+    uint64_t* full;
+    uint64_t* empty;
+
+    // Thread 0 sets the barriers; the caller's barrier-init fence and __syncthreads (Ring's
+    // constructor) publish them.
+    __device__ __forceinline__ Handoff(int4* slots, uint64_t* bars, int readers)
+        : slot(slots), full(bars), empty(bars + D) {
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < D; ++s) {
+                bar_init(&full[s], 1);
+                bar_init(&empty[s], readers);
+            }
+        }
+    }
+    __device__ __forceinline__ void put(int j, int4 v) const {   // the producer thread
+        const int s = j % D;
+        bar_wait(&empty[s], ((j / D) & 1) ^ 1);
+        slot[s] = v;
+        bar_arrive(&full[s]);   // release: the slot's contents before the arrival
+    }
+    __device__ __forceinline__ int4 get(int j) const {   // every thread of a consumer warp
+        const int s = j % D;
+        bar_wait(&full[s], (j / D) & 1);
+        const int4 v = slot[s];
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) bar_arrive(&empty[s]);
+        return v;
+    }
+};
+
 // Ping-pong consumers: two consumer warpgroups take a CTA's work items 0, 1, 2, ... alternately
 // and whole, so one's epilogue runs under the other's products. Their mainloops go in item
 // order, handed over through named barriers 1 and 2: a consumer waits on a stage's full barrier
@@ -313,6 +350,12 @@ struct PingPong {
     }
     __device__ __forceinline__ void end(int j, int count) const {  // item j + 1 may start
         if (j + 1 < count) named_arrive(2 - cw, 256);
+    }
+    // With the count unknown ahead (items until an end marker): every item hands over, and the
+    // marker's owner takes the last handoff, so that none is left pending.
+    __device__ __forceinline__ void end(int) const { named_arrive(2 - cw, 256); }
+    __device__ __forceinline__ void finish(int j) const {
+        if (mine(j)) begin(j);
     }
 };
 
@@ -451,6 +494,7 @@ static_assert(BM == 64 * WGM && BN == WTN * WGN && WTN % 64 == 0 && WTN <= 256, 
 static_assert(!PINGPONG || (WGN == 1 && HALVES * WTN / 2 <= 128), "ping-pong accumulators");
 static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
 using Ring = sm90::Ring<STAGES, STAGE_BYTES>;
+constexpr int WORK_SLOTS = 8;  // tiles the producer may hand over ahead of the consumers
 
 __device__ __forceinline__ void mma_k16(float (&d)[128], uint64_t da, uint64_t db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -498,47 +542,68 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 pit_matmul_a_f16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
            const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
            const int* __restrict__ counts, const int* __restrict__ ids,
-           const int* __restrict__ order, int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int tk)
+           const int* __restrict__ order, int* __restrict__ next_tile, int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int tk)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ int4 work_slots[WORK_SLOTS];
+    __shared__ __align__(8) uint64_t work_bars[2 * WORK_SLOTS];
+    // The producer thread schedules the tiles and hands each consumer warp every item in turn.
+    const sm90::Handoff<WORK_SLOTS> work(work_slots, work_bars, 4 * CONSUMERS);
     // A stage is released by every warp that multiplies it: all consumers' (split), one's (ping-pong).
     const Ring ring(smem_raw, PINGPONG ? 4 : 4 * CONSUMERS, &map_a, &map_b);
     const int tid = threadIdx.x, wg = tid / 128;
 
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN, tiles = tiles_m * tiles_n;
-    const int waves = (tiles + gridDim.x - 1) / gridDim.x;
     // Tiles in groups of GN n-tiles x every m-tile, GN * tiles_m about one wave of CTAs: a wave
     // reads one slab of B' (GN * BN columns, every k-block) that stays in L2 while all the
     // m-tiles multiply it, instead of each m-tile's listed k-block rows of all of B' (which
     // re-read B' from HBM once per m-tile when it outgrows L2: 8192^3 at 90%, 0.32 ms against a
     // 0.14 ms tensor floor). Within a group the m-tiles go longest first (``order``, built on the
-    // GPU by the index pass; null: in index order), in snake order across waves: every CTA ends
-    // with about the same number of k-blocks.
+    // GPU by the index pass; null: in index order). With ``next_tile`` (a counter that starts at
+    // zero) a CTA takes the next tile of that sequence whenever its producer is ready for one, so
+    // every CTA ends about together whatever the lengths (snake order of waves, the static
+    // schedule without it, left CTAs 13-30% apart at 90% sparsity); the CTA that draws the last
+    // number sets the counter back to zero for the next launch.
     constexpr int KSUB = 2;  // k-iterations per listed block
     const int nkb = (K + BK * KSUB - 1) / (BK * KSUB);
     const int GN = max(1, min(tiles_n, (int)gridDim.x / tiles_m));
-    // Nothing read from the index is trusted: an m-tile out of range is skipped (by both roles
-    // alike) and a count is clamped to the list's capacity.
+    // Nothing read from the index is trusted: an m-tile out of range is skipped and a count is
+    // clamped to the list's capacity.
     auto iters_of = [&](int mt) { return min(max(counts[mt], 0), nkb) * KSUB; };
-    auto tile_of = [&](int i, int& mt, int& nt) {
-        const int t = i * gridDim.x + ((i & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    auto draw = [&](int j) {   // the sequence number of this CTA's j-th tile
+        if (next_tile == nullptr)
+            return j * (int)gridDim.x + ((j & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+        const int t = atomicAdd(next_tile, 1);
+        if (t == tiles + (int)gridDim.x - 1) atomicExch(next_tile, 0);  // every CTA has drawn past the end
+        return t;
+    };
+    auto tile_at = [&](int t, int& mt, int& nt) {
         const int per_group = GN * tiles_m, g0 = (t / per_group) * GN;
         const int cols = min(GN, tiles_n - g0), r = t % per_group;
-        mt = t >= tiles ? 0 : order != nullptr ? order[r / cols] : r / cols;
+        mt = order != nullptr ? order[r / cols] : r / cols;
         nt = g0 + r % cols;
-        return t < tiles && (unsigned)mt < (unsigned)tiles_m;
+        return (unsigned)mt < (unsigned)tiles_m;
     };
 
     if (wg == 0) {
-        // Producer: fill stage after stage, each once its consumers have released it.
+        // Producer: hand over each tile (m-tile, n-tile, k-iterations; an m-tile of -1 is
+        // skipped; w = 0 ends the work), then fill its stages, each once its consumers have
+        // released it. The next tile is drawn one ahead, so that the draw's latency hides
+        // behind this one's copies.
         sm90::regs_dec<PRODUCER_REGS>();
-        if (tid != 0) return;  // one thread issues every TMA copy
+        if (tid != 0) return;  // one thread schedules and issues every TMA copy
         int pos = 0;
-        for (int i = 0; i < waves; ++i) {
+        for (int j = 0, t = draw(0);; ++j) {
+            if (t >= tiles) {
+                work.put(j, make_int4(-1, 0, 0, 0));
+                break;
+            }
+            const int t_next = draw(j + 1);
             int mt, nt;
-            if (!tile_of(i, mt, nt)) continue;
+            const bool ok = tile_at(t, mt, nt);
+            const int iters = ok ? iters_of(mt) : 0;
+            work.put(j, make_int4(ok ? mt : -1, nt, iters, 1));
             const int m0 = mt * BM, n0 = nt * BN;
-            const int iters = iters_of(mt);
             const int* kblk = ids + (size_t)mt * nkb;
             for (int it = 0; it < iters; ++it) {
                 const int k0 = kblk[it / KSUB] * (BK * KSUB) + (it % KSUB) * BK;
@@ -549,48 +614,54 @@ pit_matmul_a_f16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorMa
                         sm90::tma_load(sa, &map_a, full, k0, m0);
                     } else {
                         #pragma unroll
-                        for (int j = 0; j < BM / 64; ++j)
-                            sm90::tma_load(sa + j * MN_BLOCK, &map_a, full, m0 + j * 64, k0);
+                        for (int jj = 0; jj < BM / 64; ++jj)
+                            sm90::tma_load(sa + jj * MN_BLOCK, &map_a, full, m0 + jj * 64, k0);
                     }
                     if constexpr (B_KMAJOR) {
                         sm90::tma_load(sb, &map_b, full, k0, n0);
                     } else {
                         #pragma unroll
-                        for (int j = 0; j < BN / 64; ++j)
-                            sm90::tma_load(sb + j * MN_BLOCK, &map_b, full, n0 + j * 64, k0);
+                        for (int jj = 0; jj < BN / 64; ++jj)
+                            sm90::tma_load(sb + jj * MN_BLOCK, &map_b, full, n0 + jj * 64, k0);
                     }
                 });
             }
+            t = t_next;
         }
     } else {
         // Consumers: split, warpgroup (wg_m, wg_n) owns a 64 x WTN accumulator of every tile;
-        // ping-pong, warpgroup cw owns whole tiles, every other one (sm90::PingPong).
+        // ping-pong, warpgroup cw owns whole tiles, every other one (sm90::PingPong). Both read
+        // every handed-over item (a ping-pong consumer advances its ring position over the
+        // other's).
         sm90::regs_inc<CONSUMER_REGS>();
         const int cw = wg - 1, wg_m = PINGPONG ? 0 : cw / WGN, wg_n = PINGPONG ? 0 : cw % WGN;
         const sm90::PingPong turn{cw};
         const int lane = tid & 31, row_in = ((tid & 127) >> 5) * 16 + (lane >> 2);
         int pos = 0;
         float acc[HALVES][WTN / 2];
-        for (int i = 0; i < waves; ++i) {
-            int mt, nt;
-            const bool ok = tile_of(i, mt, nt);
-            if (PINGPONG && !turn.mine(i)) {
-                if (ok) pos += iters_of(mt);
+        for (int j = 0;; ++j) {
+            const int4 item = work.get(j);
+            if (item.w == 0) {
+                if (PINGPONG) turn.finish(j);
+                break;
+            }
+            const int mt = item.x, nt = item.y, iters = item.z;
+            const bool ok = mt >= 0;
+            if (PINGPONG && !turn.mine(j)) {
+                pos += iters;
                 continue;
             }
-            if (PINGPONG) turn.begin(i);
-            if (ok) {
-                ring.consume(pos, iters_of(mt), acc, [&](const unsigned char* sa) {
-                    const unsigned char* sb = sa + A_BYTES;
+            if (PINGPONG) turn.begin(j);
+            ring.consume(pos, iters, acc, [&](const unsigned char* sa) {
+                const unsigned char* sb = sa + A_BYTES;
+                #pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk) {
                     #pragma unroll
-                    for (int kk = 0; kk < BK / 16; ++kk) {
-                        #pragma unroll
-                        for (int hf = 0; hf < HALVES; ++hf)
-                            mma_k16(acc[hf], desc_a(sa, wg_m + hf, kk), desc_b(sb, wg_n, kk));
-                    }
-                });
-            }
-            if (PINGPONG) turn.end(i, waves);
+                    for (int hf = 0; hf < HALVES; ++hf)
+                        mma_k16(acc[hf], desc_a(sa, wg_m + hf, kk), desc_b(sb, wg_n, kk));
+                }
+            });
+            if (PINGPONG) turn.end(j);
             if (!ok) continue;
             const int m0 = mt * BM, n0 = nt * BN;
 
@@ -1030,8 +1101,8 @@ cudaError_t setup(int64_t M, int64_t N, int64_t K, Problem* p, Workspace* w)
     ws.groups = (int)groups;
     ws.cap = (int)cap;
     size_t at = 0;
-    ws.counts = at;  // and after them the index pass's done counter
-    at = round_up(at + (size_t)(groups + 1) * sizeof(int));
+    ws.counts = at;  // and after them the index pass's done counter and the wgmma kernel's tile counter
+    at = round_up(at + (size_t)(groups + 2) * sizeof(int));
     ws.ids = at;
     at = round_up(at + (size_t)groups * cap * sizeof(int));
     ws.order = at;  // the m-tiles by listed k-blocks, most first (the wgmma kernel's order)
@@ -1072,7 +1143,7 @@ cudaError_t check(const Problem& p, const Workspace& w, const void* a, const voi
 cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, unsigned char* ws, cudaStream_t stream)
 {
     int* counts = reinterpret_cast<int*>(ws + w.counts);
-    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 1) * sizeof(int), stream);
+    cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 2) * sizeof(int), stream);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
     // Its last CTA also sorts the m-tiles longest first (the wgmma kernel's order).
@@ -1142,6 +1213,7 @@ cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, 
     const int tiles = ((p.M + BM - 1) / BM) * ((p.N + BN - 1) / BN);
     pit_matmul_a_f16_block128x128_sm90a_wide_module::pit_gemm::pit_matmul_a_f16_block128x128_sm90a_wide_sm90<<<tiles < sms ? tiles : sms, THREADS, SMEM, stream>>>(
         map_a, map_b, a, b, c, counts, ids, reinterpret_cast<const int*>(ws + w.order),
+        reinterpret_cast<int*>(ws + w.counts) + w.groups + 1,  // the tile counter
         p.M, p.N, p.K, p.sa_m, p.sa_k, p.sb_k, p.sb_n, p.sc_m, p.sc_n, 0);
     return cudaGetLastError();
 }

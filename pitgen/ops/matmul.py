@@ -27,10 +27,15 @@ from .library import ops as torch_ops
 #: plan: the planner derives them per call from ``analyse`` (micro-tiles only along invariant
 #: axes), so none is declared here.
 MATMUL = OpSpec("matmul", "module.cu.j2", {
-    "pit_gemm": "PPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPiiiiiiiiii",
+    "pit_gemm": "PPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPPiiiiiiiiii",
     "pit_build_index": "PiiiiPPPPiiPP",
     "pit_gemm_zero": "Piiii"}, dtypes=tuple(DTYPES))
 
+
+#: int32 words after an index's counts: the index pass's done counter (its last CTA orders the
+#: m-tiles) and the wgmma kernel's tile counter (its CTAs draw tiles from it); both start at
+#: zero and every launch leaves them zero
+COUNTS_TAIL = 2
 
 #: call signatures (shapes, strides, dtypes, alignment) a SparseKernel keeps launchers for;
 #: each keeps its index buffers per stream, so a kernel called with ever new shapes starts over
@@ -106,10 +111,10 @@ class Launcher:
         lay, g = self.layout, self.spec.gemm
         #: the tile kernel's size arguments
         self.sizes = (M, N, K, *lay.sa, *lay.sb, *lay.sc, self.geo.tk)
-        #: int32 words of the index: counts, the index pass's done counter (the word after
-        #: the counts), ids, and the wgmma kernel's m-tile order
+        #: int32 words of the index: counts and their tail (COUNTS_TAIL), ids, and the wgmma
+        #: kernel's m-tile order
         n = self.geo.groups
-        self.index_words = n + 1 + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
+        self.index_words = n + COUNTS_TAIL + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
         #: per stream handle: index buffers that calls on that stream reuse (stream order
         #: keeps one call's index build behind the previous call's tile kernel)
         self._scratch: dict[tuple[int, str], Any] = {}
@@ -128,15 +133,15 @@ class Launcher:
 
     def counts_pair(self, stream: int | None) -> tuple[Any, int, int, int]:
         """(buffer, half, its address, the other half's address) of the index counts for this
-        launch on ``stream``: the two halves of one [2, groups + 1] buffer zeroed once, taken in
-        turn (a half's last word is its done counter, which the index pass leaves zero). Each
+        launch on ``stream``: the two halves of one [2, groups + COUNTS_TAIL] buffer zeroed once,
+        taken in turn (each half's counters after its counts stay zero between launches). Each
         index launch zeroes the other half's counts for the launch after it (stream order
         keeps the two apart), so calls that reuse their index buffers enqueue no memset (one
         driver call fewer per call; addresses, not tensor views, to keep the call lean)."""
         key = (stream or 0, "counts")
         entry = self._scratch.get(key)
         if entry is None:
-            n = self.geo.groups + 1
+            n = self.geo.groups + COUNTS_TAIL
             buf = Workspace(self.is_torch).alloc((2, n), "int32")
             base = Workspace.ptr(buf)
             memset_d32(base, 0, 2 * n, stream or 0)
@@ -175,7 +180,7 @@ class Launcher:
 
         def buffers(stream: int) -> tuple[int, int]:
             """(ids, packed A') addresses of this stream's index buffers (build_index's)."""
-            ids = self.scratch(stream, self.index_words, "int32").data_ptr() + 4 * (n + 1)
+            ids = self.scratch(stream, self.index_words, "int32").data_ptr() + 4 * (n + COUNTS_TAIL)
             pack = self.scratch(stream, n * geo.cap * ix.long_extent, self.dtype).data_ptr() \
                 if ix.pack else 0
             by_stream[stream] = ids, pack
@@ -196,7 +201,7 @@ class Launcher:
                       zero, order_ptr)
                 if wgmma:
                     tile(stream, *self.tensor_maps(a_ptr, b_ptr), pack or a_ptr, b_ptr,
-                         out.data_ptr(), counts, ids, order_ptr, *sizes)
+                         out.data_ptr(), counts, ids, order_ptr, counts + 4 * (n + 1), *sizes)
                 else:
                     tile(stream, pack or a_ptr, b_ptr, out.data_ptr(), counts, ids, *sizes)
             return out
@@ -236,7 +241,7 @@ class GemmCall:
         self.c_ptr = Workspace.ptr(self.out)
         self._ints = self.pack = None
         self._counts: tuple[Any, Any] | None = None  # (buffer, index): the counts are buffer[index]
-        self.counts_ptr = self.ids_ptr = self.order_ptr = 0
+        self.counts_ptr = self.ids_ptr = self.order_ptr = self.next_ptr = 0
 
     @property
     def device(self) -> Any:
@@ -256,11 +261,13 @@ class GemmCall:
         if self._ints is None:
             return None
         n, cap = self.L.geo.groups, self.L.geo.cap
-        return self._ints[n + 1:n + 1 + n * cap].reshape(n, cap)
+        return self._ints[n + COUNTS_TAIL:n + COUNTS_TAIL + n * cap].reshape(n, cap)
 
     def use_index(self, counts: Any, ids: Any) -> None:
-        """Compute over an index built elsewhere (device arrays shaped as ``counts``/``ids``)."""
+        """Compute over an index built elsewhere (device arrays shaped as ``counts``/``ids``;
+        the wgmma kernel then takes its tiles in a static order)."""
         self.counts_ptr, self.ids_ptr = Workspace.ptr(counts), Workspace.ptr(ids)
+        self.order_ptr = self.next_ptr = 0
 
     def _buffer(self, stream: int | None, size: int, dtype: str) -> Any:
         """An index buffer: the launcher's for ``stream`` when reusing, else a fresh one."""
@@ -283,7 +290,7 @@ class GemmCall:
         words = L.index_words
         self._ints = ints = self._buffer(stream, words, "int32")
         base = Workspace.ptr(ints)
-        self.ids_ptr = base + 4 * (n + 1)
+        self.ids_ptr = base + 4 * (n + COUNTS_TAIL)
         pack = 0
         if ix.pack:
             self.pack = self._buffer(stream, cap * ix.long_extent, L.dtype)
@@ -293,9 +300,10 @@ class GemmCall:
             self._counts = (buf, (half, slice(0, n)))
         else:
             self._counts, self.counts_ptr, zero_ptr = (ints, slice(0, n)), base, 0
-            memset_d32(base, 0, n + 1, stream)
+            memset_d32(base, 0, n + COUNTS_TAIL, stream)
         if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
-            self.order_ptr = base + 4 * (n + 1 + cap)
+            self.order_ptr = base + 4 * (n + COUNTS_TAIL + cap)
+            self.next_ptr = self.counts_ptr + 4 * (n + 1)   # the tile counter
         L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
                      *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
                      *L.mask_strides, zero_ptr, self.order_ptr)
@@ -318,7 +326,8 @@ class GemmCall:
         if g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
                        *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr,
-                       self.counts_ptr, self.ids_ptr, self.order_ptr, *L.sizes, smem=L.smem)
+                       self.counts_ptr, self.ids_ptr, self.order_ptr, self.next_ptr, *L.sizes,
+                       smem=L.smem)
         else:
             mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, a, self.b_ptr,
                        self.c_ptr, self.counts_ptr, self.ids_ptr, *L.sizes, smem=L.smem)
