@@ -217,27 +217,20 @@ def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
     return None
 
 
-#: Block plans at most this dense run the wgmma kernel with BN 128 (7 stages instead of 4) and
-#: ping-pong consumers (PINGPONG): twice the tiles for the persistent CTAs to balance, more loads
-#: in flight, each tile's epilogue under the other consumer's products. H100, 128x128 blocks,
-#: whole call against BN 256 split (hopper_dev.py --densities): 8192^3 fp16 at 10% 0.342 against
-#: 0.394 ms, at 20% 0.502 against 0.547, at 30% 0.704 against 0.706, at 40% 0.902 against 0.888,
-#: at 50% 1.101 against 1.016 (the A blocks are read by twice the n-tiles); 4096^3 at 30% 0.125
-#: against 0.139 ms (bf16 0.134 both).
-NARROW_BLOCK_DENSITY = 0.3
-
-
 #: Which wgmma plans run ping-pong consumers (alternate whole tiles, one's epilogue under the
-#: other's products) rather than split ones (each consumer 64 rows of every tile): "narrow" (block
-#: plans of the narrow tile, where tiles are short: H100, 128x128 blocks at 10%, 8192^3 fp16
-#: kernel 0.287 against 0.324 ms split on the same tile, 4096^3 0.070 against 0.074 ms),
-#: "always" or "never". Ping-pong accumulators hold at most 128 x 128 per consumer, so dense and
-#: denser block plans would lose their 256-wide tiles: dense 4096^3 0.240 against 0.210 ms.
-PINGPONG = "narrow"
+#: other's products, each tile at most 128 x 128) rather than split ones (each consumer 64 rows
+#: of every 128 x 256 tile): "always" or "never". Ping-pong and a 128-wide tile for sparse block
+#: plans led until their tiles were drawn from a counter (session 17); since then the split
+#: 128 x 256 tile is as fast or faster at every density measured (H200, 128x128 blocks, whole
+#: call, split 256 / split 128 / ping-pong 128, ms: 4096^3 fp16 at 10% 0.051 / 0.056 / 0.053,
+#: at 30% 0.092 / 0.106 / 0.099, at 50% 0.133 / 0.149 / 0.151; 8192^3 fp16 at 10% 0.238 /
+#: 0.263 / 0.272, at 50% 0.870 / 1.088 / 1.128; bf16 alike but 4096^3 at 10%: 0.052 / 0.053 /
+#: 0.048).
+PINGPONG = "never"
 
 
 def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
-            c_pair: bool, density: float | None = None) -> GemmSpec | None:
+            c_pair: bool) -> GemmSpec | None:
     """The wgmma kernel for a box plan (dense, or k-blocks listed per m-tile) on sm_90a, or None
     where only the mma.sync one fits: fp16 and bf16, 64- or 128-row tiles, k-blocks of whole
     64-wide k-tiles, and operands TMA can map."""
@@ -249,10 +242,9 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
     if da is None or db is None:
         return None
     wm = bm // 64
-    sparse = block_list and density is not None and density <= NARROW_BLOCK_DENSITY
-    pingpong = PINGPONG == "always" or (PINGPONG == "narrow" and sparse)
+    pingpong = PINGPONG == "always"
     # a ping-pong consumer holds a whole tile's accumulators: at most 128 x 128
-    bn = 256 if layout.N > 128 and not sparse and not (pingpong and bm == 128) else 128
+    bn = 256 if layout.N > 128 and not (pingpong and bm == 128) else 128
     wn = 1 if pingpong else 2 // wm
     stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
     c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
@@ -346,13 +338,10 @@ def _warps(bm: int, bn: int) -> tuple[int, int]:
 
 def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[int, ...],
           dtype: str, layout: Layout, accumulate: bool = False,
-          schedule: Schedule = Schedule(), arch: str = "sm_80",
-          density: float | None = None) -> ModuleSpec:
+          schedule: Schedule = Schedule(), arch: str = "sm_80") -> ModuleSpec:
     """The module that runs one plan choice (kind/axis/shape over ``sparse``) on ``layout``
     for a device of ``arch`` (``sm_90``: the wgmma kernel where it fits the plan, unless a
-    schedule override asks for the mma.sync one's knobs). ``density``: the share of the
-    choice's units that hold a non-zero, where the plan measured it (the wgmma tile of block
-    plans depends on it)."""
+    schedule override asks for the mma.sync one's knobs)."""
     if dtype not in DTYPES:
         raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
     f = gemm_form(op, sparse)
@@ -430,7 +419,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     if schedule == Schedule():
         gemm = _fit(gemm, dtype)
     if arch in WGMMA_ARCHS and schedule == Schedule() and a_mode == "box":
-        gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair, density) or gemm
+        gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
         if gemm.mainloop == "wgmma" and block_list:   # persistent CTAs take m-tiles longest first
             index = replace(index, ordered=True)
     return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
@@ -438,14 +427,13 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
 
 def lower_first(op: Operator, sparse: str, choices: list[tuple], dtype: str, layout: Layout,
                 **options) -> tuple[int, ModuleSpec]:
-    """The first of ``choices`` ((kind, axis, shape[, density]), best first) that has a kernel
+    """The first of ``choices`` ((kind, axis, shape), best first) that has a kernel
     on ``layout``, with its position: an 'auto' plan falls back through its candidates (dense
     last) instead of refusing. The first choice's PlanError when none has."""
     first: PlanError | None = None
-    for i, (kind, axis, shape, *density) in enumerate(choices):
+    for i, (kind, axis, shape) in enumerate(choices):
         try:
-            return i, lower(op, sparse, kind, axis, shape, dtype, layout, **options,
-                            density=density[0] if density else None)
+            return i, lower(op, sparse, kind, axis, shape, dtype, layout, **options)
         except PlanError as e:
             first = first or e
     raise first if first is not None else PlanError("no plan to lower")

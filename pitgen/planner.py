@@ -94,14 +94,6 @@ class Plan:
                 tile[e.name] = t
         return tile
 
-    def density(self, c: Candidate) -> float | None:
-        """The share of ``c``'s units (micro-tiles or blocks) over S that hold a non-zero, when
-        the plan was costed on S's measured sparsity (else None: not known)."""
-        if not self.masked or c.kind == "dense":
-            return None
-        units = math.prod(-(-s // max(t, 1)) for s, t in zip(self.shape, c.shape))
-        return c.nonzero / units if units else None
-
     def to_json(self) -> dict:
         return {"expression": self.operator.text, "sparse": self.sparse,
                 "shape": list(self.shape), "masked": self.masked, "tile": dict(self.tile),

@@ -86,7 +86,7 @@ HOPPER_VARIANTS = [(d, f, k) for i, d in enumerate(("float16", "bfloat16"))
 
 
 def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = False,
-                   density: float | None = None):
+                   pingpong: bool = False):
     expr, sparse = FORMS[form_name]
     op = pitgen.parse(expr)
     f = gemm_form(op, sparse)
@@ -95,8 +95,13 @@ def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = Fal
         s = [0, 0]
         s[f.a_dims[0]], s[f.a_dims[1]] = 128, 128
         shape = tuple(s)
-    return lower(op, sparse, kind, None, shape, dtype, _layout(op, f, 200, 520, 264),
-                 accumulate=accumulate, arch="sm_90", density=density)
+    saved = lower_mod.PINGPONG
+    lower_mod.PINGPONG = "always" if pingpong else "never"
+    try:
+        return lower(op, sparse, kind, None, shape, dtype, _layout(op, f, 200, 520, 264),
+                     accumulate=accumulate, arch="sm_90")
+    finally:
+        lower_mod.PINGPONG = saved
 
 
 def test_hopper_devices_get_wgmma_where_the_plan_allows():
@@ -125,30 +130,21 @@ def test_hopper_devices_get_wgmma_where_the_plan_allows():
     assert {why: s.gemm.mainloop for why, s in keep.items()} == dict.fromkeys(keep, "mma_sync")
 
 
-def test_sparse_block_plans_take_the_narrow_wgmma_tile_with_ping_pong_consumers():
-    """BN 128 (more stages) and ping-pong consumers for block plans measured at most
-    NARROW_BLOCK_DENSITY dense; BN 256 split between the consumers for denser ones, unmeasured
-    ones and dense plans."""
-    from pitgen.lower import NARROW_BLOCK_DENSITY as d
-    bn = {(kind, density): hopper_variant("float16", "AB", kind, density=density).gemm
-          for kind in HOPPER_KINDS for density in (0.05, d, 0.5, None)}
-    assert {k: (g.bn, g.mainloop, g.pingpong) for k, g in bn.items()} == {
-        ("block", 0.05): (128, "wgmma", True), ("block", d): (128, "wgmma", True),
-        ("block", 0.5): (256, "wgmma", False), ("block", None): (256, "wgmma", False),
-        ("dense", 0.05): (256, "wgmma", False), ("dense", d): (256, "wgmma", False),
-        ("dense", 0.5): (256, "wgmma", False), ("dense", None): (256, "wgmma", False)}
-    assert bn["block", 0.05].stages > bn["block", 0.5].stages
-    assert {g.threads for g in bn.values()} == {384}
+def test_block_plans_take_the_split_wgmma_tile_of_dense_plans():
+    """Block plans and dense ones alike: 128 x 256 tiles split between two consumer warpgroups
+    (ping-pong only where lower.PINGPONG asks for it)."""
+    gemms = {kind: hopper_variant("float16", "AB", kind).gemm for kind in HOPPER_KINDS}
+    assert {k: (g.bm, g.bn, g.mainloop, g.pingpong, g.threads) for k, g in gemms.items()} == \
+        dict.fromkeys(HOPPER_KINDS, (128, 256, "wgmma", False, 384))
 
 
-@pytest.mark.parametrize("rule", ["always", "never"])
-def test_either_consumer_schedule_fits_every_wgmma_plan(monkeypatch, rule):
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_either_consumer_schedule_fits_every_wgmma_plan(pingpong):
     """lower.PINGPONG forces a schedule (the GPU tests run both): ping-pong keeps each consumer's
     accumulators within 128 x 128, a split tile is shared by wm x wn consumers."""
-    monkeypatch.setattr(lower_mod, "PINGPONG", rule)
     for v in HOPPER_VARIANTS:
-        g = hopper_variant(*v, density=0.5).gemm
-        assert g.mainloop == "wgmma" and g.pingpong == (rule == "always") and g.threads == 384
+        g = hopper_variant(*v, pingpong=pingpong).gemm
+        assert g.mainloop == "wgmma" and g.pingpong == pingpong and g.threads == 384
         assert g.bm * g.bn <= 128 * 128 * 2 ** (not g.pingpong) and g.bm == 64 * g.wm
 
 
@@ -258,9 +254,9 @@ def _compiles() -> dict[tuple, tuple[str, tuple[str, ...]]]:
 
 @functools.cache
 def _hopper_sources() -> tuple[str, ...]:
-    """Each wgmma variant's source (every other one accumulating into C; the first half of
-    them 10% dense: block plans with ping-pong consumers); sm_90a only."""
-    return tuple(render(hopper_variant(*v, accumulate=bool(i % 2), density=(0.1, None)[i // 4 % 2]))
+    """Each wgmma variant's source (every other one accumulating into C; each kind in both
+    consumer schedules, a dtype each); sm_90a only."""
+    return tuple(render(hopper_variant(*v, accumulate=bool(i % 2), pingpong=(i // 4 + i // 2) % 2 == 0))
                  for i, v in enumerate(HOPPER_VARIANTS))
 
 

@@ -335,16 +335,3 @@ def test_clipped_micro_tiles_and_blocks_lower_to_the_next_kernel_extent():
     assert (spec.gemm.bm, spec.index.block_cols) == (16, 16)
     with pytest.raises(PlanError, match="mma"):  # not clipped: a 15-row tile has no kernel
         lower(op, "A", "micro", "k", (15, 1), "float16", Layout(64, 64, 64, (64, 1), (64, 1), (64, 1)))
-
-
-def test_plan_density_is_the_share_of_units_that_hold_a_nonzero():
-    """Known only for plans costed on S's sparsity; a 32x1 candidate over a 64x4 mask with three
-    non-zero units (of 8) has density 3/8, and a dense plan none."""
-    import numpy as np
-    mask = np.zeros((64, 4), dtype=bool)
-    mask[0, 0] = mask[40, 0] = mask[5, 3] = True
-    plan = make_plan("C[m,n] += A[m,k] * B[k,n]", sparse="A", mask=mask)
-    c = next(c for c in plan.candidates if c.kind == "micro" and c.shape == (32, 1))
-    assert plan.density(c) == 3 / 8
-    assert plan.density(next(c for c in plan.candidates if c.kind == "dense")) is None
-    assert make_plan("C[m,n] += A[m,k] * B[k,n]", sparse="A").density(c) is None

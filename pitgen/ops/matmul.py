@@ -470,7 +470,7 @@ class SparseKernel:
             if isinstance(self.micro_tile, str) and self.micro_tile == "auto":
                 order += [c for c in plan.candidates if c != plan.choice]  # dense is among them
             launcher = Launcher(self.operator, self.form,
-                                [(c.kind, c.axis, c.shape, plan.density(c)) for c in order],
+                                [(c.kind, c.axis, c.shape) for c in order],
                                 self.dtype, ops,
                                 c_op, accumulate, self._schedule(plan),
                                 vendor_dense=self.vendor_dense, mask=m_op)
