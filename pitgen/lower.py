@@ -118,7 +118,7 @@ class GemmSpec:
 class IndexSpec:
     name: str
     kind: str  # 'micro' | 'block'
-    strategy: str  # 'thread' | 'warp' (micro)
+    strategy: str  # 'thread' | 'warp' | 'vector' (micro)
     long_extent: int  # L: extent of a micro-tile along its long dim (micro)
     pack: bool  # write the packed values (micro along k)
     block_rows: int  # block extent along m' (block)
@@ -130,9 +130,11 @@ class IndexSpec:
 
     @property
     def per_block(self) -> int:
-        """Tiles one 256-thread index CTA tests: a thread each, a warp each, or (blocks) all
-        of it for one."""
-        return 1 if self.kind == "block" else 256 if self.strategy == "thread" else 8
+        """Tiles one 256-thread index CTA tests: a thread each, a warp each, 64 in 16-byte
+        vectors, or (blocks) all of it for one."""
+        if self.kind == "block":
+            return 1
+        return {"thread": 256, "warp": 8, "vector": 64}[self.strategy]
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,12 @@ class ModuleSpec:
     index: IndexSpec | None
 
     def context(self) -> dict:
-        """Template context of ``module.cu.j2``: every decision, nested as the dataclasses."""
-        return asdict(self)
+        """Template context of ``module.cu.j2``: every decision, nested as the dataclasses
+        (the index's with its CTA's tile count)."""
+        ctx = asdict(self)
+        if self.index is not None:
+            ctx["index"]["per_block"] = self.index.per_block
+        return ctx
 
 
 @dataclass(frozen=True)
@@ -325,7 +331,12 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
         raise PlanError(f"the row-owner tile {gemm.bm}x{gemm.bn}x{bk} with {gemm.stages} stages "
                         f"needs {gemm.smem_bytes(dtype)} bytes of shared memory (at most "
                         f"{SMEM_BUDGET})")
-    strategy = "warp" if layout.sa[1] == 1 else "thread"
+    # k contiguous: a tile is a run of tk elements, tested in 16-byte vectors where they are
+    # whole and a warp's lanes hold whole tiles (docs/performance.md), else a warp per tile
+    tpt = tk * size // 16
+    strategy = ("thread" if layout.sa[1] != 1 else
+                "vector" if (tk * size) % 16 == 0 and tpt in (1, 2, 4, 8, 16, 32) and gemm.bm % 64 == 0
+                else "warp")
     return gemm, IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False,
                            id_block=gemm.bm)
 

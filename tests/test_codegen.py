@@ -75,7 +75,8 @@ def test_variants_cover_every_mode_and_copy_width():
     assert {x.b_smem_ncontig for x in rows} == {True, False} and {x.a_vec for x in rows} >= {1, 8}
     assert {x.a_vec for x in g} >= {1, 4, 8} and {x.b_vec for x in g} >= {1, 4, 8}
     assert {x.a_smem_kcontig for x in g} == {True, False} == {x.b_smem_ncontig for x in g}
-    assert {s.index.strategy for s in specs if s.index and s.index.kind == "micro"} == {"thread", "warp"}
+    assert {s.index.strategy for s in specs if s.index and s.index.kind == "micro"} == {
+        "thread", "warp", "vector"}
 
 
 HOPPER_KINDS = ("dense", "block")
