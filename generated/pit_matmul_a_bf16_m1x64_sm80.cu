@@ -206,6 +206,7 @@ pit_matmul_a_bf16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, i
         const int x = x0 + r * TPR + (int)threadIdx.x / TPT;
         const int slot = block_append(part == 0 && any && x < n_id, counter);
         if (slot >= 0) out[slot] = x;
+        __syncthreads();   // block_append's shared counts are read before the next round's
     }
 }
 

@@ -332,10 +332,11 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
                         f"needs {gemm.smem_bytes(dtype)} bytes of shared memory (at most "
                         f"{SMEM_BUDGET})")
     # k contiguous: a tile is a run of tk elements, tested in 16-byte vectors where they are
-    # whole and a warp's lanes hold whole tiles (docs/performance.md), else a warp per tile
+    # whole, a warp's lanes hold whole tiles and a CTA's 64 tiles take whole rounds of 256
+    # threads (4 to 32 threads per tile), else a warp per tile
     tpt = tk * size // 16
     strategy = ("thread" if layout.sa[1] != 1 else
-                "vector" if (tk * size) % 16 == 0 and tpt in (1, 2, 4, 8, 16, 32) and gemm.bm % 64 == 0
+                "vector" if (tk * size) % 16 == 0 and tpt in (4, 8, 16, 32) and gemm.bm % 64 == 0
                 else "warp")
     return gemm, IndexSpec("pit_build_index", "micro", strategy, tk, False, 0, 0, False,
                            id_block=gemm.bm)

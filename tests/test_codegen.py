@@ -54,7 +54,7 @@ def variant(dtype: str, form_name: str, kind: str, odd: bool, accumulate: bool =
         shape[f.a_dims[0]], shape[f.a_dims[1]], axis = 64, 1, f.k_axis
     elif kind.startswith("micro_m"):
         shape[f.a_dims[0]], axis = 1, f.m_axis
-        shape[f.a_dims[1]] = 64 if kind == "micro_m_short" else 1024
+        shape[f.a_dims[1]] = 32 if kind == "micro_m_short" else 1024
     mk = kind.split("_")[0] if kind != "micro_k" and not kind.startswith("micro_m") else "micro"
     spec = lower(op, sparse, mk, axis, tuple(shape) if mk != "dense" else (), dtype,
                  _layout(op, f, M, N, K), accumulate=accumulate)
