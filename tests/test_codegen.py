@@ -79,6 +79,28 @@ def test_variants_cover_every_mode_and_copy_width():
         "thread", "warp", "vector"}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_index_takes_vectors_only_where_its_template_fits(dtype):
+    """The rows-mode index tests 1 x tk tiles in 16-byte vectors only where a tile is 4 to 32
+    threads (a round of 256 threads then holds whole tiles and at most the CTA's 64); shorter
+    and longer tiles keep a warp per tile, and k not contiguous (A stored k-major) a thread per
+    tile."""
+    size = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
+    for form_name in ("AB", "AtB"):
+        expr, sparse = FORMS[form_name]
+        op = pitgen.parse(expr)
+        f = gemm_form(op, sparse)
+        for tk in (8, 16, 32, 64, 128, 256, 512, 1024):
+            shape = [0, 0]
+            shape[f.a_dims[0]], shape[f.a_dims[1]] = 1, tk
+            ix = lower(op, sparse, "micro", f.m_axis, tuple(shape), dtype,
+                       _layout(op, f, 300, 128, 2048)).index
+            tpt = tk * size // 16
+            want = "thread" if form_name == "AtB" else "vector" if 4 <= tpt <= 32 else "warp"
+            assert ix.strategy == want, (form_name, tk, ix.strategy)
+            assert ix.per_block == {"vector": 64, "warp": 8, "thread": 256}[ix.strategy]
+
+
 HOPPER_KINDS = ("dense", "block")
 #: The wgmma variants: each dtype meets each kind and layout (a checkerboard, half of them).
 HOPPER_VARIANTS = [(d, f, k) for i, d in enumerate(("float16", "bfloat16"))

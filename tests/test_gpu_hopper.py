@@ -83,3 +83,25 @@ def test_hopper_kernel_matches_float64_reference(monkeypatch, mainloop, dtype, f
                                         else ("wgmma", mainloop == "pingpong"))
     assert call.run() is out
     T.assert_close(out, ref, dtype, scale=scale)
+
+
+def test_tile_counter_is_left_zero_for_the_next_launch():
+    """Block plans draw their tiles from a counter that the CTA drawing the last number resets:
+    one index build, then the tile kernel twice on it (the output poisoned in between), then
+    steady-state calls (which take the two halves of the counts pair in turn) all match."""
+    rng = np.random.default_rng(7)
+    M, N, K = 1000, 512, 768
+    op, arrays, ref, scale = _operands(
+        rng, "A", M, N, K, "float16", lambda shp: T.tile_mask(rng, shp[0], shp[1], (128, 128), 0.3))
+    kern = pitgen.compile(op, sparse="A", dtype="float16", micro_tile=(128, 128), vendor_dense=False)
+    out = T.poison(torch.empty(M, N, dtype=torch.float16, device="cuda"))
+    call = kern.prepare(**arrays, out=out)
+    assert call.L.spec.gemm.mainloop == "wgmma" and call.L.spec.index.ordered
+    call.build_index(None)
+    for _ in range(2):
+        T.poison(out)
+        call.compute(None)
+        torch.cuda.synchronize()
+        T.assert_close(out, ref, "float16", scale=scale)
+    for _ in range(3):
+        T.assert_close(kern(**arrays), ref, "float16", scale=scale)
