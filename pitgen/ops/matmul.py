@@ -37,6 +37,12 @@ MATMUL = OpSpec("matmul", "module.cu.j2", {
 #: zero and every launch leaves them zero
 COUNTS_TAIL = 2
 
+
+def tile_counter(counts: int, groups: int) -> int:
+    """The address of the wgmma kernel's tile counter: the second word of the counts' tail."""
+    return counts + 4 * (groups + 1)
+
+
 #: call signatures (shapes, strides, dtypes, alignment) a SparseKernel keeps launchers for;
 #: each keeps its index buffers per stream, so a kernel called with ever new shapes starts over
 #: past this many rather than holding all of them
@@ -201,7 +207,7 @@ class Launcher:
                       zero, order_ptr)
                 if wgmma:
                     tile(stream, *self.tensor_maps(a_ptr, b_ptr), pack or a_ptr, b_ptr,
-                         out.data_ptr(), counts, ids, order_ptr, counts + 4 * (n + 1), *sizes)
+                         out.data_ptr(), counts, ids, order_ptr, tile_counter(counts, n), *sizes)
                 else:
                     tile(stream, pack or a_ptr, b_ptr, out.data_ptr(), counts, ids, *sizes)
             return out
@@ -303,7 +309,7 @@ class GemmCall:
             memset_d32(base, 0, n + COUNTS_TAIL, stream)
         if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
             self.order_ptr = base + 4 * (n + COUNTS_TAIL + cap)
-            self.next_ptr = self.counts_ptr + 4 * (n + 1)   # the tile counter
+            self.next_ptr = tile_counter(self.counts_ptr, n)
         L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
                      *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
                      *L.mask_strides, zero_ptr, self.order_ptr)
