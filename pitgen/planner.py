@@ -5,7 +5,8 @@ generator, which reads ``operator``, ``sparse``, ``choice`` (kind, axis, shape) 
 
 Candidates are costed from S's mask with a per-device profile (see ``profiles/``): a dense
 tile costs ``fixed_ns + elements * ns_per_element``, and every sparse kind also pays for the
-online index (one pass over S).
+online index (one pass over S). A kind's costs are one fit over its shapes; a shape the profile
+measured on its own has its own.
 """
 from __future__ import annotations
 
@@ -164,12 +165,19 @@ def _check_profile(prof: Any, src: str) -> None:
     problems = [k for k in ("device", "measured", "kinds") if k not in prof]
     if not number(prof.get("index_ns_per_element")):
         problems.append("index_ns_per_element")
+    optional = ("walk_ns_per_element", "index_ns_per_element")
     for k in PROFILE_KINDS:
         entry = prof.get("kinds", {}).get(k, {})
         problems += [f"kinds.{k}.{f}" for f in ("fixed_ns", "ns_per_element")
                      if not number(entry.get(f))]
-        if "walk_ns_per_element" in entry and not number(entry["walk_ns_per_element"]):
-            problems.append(f"kinds.{k}.walk_ns_per_element")
+        problems += [f"kinds.{k}.{f}" for f in optional if f in entry and not number(entry[f])]
+        shapes = entry.get("shapes", {})
+        if not isinstance(shapes, dict) or not all(isinstance(v, dict) for v in shapes.values()):
+            problems.append(f"kinds.{k}.shapes")
+            continue
+        problems += [f"kinds.{k}.shapes.{s}.{f}" for s, v in shapes.items()
+                     for f in ("fixed_ns", "ns_per_element", *optional)
+                     if f in v and not number(v[f])]
     if problems:
         raise PlanError(f"profile {src} lacks or has invalid: {', '.join(problems)}")
 
@@ -324,12 +332,16 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
     else:  # dense computes (and wastes) all of S, zero tiles included
         key, elements = kind, total
         covered = total
+    # a shape measured on its own overrides its kind's fit (one kind may run on two mainloops:
+    # 32 x 32 blocks on mma.sync, 128 x 128 on wgmma), and a kind's index its profile's
     k = profile["kinds"][key]
+    k = {**k, **k.get("shapes", {}).get("x".join(map(str, shape)), {})}
     cost = dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"]
     if kind != "dense":
         # the index pass, and the part of the kernel that visits all of S whatever its density
         # (the row-owner kernel walks every k-tile of every row block: optional, default 0)
-        cost += total * (profile["index_ns_per_element"] + k.get("walk_ns_per_element", 0.0))
+        index = k.get("index_ns_per_element", profile["index_ns_per_element"])
+        cost += total * (index + k.get("walk_ns_per_element", 0.0))
     waste = (covered - nnz) / nnz if nnz else (0.0 if covered == 0 else None)
     return Candidate(kind, axis, shape, nonzero, waste, dense_tiles, float(cost))
 

@@ -6,8 +6,12 @@ For every kernel kind the tile kernel is timed (CUDA events, median, L2 flushed)
 own counts (dense tiles, elements of S computed, elements of S) for each run are fitted by
 non-negative least squares to ``time = fixed_ns * dense_tiles + ns_per_element * elements +
 walk_ns_per_element * |S|`` (the last term: what a kernel pays whatever the density, as the
-row-owner kernel walks every k-tile of every row block; densities down to 1% pin it). The index
-pass is fitted per element of S. The file names the device it was measured on.
+row-owner kernel walks every k-tile of every row block; densities down to 1% pin it), once per
+kind and once per shape (``shapes``: one shape's tiles and elements are proportional, so its fit
+is ``ns_per_element`` and ``walk_ns_per_element``; a kind's shapes may run on different
+mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The index pass is priced per element
+of S, per kind and per shape (the median of their runs). The file names the device it was
+measured on.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from pitgen.planner import make_plan
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
 KINDS = {  # profile key -> [(micro_tile, S shape)]
     "dense": ["dense"],
-    "block": ["32x32", "64x64", "128x128"],
+    "block": ["32x32", "32x64", "64x64", "128x128"],
     "micro-reduction": ["16x1", "32x1", "64x1", "128x1"],
     "micro-spatial": ["1x16", "1x32", "1x64", "1x128"],
 }
@@ -41,8 +45,12 @@ UNIT_PROFILE = {"device": "unit costs (counts work)", "measured": False, "index_
 
 def nonnegative_fit(X: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
     """Least squares of y on X's columns with every coefficient >= 0 (a cost model must not
-    grow cheaper with work): the best fit over the subsets of columns whose own fit is
-    non-negative; columns left out get 0."""
+    grow cheaper with work), in relative error (choosing between candidates needs a 20 us time
+    as right in proportion as a 900 us one; an absolute fit let the dense runs set the
+    intercept, and 64x64 blocks then undercut 128x128 ones at 1% by a third of their real gap):
+    the best fit over the subsets of columns whose own fit is non-negative; columns left out
+    get 0."""
+    X, y = X / y[:, None], np.ones_like(y)
     best, coef = math.inf, (0.0,) * X.shape[1]
     for cols in itertools.chain.from_iterable(
             itertools.combinations(range(X.shape[1]), r) for r in range(1, X.shape[1] + 1)):
@@ -68,8 +76,9 @@ def main() -> None:
     A0 = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
     kinds, index_pts = {}, []
     for key, micros in KINDS.items():
-        rows, times = [], []
+        rows, times, shapes, kind_index = [], [], {}, []
         for micro in micros:
+            first, shape_index = len(rows), []
             unit = (1, 1) if micro == "dense" else tuple(int(v) for v in micro.split("x"))
             for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1, 0.01)):
                 mask = block_mask((n, n), unit, density, gen)
@@ -85,22 +94,32 @@ def main() -> None:
                 rows.append((cand.dense_tiles, elements, A.numel()))
                 times.append(t)
                 if key != "dense":
-                    index_pts.append(timer(lambda: call.build_index(None)) * 1e6 / A.numel())
+                    shape_index.append(timer(lambda: call.build_index(None)) * 1e6 / A.numel())
                 print(f"{key:16} {micro:>7} density {density:.2f}: {t / 1e3:8.1f} us, "
                       f"{cand.dense_tiles} dense tiles", flush=True)
+            if key != "dense":
+                per, walk = nonnegative_fit(np.asarray(rows[first:], float)[:, 1:],
+                                            np.asarray(times[first:]))
+                shapes[micro] = {"fixed_ns": 0.0, "ns_per_element": per, "walk_ns_per_element": walk,
+                                 "index_ns_per_element": float(np.median(shape_index))}
+                kind_index += shape_index
         X, y = np.asarray(rows, float), np.asarray(times)
         if len(set(map(tuple, rows))) < 2:  # dense: one point, all per element
             fixed, per, walk = 0.0, float(y[0] / X[0, 1]), 0.0
         else:
             fixed, per, walk = nonnegative_fit(X, y)
         kinds[key] = {"fixed_ns": fixed, "ns_per_element": per, "walk_ns_per_element": walk}
+        if key != "dense":
+            kinds[key].update(index_ns_per_element=float(np.median(kind_index)), shapes=shapes)
+            index_pts += kind_index
     profile = {
         "device": torch.cuda.get_device_name(), "measured": True, "dtype": "float16",
         "note": f"measured by scripts/measure_profile.py: A {n}x{n}, B {n} wide, fp16, "
                 f"median of {args.repeats}, L2 flushed; torch {torch.__version__}, pitgen {pitgen.__version__}",
         "units": {"fixed_ns": "ns per dense tile", "ns_per_element": "ns per element of S computed",
                   "walk_ns_per_element": "ns per element of S, paid whatever the density",
-                  "index_ns_per_element": "ns per element of S, paid once by every non-dense kind"},
+                  "index_ns_per_element": "ns per element of S, paid once by every non-dense kind",
+                  "shapes": "a shape's own fit and index, which override its kind's"},
         "kinds": kinds, "index_ns_per_element": float(np.median(index_pts)),
     }
     text = json.dumps(profile, indent=2) + "\n"

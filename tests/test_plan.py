@@ -214,8 +214,10 @@ def test_statistics_match_brute_force(drawn, tk):
         assert c.waste == pytest.approx((covered - nnz) / nnz if nnz else 0.0)
         key = {"block": "block", "k": "micro-reduction", "m": "micro-spatial"}[c.axis or c.kind]
         kind = prof["kinds"][key]
+        kind = {**kind, **kind.get("shapes", {}).get("x".join(map(str, c.shape)), {})}
+        index = kind.get("index_ns_per_element", prof["index_ns_per_element"])
         want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
-            + m * k * (prof["index_ns_per_element"] + kind.get("walk_ns_per_element", 0.0))
+            + m * k * (index + kind.get("walk_ns_per_element", 0.0))
         assert c.cost == pytest.approx(want)
     costs = [c.cost for c in plan.candidates]
     assert costs == sorted(costs) and plan.choice is plan.candidates[0]
@@ -270,6 +272,32 @@ def test_profile_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_mod.resources, "files", lambda pkg: tmp_path)
     assert load_profile()["device"] == "NVIDIA H100 80GB HBM3"
     assert make_plan(MATMUL, "A").to_json()["profile"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_a_measured_shape_and_a_kinds_index_override_the_kind_fit():
+    """One kind may run on two mainloops (blocks of 32 x 32 on mma.sync, 128 x 128 on wgmma) and
+    its index cost differently from another kind's: a shape's own entry and a kind's own index
+    price replace the kind's fit and the profile's index, and only for that shape."""
+    mask = micro_mask((512, 512), (128, 128), 0.05)
+    prof = json.loads(json.dumps(load_profile("analytic")))
+    base = {c.label: c.cost for c in make_plan(MATMUL, "A", mask=mask, profile=prof).candidates}
+    block = prof["kinds"]["block"]
+    block["shapes"] = {"128x128": {"fixed_ns": 0.0, "ns_per_element": 0.0, "walk_ns_per_element": 0.0,
+                                   "index_ns_per_element": 0.0}}
+    prof["kinds"]["micro-reduction"]["index_ns_per_element"] = 1.0
+    plan = make_plan(MATMUL, "A", mask=mask, profile=prof)
+    cost = {c.label: c.cost for c in plan.candidates}
+    assert plan.choice.label == "block 128x128" and cost["block 128x128"] == 0.0
+    assert cost["block 64x64"] == pytest.approx(base["block 64x64"])
+    micro = next(c for c in plan.candidates if c.kind == "micro" and c.axis == "k")
+    assert cost[micro.label] == pytest.approx(
+        base[micro.label] + 512 * 512 * (1.0 - prof["index_ns_per_element"]))
+    with pytest.raises(PlanError, match=r"kinds.block.shapes.128x128.ns_per_element"):
+        block["shapes"]["128x128"]["ns_per_element"] = -1
+        load_profile(prof)
+    with pytest.raises(PlanError, match=r"kinds.block.shapes"):
+        block["shapes"] = [1]
+        load_profile(prof)
 
 
 def test_to_json_schema_and_table():
