@@ -172,6 +172,16 @@ __device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                  :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+// Arrives on `bar` once every cp.async the calling thread has issued has landed (.noinc: the
+// barrier's count includes this arrival): gathered rows signal a stage's full barrier as TMA does.
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+}
+// Orders shared memory written through the generic proxy (cp.async, stores) before the async
+// proxy's reads of it (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -237,17 +247,17 @@ struct Ring {
     uint64_t* full;
     uint64_t* empty;
 
-    // Carves the ring from dynamic shared memory; thread 0 sets the barriers (a stage's empty
-    // barrier completes after `releases` arrivals) and prefetches the tensor maps. Every thread
-    // calls it: it ends in __syncthreads.
+    // Carves the ring from dynamic shared memory; thread 0 sets the barriers (a stage's full
+    // barrier completes after `fills` arrivals and its bytes, its empty one after `releases`
+    // arrivals) and prefetches the tensor maps. Every thread calls it: it ends in __syncthreads.
     __device__ __forceinline__ Ring(unsigned char* raw, int releases, const CUtensorMap* map_a,
-                                    const CUtensorMap* map_b) {
+                                    const CUtensorMap* map_b, int fills = 1) {
         smem = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
         full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
         empty = full + STAGES;
         if (threadIdx.x == 0) {
             for (int s = 0; s < STAGES; ++s) {
-                bar_init(&full[s], 1);
+                bar_init(&full[s], fills);
                 bar_init(&empty[s], releases);
             }
             fence_barrier_init();

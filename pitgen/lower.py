@@ -100,6 +100,10 @@ class GemmSpec:
         return self.wm * self.wn * 32
 
     def smem_bytes(self, dtype: str) -> int:
+        if self.mainloop == "wgmma" and self.a_mode == "rows":  # 64 gathered rows per stage, and
+            # the owned rows' fp32 accumulator (rows padded by 8 words)
+            return (self.stages * (self.gather + self.bn) * self.bk * DTYPES[dtype] + 1024
+                    + 16 * self.stages + self.bm * (self.bn + 8) * 4)
         if self.mainloop == "wgmma":  # swizzled stages, 1024-byte alignment slack, the barriers
             return self.stages * (self.bm + self.bn) * self.bk * DTYPES[dtype] + 1024 + 16 * self.stages
         pad = 16 // DTYPES[dtype]
@@ -291,8 +295,45 @@ def _fit(gemm: GemmSpec, dtype: str, stages: bool = True, bn: bool = True,
     return gemm
 
 
+#: Static shared memory of the wgmma row-owner kernel beside its dynamic stages and accumulator
+#: (the step's row slots, its ids in flight, a window of counts, a flag per owned row), with room
+#: to spare.
+ROWS_SM90_STATIC = 6144
+
+
+def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
+                 schedule: Schedule) -> GemmSpec | None:
+    """The row-owner kernel on wgmma (gemm_rows_sm90.cu.j2), or None where only the mma.sync
+    one fits: fp16 and bf16, k-tiles of whole 64-deep stages, A' rows gathered in 16-byte
+    copies (k contiguous, rows 16-byte aligned, K a multiple of 8), B' mapped by TMA, and no
+    schedule knob but BM and BN. A producer warpgroup (up to four warps, each filling its own
+    stages) and one consumer warpgroup per CTA, BN = 64 by default; at BM = 512 the fp32
+    accumulator takes 144 KiB, four stages most of the rest."""
+    size = DTYPES[dtype]
+    if (dtype == "float32" or tk % 64 or layout.sa[1] != 1 or (layout.sa[0] * size) % 16
+            or layout.align_a % 16 or layout.K % 8
+            or (schedule.bk, schedule.wm, schedule.wn, schedule.stages) != (None,) * 4):
+        return None
+    db = _tma_dim(layout.sb, (layout.K, layout.N), size, layout.align_b)
+    bn = schedule.bn or 64
+    if db is None or bn % 64 or bn > 256:
+        return None
+    acc = bm * (bn + 8) * 4
+    stage = (64 + bn) * 64 * size + 16
+    fit = (WGMMA_SMEM - ROWS_SM90_STATIC - 1024 - acc) // stage
+    # 4 or 8 stages, each producer warp's own; the consumer holds two k-tiles' stages at once
+    stages = 8 if fit >= 8 else 4 if fit >= 4 else 0
+    if tk not in (64, 128, 256) or 2 * (tk // 64) > stages:
+        return None
+    c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
+             and layout.N % 8 == 0 and layout.align_c % 16 == 0)
+    return GemmSpec("pit_gemm", "rows", False, 1, False, accumulate, bm, bn, 64, 1, 1, stages,
+                    16 // size, 16 // size, True, db == 1, "wgmma", c_vec, gather=64,
+                    c_mfast=not c_vec and layout.sc[0] == 1 and layout.sc[1] != 1, tk=tk)
+
+
 def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
-          schedule: Schedule) -> tuple[GemmSpec, IndexSpec]:
+          schedule: Schedule, arch: str = "sm_80") -> tuple[GemmSpec, IndexSpec]:
     """The row-owner kernel of 1 x tk micro-tiles along m and its index (the active rows of each
     k-tile listed per row block of BM): each CTA owns BM rows x BN columns, walks the k-tiles in
     order and keeps the owned rows' sums in an fp32 accumulator in shared memory (a k-tile's
@@ -327,7 +368,9 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
                     a_vec, b_vec, True, b_nc, gather=gather,
                     c_mfast=not c_pair and layout.sc[0] == 1 and layout.sc[1] != 1, tk=tk)
     gemm = _fit(gemm, dtype, schedule.stages is None, schedule.bn is None, schedule.bm is None)
-    if gemm.smem_bytes(dtype) > SMEM_BUDGET:
+    if arch in WGMMA_ARCHS:
+        gemm = _hopper_rows(tk, bm, dtype, layout, accumulate, schedule) or gemm
+    if gemm.smem_bytes(dtype) > SMEM_BUDGET and gemm.mainloop != "wgmma":
         raise PlanError(f"the row-owner tile {gemm.bm}x{gemm.bn}x{bk} with {gemm.stages} stages "
                         f"needs {gemm.smem_bytes(dtype)} bytes of shared memory (at most "
                         f"{SMEM_BUDGET})")
@@ -388,7 +431,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         strategy = "thread" if layout.sa[1] == 1 else "warp"
         index = IndexSpec("pit_build_index", "micro", strategy, tm, True, 0, 0, False)
     elif kind == "micro" and axis == f.m_axis:
-        gemm, index = _rows(tk, dtype, layout, accumulate, schedule)
+        gemm, index = _rows(tk, dtype, layout, accumulate, schedule, arch)
         return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
     else:
         raise PlanError(f"plan {kind} along {axis} has no GPU kernel for {op.text!r}")
@@ -492,7 +535,7 @@ def geometry(spec: ModuleSpec, layout: Layout, sms: int = 132) -> Geometry:
             raise PlanError(f"{lines} tile groups exceed the grid limit {GRID_Y_MAX}")
         index_grid = ((ids + ix.per_block - 1) // ix.per_block, lines)
     grid: tuple[int, ...] = ((N + g.bn - 1) // g.bn, grid_m)
-    if g.mainloop == "wgmma":
+    if g.mainloop == "wgmma" and not rows:  # persistent CTAs; rows: a CTA per output tile
         grid = (max(1, min(grid[0] * grid[1], sms)), 1)
     if grid_m > GRID_Y_MAX:
         raise PlanError(f"{grid_m} m-tiles exceed the grid limit {GRID_Y_MAX}")

@@ -1,6 +1,7 @@
 """Time the row-owner kernel (micro-tiles 1 x tk along m, fp16, M = N = K = size) against
 torch.mm on masks of whole micro-tiles: index build, compute, and both, L2 flushed
-(pitgen.bench.timing.Timer); ``--bm/--bn/--bk/--wm/--wn/--stages`` try another schedule.
+(pitgen.bench.timing.Timer); ``--bm/--bn/--bk/--wm/--wn/--stages`` try another schedule; on
+Hopper each cell runs the wgmma kernel and the mma.sync one (``--mainloops``).
 
     python3 scripts/bench_rows.py                       # 1x64 at 90% and 99%, 4096^3
     python3 scripts/bench_rows.py --bm 128 --bn 128 --stages 3
@@ -14,6 +15,7 @@ import torch
 import pitgen
 from pitgen.bench.timing import Timer
 from pitgen.bench.workloads import block_mask
+from pitgen import lower
 from pitgen.lower import Schedule, gemm_form
 from pitgen.operands import as_operand
 from pitgen.ops.matmul import GemmCall, Launcher
@@ -26,6 +28,9 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--tk", type=int, default=64, help="micro-tile extent along k (default 64)")
     ap.add_argument("--sparsity", default="90,99", help="percent, comma-separated")
+    ap.add_argument("--mainloops", default="wgmma,mma_sync",
+                    help="comma-separated: wgmma (the Hopper kernel where the device has it), "
+                         "mma_sync")
     for knob in ("bm", "bn", "bk", "wm", "wn", "stages"):
         ap.add_argument(f"--{knob}", type=int)
     args = ap.parse_args()
@@ -41,19 +46,26 @@ def main() -> None:
         a = a0 * block_mask((n, n), (1, args.tk), 1 - sp / 100, gen).to(a0.dtype)
         out = torch.empty_like(a0)
         ops = {"A": as_operand("A", a), "B": as_operand("B", b)}
-        launcher = Launcher(op, form, [("micro", "m", (1, args.tk))], "float16", ops,
-                            as_operand("out", out), False, schedule)
-        call = GemmCall(launcher, a, b, out)
-        index = timer(lambda: call.build_index(None))
-        compute = timer(lambda: call.compute(None))
-        total = timer(call.run)
         ref = a.float() @ b.float()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        g = launcher.spec.gemm
-        print(f"1x{args.tk} {sp:g}%: index {index:.4f} + compute {compute:.4f} = {total:.4f} ms, "
-              f"{total / dense:.2f}x dense ({dense:.4f} ms); tile {g.bm}x{g.bn}x{g.bk} "
-              f"{g.wm}x{g.wn} warps {g.stages} stages {g.smem_bytes('float16')} B; err {err:.1e}",
-              flush=True)
+        for mainloop in args.mainloops.split(","):
+            archs = lower.WGMMA_ARCHS
+            if mainloop == "mma_sync":
+                lower.WGMMA_ARCHS = ()
+            try:
+                launcher = Launcher(op, form, [("micro", "m", (1, args.tk))], "float16", ops,
+                                    as_operand("out", out), False, schedule)
+            finally:
+                lower.WGMMA_ARCHS = archs
+            call = GemmCall(launcher, a, b, out)
+            index = timer(lambda: call.build_index(None))
+            compute = timer(lambda: call.compute(None))
+            total = timer(call.run)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            g = launcher.spec.gemm
+            print(f"1x{args.tk} {sp:g}% {g.mainloop}: index {index:.4f} + compute {compute:.4f} = "
+                  f"{total:.4f} ms, {total / dense:.2f}x dense ({dense:.4f} ms); tile "
+                  f"{g.bm}x{g.bn}x{g.bk} {g.wm}x{g.wn} warps {g.stages} stages "
+                  f"{g.smem_bytes('float16')} B; err {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

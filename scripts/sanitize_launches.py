@@ -45,6 +45,18 @@ for pingpong in (True, False):
         print(f"tile kernel {micro}, ping-pong {pingpong}: relative error {err:.2e}")
         assert err < 1e-2
 lower.PINGPONG = rule
+# the row-owner kernel (wgmma on Hopper: rows gathered by cp.async), k-tiles of one and two
+# stages, B' n- and k-contiguous, accumulating
+for micro in ("1x64", "1x128"):
+    for expr, b in (("C[m,n] += A[m,k] * B[k,n]", B), ("C[m,n] += A[m,k] * B[n,k]", B.t().contiguous())):
+        out = torch.randn(M, N, device="cuda", dtype=A.dtype)
+        want = ref + out.double()
+        pitgen.compile(expr, sparse="A", dtype="float16", micro_tile=micro)(A, b, out=out,
+                                                                          accumulate=True)
+        torch.cuda.synchronize()
+        err = ((out.double() - want).norm() / want.norm()).item()
+        print(f"rows {micro} {expr}: relative error {err:.2e}")
+        assert err < 1e-2
 
 # The whole-operator kernels: MoE (routing, grouped GEMMs, scatter), attention (block index,
 # fused kernel), SDDMM (both outputs), GPU format conversion + SpMM/SDDMM in every format, and

@@ -127,6 +127,57 @@ def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = Fal
         lower_mod.PINGPONG = saved
 
 
+#: The wgmma row-owner variants (A' k-contiguous): each dtype, B' n- and k-contiguous, k-tiles of
+#: one stage and of two, accumulating or not.
+HOPPER_ROWS_VARIANTS = [("float16", "AB", 64, False), ("bfloat16", "ABt", 128, True)]
+
+
+def hopper_rows_variant(dtype: str, form_name: str, tk: int, accumulate: bool,
+                        layout: Layout | None = None):
+    expr, sparse = FORMS[form_name]
+    op = pitgen.parse(expr)
+    f = gemm_form(op, sparse)
+    s = [0, 0]
+    s[f.a_dims[0]], s[f.a_dims[1]] = 1, tk
+    return lower(op, sparse, "micro", f.m_axis, tuple(s), dtype,
+                 layout or _layout(op, f, 200, 520, 264), accumulate=accumulate, arch="sm_90")
+
+
+def test_rows_plans_take_the_wgmma_row_owner_kernel_where_rows_can_be_gathered():
+    """One producer warp (of a warpgroup) and one consumer warpgroup, BN 64, as many stages as
+    fit beside the accumulator; a CTA per output tile (no persistent grid); mma.sync where A'
+    rows cannot be gathered in 16-byte copies or the k-tile is not whole 64-deep stages."""
+    for v in HOPPER_ROWS_VARIANTS:
+        g = hopper_rows_variant(*v).gemm
+        assert (g.a_mode, g.mainloop, g.threads, g.bn, g.bk, g.gather, g.tk) == (
+            "rows", "wgmma", 256, 64, 64, 64, v[2])
+        assert g.b_smem_ncontig == (v[1] == "AB") and g.c_vec == (not v[3])
+    big = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
+    spec = hopper_rows_variant("float16", "AB", 64, False, big)
+    g = spec.gemm
+    assert (g.bm, g.stages, spec.index.id_block) == (512, 4, 512)
+    assert g.smem_bytes("float16") + lower_mod.ROWS_SM90_STATIC <= 227 * 1024
+    assert geometry(spec, big, sms=132).grid == (64, 8)
+    op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
+    keep = {  # rows plans that stay on mma.sync on the same device, and why
+        "A' k-major": lower(pitgen.parse(FORMS["AtB"][0]), "A", "micro", "m", (64, 1), "float16",
+                            Layout(256, 256, 256, (1, 256), (256, 1), (256, 1)), arch="sm_90"),
+        "k-tiles of 32": lower(op, "A", "micro", "m", (1, 32), "float16", big, arch="sm_90"),
+        "float32": lower(op, "A", "micro", "m", (1, 64), "float32", big, arch="sm_90"),
+        "K not a multiple of 8": lower(op, "A", "micro", "m", (1, 64), "float16",
+                                       Layout(256, 256, 260, (264, 1), (256, 1), (256, 1)),
+                                       arch="sm_90"),
+        "unaligned A'": lower(op, "A", "micro", "m", (1, 64), "float16",
+                              Layout(256, 256, 256, (256, 1), (256, 1), (256, 1), align_a=8),
+                              arch="sm_90"),
+        "a tile override": lower(op, "A", "micro", "m", (1, 64), "float16", big, arch="sm_90",
+                                 schedule=Schedule(bn=64, bk=32)),
+    }
+    assert {why: s.gemm.mainloop for why, s in keep.items()} == dict.fromkeys(keep, "mma_sync")
+    assert lower(op, "A", "micro", "m", (1, 64), "float16", big, arch="sm_90",
+                 schedule=Schedule(bm=256)).gemm.bm == 256
+
+
 def test_hopper_devices_get_wgmma_where_the_plan_allows():
     specs = [hopper_variant(*v) for v in HOPPER_VARIANTS]
     assert all(s.gemm.mainloop == "wgmma" and s.gemm.threads == 384 for s in specs)
@@ -137,7 +188,6 @@ def test_hopper_devices_get_wgmma_where_the_plan_allows():
     keep = {  # plans that stay on mma.sync on the same device, and why
         "float32": lower(op, "A", "dense", None, (), "float32", lay, arch="sm_90"),
         "packed micro-tiles": lower(op, "A", "micro", "k", (64, 1), "float16", lay, arch="sm_90"),
-        "rows": lower(op, "A", "micro", "m", (1, 64), "float16", lay, arch="sm_90"),
         "32-row blocks": lower(op, "A", "block", None, (32, 64), "float16", lay, arch="sm_90"),
         "k-blocks of 32": lower(op, "A", "block", None, (64, 32), "float16", lay, arch="sm_90"),
         "rows not 16-byte multiples": lower(op, "A", "dense", None, (), "float16",
@@ -278,9 +328,10 @@ def _compiles() -> dict[tuple, tuple[str, tuple[str, ...]]]:
 @functools.cache
 def _hopper_sources() -> tuple[str, ...]:
     """Each wgmma variant's source (every other one accumulating into C; each kind in both
-    consumer schedules, a dtype each); sm_90a only."""
+    consumer schedules, a dtype each) and the row-owner ones; sm_90a only."""
     return tuple(render(hopper_variant(*v, accumulate=bool(i % 2), pingpong=(i // 4 + i // 2) % 2 == 0))
-                 for i, v in enumerate(HOPPER_VARIANTS))
+                 for i, v in enumerate(HOPPER_VARIANTS)) + tuple(
+        render(hopper_rows_variant(*v)) for v in HOPPER_ROWS_VARIANTS)
 
 
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:

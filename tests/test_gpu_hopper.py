@@ -105,3 +105,44 @@ def test_tile_counter_is_left_zero_for_the_next_launch():
         T.assert_close(out, ref, "float16", scale=scale)
     for _ in range(3):
         T.assert_close(kern(**arrays), ref, "float16", scale=scale)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@settings(max_examples=T.examples(16, share=2), deadline=None,   # 2 dtypes
+          suppress_health_check=list(HealthCheck))
+@given(form=st.sampled_from(sorted(FORMS)), M=st.integers(1, 1100), N=mult8, K=mult8,
+       t_k=st.sampled_from([64, 128]), density=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
+       bm=st.sampled_from([None, 64, 256]), accumulate=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_rows_kernel_matches_float64_reference(dtype, form, M, N, K, t_k, density, bm, accumulate,
+                                               seed):
+    """Micro-tiles 1 x t_k along m: the wgmma row-owner kernel wherever A' is k-contiguous
+    (forms A and Bt), the mma.sync one otherwise (At); ragged M, empty and full masks, row
+    blocks of 64 to 512 rows, B' n- and k-contiguous."""
+    rng = np.random.default_rng(seed)
+    op, arrays, ref, scale = _operands(rng, form, M, N, K, dtype,
+                                       lambda shp: T.tile_mask(rng, shp[0], shp[1], (1, t_k), density))
+    micro = (1, t_k) if op.access("A").axes[0] == "m" else (t_k, 1)
+    kern = pitgen.compile(op, sparse="A", dtype=dtype, micro_tile=micro)
+    tdt = getattr(torch, dtype)
+    if accumulate:
+        out = torch.randn(M, N, device="cuda").to(tdt)
+        ref = ref + out.double().cpu().numpy()
+        scale = scale + np.abs(out.double().cpu().numpy())
+    else:
+        out = T.poison(torch.empty(M, N, dtype=tdt, device="cuda"))
+    call = kern.prepare(**arrays, out=out, accumulate=accumulate)
+    if bm is not None:   # another row block: the same launcher with the schedule's BM
+        from pitgen.lower import Schedule
+        from pitgen.ops.matmul import GemmCall, Launcher
+        from pitgen.operands import as_operand
+        L = call.L
+        ops = {n: as_operand(n, t) for n, t in arrays.items()}
+        launcher = Launcher(op, L.form, [("micro", "m", (1, t_k))], dtype, ops,
+                            as_operand("out", out), accumulate, Schedule(bm=bm))
+        call = GemmCall(launcher, arrays["A"], arrays["B"], out)
+    g = call.L.spec.gemm
+    assert g.a_mode == "rows" and g.mainloop == ("mma_sync" if form == "At" else "wgmma")
+    assert bm is None or g.bm == bm
+    assert call.run() is out
+    T.assert_close(out, ref, dtype, scale=scale)

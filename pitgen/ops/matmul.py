@@ -217,12 +217,14 @@ class Launcher:
         """The wgmma kernel's TMA descriptors of A' and B' at these addresses, box for box as
         its shared-memory tiles."""
         g, lay = self.spec.gemm, self.layout
-        ta = (tensor_map(a_ptr, self.dtype, (lay.K, lay.M), lay.sa[0], (g.bk, g.bm))
-              if g.a_smem_kcontig else
-              tensor_map(a_ptr, self.dtype, (lay.M, lay.K), lay.sa[1], (64, g.bk)))
         tb = (tensor_map(b_ptr, self.dtype, (lay.N, lay.K), lay.sb[0], (64, g.bk))
               if g.b_smem_ncontig else
               tensor_map(b_ptr, self.dtype, (lay.K, lay.N), lay.sb[1], (g.bk, g.bn)))
+        if g.a_mode == "rows":   # A' rows are gathered (cp.async): the kernel reads no map of A'
+            return tb, tb
+        ta = (tensor_map(a_ptr, self.dtype, (lay.K, lay.M), lay.sa[0], (g.bk, g.bm))
+              if g.a_smem_kcontig else
+              tensor_map(a_ptr, self.dtype, (lay.M, lay.K), lay.sa[1], (64, g.bk)))
         return ta, tb
 
 
