@@ -310,7 +310,7 @@ def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
     stages) and one consumer warpgroup per CTA, BN = 64 by default; at BM = 512 the fp32
     accumulator takes 144 KiB, four stages most of the rest."""
     size = DTYPES[dtype]
-    if (dtype == "float32" or tk % 64 or layout.sa[1] != 1 or (layout.sa[0] * size) % 16
+    if (dtype == "float32" or tk not in (64, 128, 256) or layout.sa[1] != 1 or (layout.sa[0] * size) % 16
             or layout.align_a % 16 or layout.K % 8
             or (schedule.bk, schedule.wm, schedule.wn, schedule.stages) != (None,) * 4):
         return None
@@ -323,7 +323,7 @@ def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
     fit = (WGMMA_SMEM - ROWS_SM90_STATIC - 1024 - acc) // stage
     # 4 or 8 stages, each producer warp's own; the consumer holds two k-tiles' stages at once
     stages = 8 if fit >= 8 else 4 if fit >= 4 else 0
-    if tk not in (64, 128, 256) or 2 * (tk // 64) > stages:
+    if 2 * (tk // 64) > stages:
         return None
     c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
              and layout.N % 8 == 0 and layout.align_c % 16 == 0)

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 import pitgen
 from pitgen import lower
 from pitgen import testing as T
+from pitgen.lower import Schedule
+from pitgen.operands import as_operand
+from pitgen.ops.matmul import GemmCall, Launcher
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -47,6 +50,17 @@ def _operands(rng, form, M, N, K, dtype, mask):
     return op, arrays, ref, scale
 
 
+def _output(M, N, dtype, ref, scale, accumulate):
+    """(out, reference, scale): a random C to add to (with the reference and scale adding it),
+    or a poisoned one."""
+    tdt = getattr(torch, dtype)
+    if not accumulate:
+        return T.poison(torch.empty(M, N, dtype=tdt, device="cuda")), ref, scale
+    out = torch.randn(M, N, device="cuda").to(tdt)
+    c = out.double().cpu().numpy()
+    return out, ref + c, scale + np.abs(c)
+
+
 mult8 = st.integers(1, 66).map(lambda v: 8 * v)
 
 
@@ -70,13 +84,7 @@ def test_hopper_kernel_matches_float64_reference(monkeypatch, mainloop, dtype, f
     micro = "dense" if kind == "dense" else (
         (t_m, t_k) if op.access("A").axes[0] == "m" else (t_k, t_m))
     kern = pitgen.compile(op, sparse="A", dtype=dtype, micro_tile=micro, vendor_dense=False)
-    tdt = getattr(torch, dtype)
-    if accumulate:
-        out = torch.randn(M, N, device="cuda").to(tdt)
-        ref = ref + out.double().cpu().numpy()
-        scale = scale + np.abs(out.double().cpu().numpy())
-    else:
-        out = T.poison(torch.empty(M, N, dtype=tdt, device="cuda"))
+    out, ref, scale = _output(M, N, dtype, ref, scale, accumulate)
     call = kern.prepare(**arrays, out=out, accumulate=accumulate)
     g = call.L.spec.gemm
     assert (g.mainloop, g.pingpong) == (("mma_sync", False) if mainloop == "mma_sync"
@@ -124,18 +132,9 @@ def test_rows_kernel_matches_float64_reference(dtype, form, M, N, K, t_k, densit
                                        lambda shp: T.tile_mask(rng, shp[0], shp[1], (1, t_k), density))
     micro = (1, t_k) if op.access("A").axes[0] == "m" else (t_k, 1)
     kern = pitgen.compile(op, sparse="A", dtype=dtype, micro_tile=micro)
-    tdt = getattr(torch, dtype)
-    if accumulate:
-        out = torch.randn(M, N, device="cuda").to(tdt)
-        ref = ref + out.double().cpu().numpy()
-        scale = scale + np.abs(out.double().cpu().numpy())
-    else:
-        out = T.poison(torch.empty(M, N, dtype=tdt, device="cuda"))
+    out, ref, scale = _output(M, N, dtype, ref, scale, accumulate)
     call = kern.prepare(**arrays, out=out, accumulate=accumulate)
     if bm is not None:   # another row block: the same launcher with the schedule's BM
-        from pitgen.lower import Schedule
-        from pitgen.ops.matmul import GemmCall, Launcher
-        from pitgen.operands import as_operand
         L = call.L
         ops = {n: as_operand(n, t) for n, t in arrays.items()}
         launcher = Launcher(op, L.form, [("micro", "m", (1, t_k))], dtype, ops,
