@@ -65,8 +65,8 @@ import numpy as np
 
 from pitgen.ops.attention import sparse_attention
 from pitgen.testing import bigbird_mask, random_global_tokens, tile_mask
-from pitgen.graph.device import DeviceCSR, to_format
-from pitgen.graph.kernels import sddmm as graph_sddmm, spmm
+from pitgen.graph.device import DeviceCOO, DeviceCSR, to_format
+from pitgen.graph.kernels import sddmm as graph_sddmm, spmm, spmm_coo
 from pitgen.ops.moe import moe_ffn
 from pitgen.ops.sddmm import sddmm
 
@@ -122,6 +122,14 @@ for c in (1, 2):   # hyb sized by bounds (no host sync): padding past the live s
 r_, c_ = adj.nonzero().T
 for sort in (True, False):   # edge lists: radix-sorted keys, or counts and a scatter
     DeviceCSR.from_coo((300, 280), r_, c_, check=False, sort=sort).row_stats()
+# an edge list multiplied as it comes (atomic adds), int64 and int32 ids, edges out of range,
+# vector and scalar widths, fp32 straight into out and fp16 through its float32 buffer
+r_bad, c_bad = torch.cat([r_, torch.tensor([300, -1], device="cuda")]), torch.cat(
+    [c_, torch.tensor([0, 5], device="cuda")])
+for ids, feat, dt in ((torch.int64, 64, torch.float32), (torch.int32, 33, torch.float16)):
+    coo = DeviceCOO((300, 280), r_bad.to(ids), c_bad.to(ids), torch.randn(
+        r_bad.numel(), device="cuda").to(dt))
+    spmm_coo(coo, torch.randn(280, feat, device="cuda").to(dt))
 # corrupt buffers: indptr not monotone, columns out of range and unordered
 bad = DeviceCSR((60, 50), torch.randint(-3, 400, (61,), device="cuda", dtype=torch.int32),
                 torch.randint(-2, 53, (397,), device="cuda", dtype=torch.int32),
@@ -132,7 +140,8 @@ for fmt, params in (("ell", {}), ("bsr", {"block": 8}), ("hyb", {"c": 3, "k": 2}
     spmm(a, torch.randn(50, 32, device="cuda"))
     graph_sddmm(a, torch.randn(60, 32, device="cuda"), torch.randn(50, 32, device="cuda"))
 torch.cuda.synchronize()
-print("formats csr/ell/bsr/hyb spmm+sddmm, hyb without sync, from_coo, corrupt CSR: ok")
+print("formats csr/ell/bsr/hyb spmm+sddmm, hyb without sync, from_coo, edge-list spmm, "
+      "corrupt CSR: ok")
 
 from pitgen.ops.sage import aggregate, graph_spmm
 

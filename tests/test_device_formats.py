@@ -174,6 +174,15 @@ VARIANTS = {  # name: (template, context); each compiled for one architecture be
                                     "buckets": _hyb_buckets(1, 6, [8] * 7, True)}),
     "sddmm-bsr-f16": ("graph_sddmm.cu.j2", {"dtype": "float16", "fmt": "bsr", "vec": 8,
                                             "threads": 256, "group": 8, "block": 32}),
+    # edge lists: vector atomics (float4, float2) on sm_90, scalar ones on sm_80
+    "spmm-coo-f16-i64": ("spmm.cu.j2", {"dtype": "float16", "fmt": "coo", "vec": 4,
+                                        "threads": 256, "idx64": True}),
+    "spmm-coo-f32": ("spmm.cu.j2", {"dtype": "float32", "fmt": "coo", "vec": 4, "threads": 256,
+                                    "idx64": False}),
+    "spmm-coo-f32-v1": ("spmm.cu.j2", {"dtype": "float32", "fmt": "coo", "vec": 1,
+                                       "threads": 256, "idx64": False}),
+    "spmm-coo-f16-v2": ("spmm.cu.j2", {"dtype": "float16", "fmt": "coo", "vec": 2,
+                                       "threads": 256, "idx64": False}),
 }
 RENDER_ONLY = {
     f"sddmm-{fmt}-{dt}": ("graph_sddmm.cu.j2", {"dtype": dt, "fmt": fmt, "vec": 2,

@@ -12,8 +12,8 @@ from pitgen import reference as R
 from pitgen import testing as T
 from pitgen import DeviceError, PlanError, ShapeError
 from pitgen.graph import formats as fm
-from pitgen.graph.device import DeviceCSR, to_format
-from pitgen.graph.kernels import default_schedule, schedule_space, sddmm, spmm
+from pitgen.graph.device import DeviceCOO, DeviceCSR, to_format
+from pitgen.graph.kernels import default_schedule, schedule_space, sddmm, spmm, spmm_coo
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -332,6 +332,98 @@ def test_spmm_every_format(csr, dtype, feat, seed):
         hyb = to_format(d, "hyb", c=1, k=2)
         check(spmm(hyb, x, schedule={**sched, "cut": cut}), want, dtype)
         check(spmm(d, x, schedule={**sched, "group": 4}), want, dtype)
+
+
+@GPU_SETTINGS
+@given(MATRICES, st.sampled_from(DTYPES), st.sampled_from((1, 3, 4, 6, 64, 130)),
+       st.integers(0, 2**32 - 1))
+def test_spmm_of_an_edge_list(csr, dtype, feat, seed):
+    """An edge list multiplied as it comes (spmm_coo): edges shuffled and duplicated, int32 or
+    int64, values or none (ones), edges outside the matrix skipped, x aligned or not (the
+    vector width falls back), out poisoned or allocated; the float64 reference of the CSR."""
+    rng = np.random.default_rng(seed)
+    ref_csr = rounded(csr, dtype)
+    order = rng.permutation(csr.nnz)
+    dup = order[: rng.integers(0, csr.nnz + 1)]   # these edges twice: they add up
+    edges = np.concatenate([order, dup])
+    vals64 = np.concatenate([ref_csr.values()[order], ref_csr.values()[dup]])
+    ones = seed % 3 == 0
+    times = np.ones(csr.nnz)
+    times[dup] += 1   # the reference: each edge once, its value doubled where it is twice
+    want_csr = fm.CSR(csr.shape, csr.indptr, csr.indices,
+                      times * (1.0 if ones else ref_csr.values()))
+    idx = torch.int32 if seed % 2 else torch.int64
+    bad = rng.integers(1, 4)   # edges past the matrix (or negative): skipped
+    rows = np.concatenate([csr.row_ids()[edges], [csr.shape[0], -1, 0][:bad]])
+    cols = np.concatenate([csr.indices[edges], [0, 0, csr.shape[1] + 5][:bad]])
+    vals = torch.from_numpy(np.concatenate([vals64, np.ones(bad)])).to("cuda", getattr(torch, dtype))
+    a = DeviceCOO(csr.shape, torch.from_numpy(rows).to("cuda", idx),
+                  torch.from_numpy(cols).to("cuda", idx), None if ones else vals, dtype=dtype)
+    x, x64 = dense_operand(rng, (csr.shape[1], feat), dtype)
+    if seed % 5 == 0:   # x one element past an aligned address
+        flat = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")
+        flat[1:] = x.flatten()
+        x = flat[1:].view(x.shape)
+    want = spmm_want(want_csr, x64)
+    out = T.poison(torch.empty((csr.shape[0], feat), dtype=x.dtype, device="cuda"))
+    assert spmm_coo(a, x, out=out) is out
+    check(out, want, dtype)
+    check(spmm_coo(a, x), want, dtype)
+
+
+def test_format_kernels_take_edge_lists():
+    """pitgen.compile(format=...) with a DeviceCOO: 'coo' multiplies it as it comes, 'auto'
+    too while the model says it pays (else through a CSR, as 'hyb' always), dynamic or not,
+    with no sync in a dynamic kernel after its first graph; misuse raises pitgen errors."""
+    import pitgen
+    from pitgen.graph import model
+    base = power_law(7, 400, 300)
+    rng = np.random.default_rng(7)
+    x, x64 = dense_operand(rng, (300, 32), "float32")
+    rows = torch.from_numpy(base.row_ids()).cuda()
+    cols = torch.from_numpy(base.indices).cuda()
+    vals = torch.from_numpy(base.values().astype(np.float32)).cuda()
+    a = DeviceCOO((400, 300), rows, cols, vals)
+    want = spmm_want(rounded(base, "float32"), x64)
+    spmm_expr = "Y[i,f] += A[i,j] * X[j,f]"
+    for fmt, dynamic in (("coo", False), ("coo", True), ("auto", True), ("hyb", False),
+                         ("hyb", True), ("auto", False)):
+        k = pitgen.compile(spmm_expr, sparse="A", format=fmt, dtype="float32", dynamic=dynamic)
+        check(k(a, x), want, "float32")
+        torch.cuda.set_sync_debug_mode("error" if dynamic else "default")
+        try:
+            got = k(DeviceCOO((400, 300), rows, cols, vals), x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        check(got, want, "float32")
+    assert model.coo_pays(base.nnz, 32) and not model.coo_pays(10**9, 64)
+    saved = model.CONVERT_HOST_US   # auto through a CSR when the edge list costs more
+    model.CONVERT_HOST_US = 0.0
+    try:
+        k = pitgen.compile(spmm_expr, sparse="A", format="auto", dtype="float32", dynamic=True)
+        check(k(a, x), want, "float32")
+        assert k._by_shape   # a format was chosen: the edge list went through a CSR
+    finally:
+        model.CONVERT_HOST_US = saved
+    k = pitgen.compile(spmm_expr, sparse="A", format="coo", dtype="float32")
+    with pytest.raises(ShapeError, match="DeviceCOO"):
+        k(DeviceCSR.from_host(base), x)
+    with pytest.raises(ShapeError, match="float16"):
+        pitgen.compile(spmm_expr, sparse="A", format="coo", dtype="float32")(
+            DeviceCOO((400, 300), rows, cols, vals.half()), x)
+    with pytest.raises(ShapeError, match="CSR order"):
+        pitgen.compile("E[i,j] += U[i,f] * V[j,f]", sparse="E", format="csr",
+                       dtype="float32")(x, x, sample=a)
+    with pytest.raises(ShapeError, match="x has dtype"):
+        spmm_coo(a, x.half())
+    with pytest.raises(ShapeError, match="shape"):
+        spmm_coo(a, x[:10])
+    with pytest.raises(ShapeError, match="DeviceCOO"):
+        spmm_coo(DeviceCSR.from_host(base), x)
+    with pytest.raises(ShapeError, match="cols"):
+        DeviceCOO((400, 300), rows, cols[:5])
+    with pytest.raises(DeviceError):
+        DeviceCOO((400, 300), rows, cols.cpu())
 
 
 @GPU_SETTINGS

@@ -194,3 +194,20 @@ def test_modelled_times_grow_with_the_work():
         assert M.sddmm_us(fmt, params, s, 128, "float32") > M.sddmm_us(fmt, params, s, 64,
                                                                         "float32")
     assert math.isfinite(M.decide(s, "spmm", 64, "float32").us)
+
+
+def test_edge_lists_are_multiplied_directly_while_their_atomics_cost_less_than_converting():
+    """coo_pays: a small edge list (cora's) goes straight to the atomic kernel; one whose adds
+    outlast the host work of a conversion (reddit's 114M edges) is converted; the boundary
+    follows the measured rates. 'coo' is an SpMM format only."""
+    import pitgen
+    assert M.coo_pays(10_556, 64) and M.coo_pays(0, 64)
+    assert not M.coo_pays(114_000_000, 64)
+    edges = int((M.CONVERT_HOST_US - M.LAUNCH_US) / (64 * M.COO_NS_PER_EDGE_FEATURE * 1e-3))
+    assert M.coo_pays(edges, 64) and not M.coo_pays(edges + 10, 64)
+    k = pitgen.compile("Y[i,f] += A[i,j] * X[j,f]", sparse="A", format="coo", dynamic=True)
+    assert k.format == "coo"
+    with pytest.raises(PlanError, match="SpMM"):
+        pitgen.compile("E[i,j] += U[i,f] * V[j,f]", sparse="E", format="coo")
+    with pytest.raises(PlanError, match="coo"):
+        pitgen.compile("Y[i,f] += A[i,j] * X[j,f]", sparse="A", format="coo-ish")

@@ -358,8 +358,9 @@ def test_compile_dispatches_on_format():
     assert isinstance(k, FormatKernel) and k.op == "sddmm"
     assert isinstance(pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", micro_tile="32x1"),
                       pitgen.SparseKernel)
-    with pytest.raises(pitgen.PlanError, match="unknown format 'coo'"):
-        pitgen.compile(SPMM, sparse="A", format="coo")
+    with pytest.raises(pitgen.PlanError, match="unknown format 'dia'"):
+        pitgen.compile(SPMM, sparse="A", format="dia")
+    assert pitgen.compile(SPMM, sparse="A", format="coo").format == "coo"   # an edge list's
     with pytest.raises(pitgen.PlanError, match="float32 or float16, not 'bfloat16'"):
         pitgen.compile(SPMM, sparse="A", format="csr", dtype="bfloat16")
     with pytest.raises(pitgen.PlanError, match="micro_tile="):

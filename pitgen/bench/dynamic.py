@@ -7,12 +7,14 @@ Two tables on SparseTIR's seven GNN graphs (pitgen.graphs' stand-ins), F = FEAT:
   that the hyb layout feeds. Target: hyb conversion <= HYB_TARGET x that SpMM.
 * **A new graph every call**: each call gets a new edge list (DropEdge: every edge kept with
   probability KEEP, a pool of POOL lists rotated so no call sees the previous one's graph) and
-  multiplies it by X. pitgen: ``DeviceCSR.from_coo(..., sort=False)`` (rows grouped by a
-  counting pass and a scatter, each row's columns in any order: SpMM's reduction axis is
-  permutation invariant; "pitgen sorted": ``sort=True``, a radix sort, deterministic sums),
-  then the SpMM kernel of ``pitgen.compile(..., format="auto", dynamic=True)``: the format
-  chosen once for the shape (from the first graph's row statistics), each new graph converted
-  without a host sync (hyb sized by bounds) and multiplied. Peers, each its own CSR build then
+  multiplies it by X with the SpMM kernel of ``pitgen.compile(..., format="auto",
+  dynamic=True)``. pitgen: the edge list as a ``DeviceCOO``, which "auto" multiplies as it
+  comes (one launch of atomic adds) while ``pitgen.graph.model.coo_pays``, else converts as
+  below; "pitgen CSR": ``DeviceCSR.from_coo(..., sort=False)`` (rows grouped by a counting
+  pass and a scatter, each row's columns in any order: SpMM's reduction axis is permutation
+  invariant; "pitgen sorted": ``sort=True``, a radix sort, deterministic sums), then the
+  format chosen once for the shape (from the first graph's row statistics), each new graph
+  converted without a host sync (hyb sized by bounds) and multiplied. Peers, each its own CSR build then
   ``torch.sparse.mm`` (cuSPARSE): ``coo.to_sparse_csr()`` (torch's coalesce), and a sort of
   (row, col) keys with ``searchsorted`` into ``torch.sparse_csr_tensor``; the faster is the
   reference. Target: >= DYNAMIC_TARGET x the faster peer, geomean (of ``pitgen``; the sorted
@@ -131,7 +133,8 @@ def dynamic(r: Run, name: str, d: Any, dtype: str, seed: int = 0) -> dict:
     import torch
 
     import pitgen
-    from pitgen.graph.device import DeviceCSR
+    from pitgen.graph.device import DeviceCOO, DeviceCSR
+    from pitgen.graph.model import coo_pays
 
     tdt = getattr(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -146,7 +149,10 @@ def dynamic(r: Run, name: str, d: Any, dtype: str, seed: int = 0) -> dict:
     x = torch.randn(d.shape[1], FEAT, device="cuda", generator=gen).to(tdt)
     kernel = pitgen.compile(SPMM, sparse="A", format="auto", dtype=dtype, dynamic=True)
 
-    def mine(sort: bool):
+    def edges(rows, cols, vals):
+        return kernel(DeviceCOO(d.shape, rows, cols, vals), x)
+
+    def via_csr(sort: bool):
         def call(rows, cols, vals):
             return kernel(DeviceCSR.from_coo(d.shape, rows, cols, vals, check=False, sort=sort),
                           x)
@@ -156,7 +162,7 @@ def dynamic(r: Run, name: str, d: Any, dtype: str, seed: int = 0) -> dict:
                            "edges": int(pool[0][0].shape[0]), "systems": {}}
     ref = None
     outs: dict[str, Any] = {}
-    systems = {"pitgen": mine(False), "pitgen sorted": mine(True),
+    systems = {"pitgen": edges, "pitgen CSR": via_csr(False), "pitgen sorted": via_csr(True),
                **{p: (lambda f: lambda *a: f(d.shape, *a, x))(f) for p, f in peers().items()}}
     for sys_name, fn in systems.items():
         try:
@@ -170,8 +176,9 @@ def dynamic(r: Run, name: str, d: Any, dtype: str, seed: int = 0) -> dict:
         res = {"gpu_ms": t.gpu_ms, "wall_ms": t.wall_ms}
         if sys_name.startswith("pitgen"):
             outs[sys_name] = got
-            res["choice"] = kernel.prepare("A", DeviceCSR.from_coo(
-                d.shape, *pool[0], check=False, sort=sys_name == "pitgen sorted"), FEAT)[1]
+            res["choice"] = ("coo", {}, {}) if sys_name == "pitgen" and coo_pays(
+                row["edges"], FEAT) else kernel.prepare("A", DeviceCSR.from_coo(
+                    d.shape, *pool[0], check=False, sort=sys_name == "pitgen sorted"), FEAT)[1]
         elif ref is None:
             ref = got
         row["systems"][sys_name] = res
@@ -181,10 +188,13 @@ def dynamic(r: Run, name: str, d: Any, dtype: str, seed: int = 0) -> dict:
                 and "gpu_ms" in s]
     best = min((s["gpu_ms"] for s in ok_peers), default=None)
     best_wall = min((s["wall_ms"] for s in ok_peers), default=None)
-    ours, ours_sorted = row["systems"]["pitgen"], row["systems"]["pitgen sorted"]
+    ours, ours_csr, ours_sorted = (row["systems"][n] for n in ("pitgen", "pitgen CSR",
+                                                                "pitgen sorted"))
     row.update(err=max(errs), ok=all(e <= TOL[dtype] for e in errs), best_peer_ms=best,
                speedup=best / ours["gpu_ms"] if best else None,
                wall_speedup=best_wall / ours["wall_ms"] if best_wall else None,
+               csr_speedup=best / ours_csr["gpu_ms"] if best else None,
+               csr_wall_speedup=best_wall / ours_csr["wall_ms"] if best_wall else None,
                sorted_speedup=best / ours_sorted["gpu_ms"] if best else None)
     return row
 
@@ -211,14 +221,17 @@ def write(out: Path, conv: list[dict], dyn: list[dict], meta: dict) -> None:
              f"{KEEP}, {POOL} graphs rotated)", ""]
     lines += speedup_table(summ)
     lines += [""] + md_table(
-        ["graph", "dtype", "edges", "pitgen ms (wall)", "pitgen sorted ms (wall)",
-         *[f"{p} ms (wall)" for p in peer_names], "speed-up", "wall speed-up",
-         "sorted speed-up", "pitgen's choice", "rel err"],
+        ["graph", "dtype", "edges", "pitgen ms (wall)", "pitgen CSR ms (wall)",
+         "pitgen sorted ms (wall)", *[f"{p} ms (wall)" for p in peer_names], "speed-up",
+         "wall speed-up", "CSR speed-up (wall)", "sorted speed-up", "pitgen's choice",
+         "rel err"],
         [[x["graph"], x["dtype"], x["edges"], _cell(x["systems"]["pitgen"]),
-          _cell(x["systems"]["pitgen sorted"]),
+          _cell(x["systems"]["pitgen CSR"]), _cell(x["systems"]["pitgen sorted"]),
           *[_cell(x["systems"].get(p, {"note": "-"})) for p in peer_names],
-          fmt_x(x["speedup"]), fmt_x(x["wall_speedup"]), fmt_x(x["sorted_speedup"]),
-          _choice(x["systems"]["pitgen"].get("choice")), f"{x['err']:.1e}"] for x in dyn])
+          fmt_x(x["speedup"]), fmt_x(x["wall_speedup"]),
+          f"{fmt_x(x['csr_speedup'])} ({fmt_x(x['csr_wall_speedup'])})",
+          fmt_x(x["sorted_speedup"]), _choice(x["systems"]["pitgen"].get("choice")),
+          f"{x['err']:.1e}"] for x in dyn])
     lines += ["", f"## Conversion from a GPU CSR vs the SpMM it feeds (target: hyb <= "
               f"{HYB_TARGET}x)", "",
               "hyb ms: the whole `to_format` call (three launches, torch's cumsum, the one host "

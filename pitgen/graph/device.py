@@ -28,7 +28,7 @@ from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch
 from .formats import BSR, BSR_BLOCKS, CSR, ELL, FORMATS, SPMM_EXPR, Hyb, HybBucket
 
-__all__ = ["DeviceCSR", "DeviceMatrix", "DeviceTranspose", "to_format", "FORMATS",
+__all__ = ["DeviceCOO", "DeviceCSR", "DeviceMatrix", "DeviceTranspose", "to_format", "FORMATS",
            "VALUE_DTYPES", "TRANSPOSE_EXPR"]
 
 VALUE_DTYPES = ("float32", "float16")
@@ -196,24 +196,9 @@ class DeviceCSR:
         ``sorted_columns`` False; layouts that split rows by column (hyb with c > 1) refuse
         it."""
         torch = _torch()
-        n_rows, n_cols = int(shape[0]), int(shape[1])
-        if min(n_rows, n_cols) < 0 or max(n_rows, n_cols) > INT32_MAX:
-            raise ShapeError(f"from_coo shape {shape} is not two extents in int32 range")
-        rows = check_tensor("rows", rows, ("int32", "int64"), 1)
-        cols = check_tensor("cols", cols, (_dtype_name(rows),), 1, (rows.shape[0],))
-        if values is not None:
-            values = check_tensor("values", values, VALUE_DTYPES, 1, (rows.shape[0],))
-            if dtype is not None and _dtype_name(values) != _check_value_dtype(dtype):
-                raise ShapeError(f"values are {_dtype_name(values)} but dtype={dtype!r}")
-            dtype = _dtype_name(values)
-        dtype = _check_value_dtype(dtype or "float32")
-        if not (rows.device == cols.device and (values is None or values.device == rows.device)):
-            raise DeviceError(f"from_coo tensors on different devices: rows on {rows.device}, "
-                              f"cols on {cols.device}"
-                              + ("" if values is None else f", values on {values.device}"))
+        (n_rows, n_cols), rows, cols, values, dtype = _edge_list("from_coo", shape, rows, cols,
+                                                                 values, dtype)
         nnz = int(rows.shape[0])
-        if nnz > INT32_MAX:
-            raise ShapeError(f"{nnz} edges exceed int32 indexing")
         dev = rows.device
         k = _convert_kernels(dtype)
         is64 = int(rows.dtype == torch.int64)
@@ -349,6 +334,61 @@ class DeviceCSR:
     def to_torch(self) -> Any:
         """The same matrix as a torch.sparse_csr_tensor (shares the buffers)."""
         return _torch().sparse_csr_tensor(self.indptr, self.indices, self.values, size=self.shape)
+
+
+def _edge_list(what: str, shape: tuple[int, int], rows: Any, cols: Any, values: Any,
+               dtype: str | None) -> tuple[tuple[int, int], Any, Any, Any, str]:
+    """An edge list's (shape, rows, cols, values, value dtype), validated: int32/int64 CUDA
+    index tensors [nnz] of one dtype on one device, values [nnz] float32/float16 or None (then
+    ``dtype``, default float32), extents and nnz in int32 range."""
+    if len(shape) != 2 or min(int(e) for e in shape) < 0 or max(int(e) for e in shape) > INT32_MAX:
+        raise ShapeError(f"{what} shape {shape} is not two extents in int32 range")
+    rows = check_tensor("rows", rows, ("int32", "int64"), 1)
+    cols = check_tensor("cols", cols, (_dtype_name(rows),), 1, (rows.shape[0],))
+    if values is not None:
+        values = check_tensor("values", values, VALUE_DTYPES, 1, (rows.shape[0],))
+        if dtype is not None and _dtype_name(values) != _check_value_dtype(dtype):
+            raise ShapeError(f"values are {_dtype_name(values)} but dtype={dtype!r}")
+        dtype = _dtype_name(values)
+    dtype = _check_value_dtype(dtype or "float32")
+    if not (rows.device == cols.device and (values is None or values.device == rows.device)):
+        raise DeviceError(f"{what} tensors on different devices: rows on {rows.device}, "
+                          f"cols on {cols.device}"
+                          + ("" if values is None else f", values on {values.device}"))
+    if rows.shape[0] > INT32_MAX:
+        raise ShapeError(f"{rows.shape[0]} edges exceed int32 indexing")
+    return (int(shape[0]), int(shape[1])), rows, cols, values, dtype
+
+
+class DeviceCOO:
+    """An edge list on the GPU as it comes: a graph that changes every call (sampled
+    neighbours, DropEdge), for SpMM to multiply without building a CSR first. ``rows`` and
+    ``cols``: int32 or int64 CUDA tensors [nnz]; ``values`` [nnz] float32/float16, or None
+    (ones of ``dtype``, default float32). Duplicate edges add up; an edge outside the matrix
+    is skipped by every kernel. The tensors are held, not copied, and nothing synchronises.
+
+    SpMM runs it directly (``pitgen.graph.kernels.spmm_coo``: atomic adds, one launch) or, where
+    that costs more (``pitgen.graph.model.coo_pays``), through ``to_csr`` and a format."""
+
+    def __init__(self, shape: tuple[int, int], rows: Any, cols: Any, values: Any = None, *,
+                 dtype: str | None = None):
+        self.shape, self.rows, self.cols, self.values, self.dtype = _edge_list(
+            "DeviceCOO", shape, rows, cols, values, dtype)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def device(self) -> Any:
+        """The torch device its tensors are on (operators on it run there)."""
+        return self.rows.device
+
+    def to_csr(self, sort: bool = False) -> DeviceCSR:
+        """The same matrix as a DeviceCSR (``DeviceCSR.from_coo`` without its checking sync:
+        edges outside the matrix are dropped); ``sort`` as there."""
+        return DeviceCSR.from_coo(self.shape, self.rows, self.cols, self.values,
+                                  dtype=self.dtype, check=False, sort=sort)
 
 
 @dataclass(eq=False)

@@ -13,7 +13,9 @@ Two forms are recognised, each derived through the rule engine:
 of the on-disk tune cache for a graph like this one, else the cost model, in well under 50 ms;
 the measured search runs only when asked: ``tune=True`` or ``budget_s``). An explicit format
 that the model expects to be WARN_RATIO times slower than its choice is warned about
-(:class:`pitgen.errors.FormatWarning`).
+(:class:`pitgen.errors.FormatWarning`). SpMM also takes an edge list (``DeviceCOO``): "coo"
+multiplies it as it comes (one launch of atomic adds), "auto" does so while
+:func:`pitgen.graph.model.coo_pays`, and any other format converts it to a CSR first.
 """
 from __future__ import annotations
 
@@ -28,16 +30,18 @@ from ..expr import Operator, parse
 from ..rules import analyse
 from ..operands import bind_operands, check_tensor, on_operand_device
 from . import kernels as graph_ops
-from .device import VALUE_DTYPES, DeviceCSR, to_format
+from .device import VALUE_DTYPES, DeviceCOO, DeviceCSR, to_format
 from .formats import CSR, FORMATS
 from .kernels import default_schedule
-from .model import plan, warn_if_slow
+from .model import coo_pays, plan, warn_if_slow
 from .tune import GraphStats, default_params
 
 #: Matrices (by identity) whose conversions a kernel object keeps alive.
 MAX_MATRICES = 4
 #: The formats a dynamic kernel converts to without a host sync.
 SYNC_FREE = ("csr", "hyb")
+#: SpMM of an edge list (DeviceCOO) as it comes, no conversion (kernels.spmm_coo).
+COO = "coo"
 #: Seconds of a measured search asked for by ``tune=True`` alone.
 DEFAULT_BUDGET_S = 10.0
 
@@ -103,6 +107,9 @@ def as_device_csr(name: str, a: Any, dtype: str) -> Any:
     sparse CSR tensor or a dense CUDA tensor (converted on the GPU; a dense one costs a host
     sync for its nnz), a scipy sparse matrix or a pitgen.graph.formats.CSR (uploaded)."""
 
+    if isinstance(a, DeviceCOO):
+        raise ShapeError(f"{name} is a DeviceCOO: SDDMM writes its values in CSR order, so pass "
+                         f"{name}.to_csr(sort=True)")
     if isinstance(a, DeviceCSR):
         got = str(a.values.dtype).replace("torch.", "")
         if got != dtype:
@@ -178,8 +185,9 @@ class FormatKernel:
                  schedule: Mapping[str, Any] | None = None, tune: bool = False,
                  dynamic: bool = False):
         self.operator = parse(expr) if isinstance(expr, str) else expr
-        if format not in ("auto", *FORMATS):
-            raise PlanError(f"unknown format {format!r} (choose auto, {', '.join(FORMATS)})")
+        if format not in ("auto", *FORMATS, COO):
+            raise PlanError(f"unknown format {format!r} (choose auto, {', '.join(FORMATS)}, "
+                            f"{COO})")
         if dtype not in VALUE_DTYPES:
             raise PlanError(f"format kernels run {' or '.join(VALUE_DTYPES)}, not {dtype!r}")
         if format == "auto" and (params or schedule):
@@ -190,10 +198,13 @@ class FormatKernel:
                             f"{format!r}")
         if not isinstance(dynamic, bool):
             raise PlanError(f"dynamic must be True or False, got {dynamic!r}")
-        if dynamic and format not in ("auto", *SYNC_FREE):
+        if dynamic and format not in ("auto", *SYNC_FREE, COO):
             raise PlanError(f"dynamic=True converts without a host sync: format 'auto', "
-                            f"{' or '.join(repr(f) for f in SYNC_FREE)}, not {format!r}")
+                            f"{' or '.join(repr(f) for f in (*SYNC_FREE, COO))}, not {format!r}")
         self.form = graph_form(self.operator, sparse)
+        if format == COO and self.form.op != "spmm":
+            raise PlanError(f"format {COO!r} multiplies an edge list: it is for SpMM, not "
+                            f"{self.form.op}")
         self.format, self.dtype, self.dynamic = format, dtype, dynamic
         self._by_shape: dict[tuple, tuple[str, dict, dict]] = {}
         self.params = dict(params) if params is not None else None
@@ -284,6 +295,19 @@ class FormatKernel:
             (xn,) = self.form.dense
             a = ops[self.form.sparse]
             x = check_tensor(xn, ops[xn], (self.dtype,), ndim=2)
+            if isinstance(a, DeviceCOO):
+                if a.dtype != self.dtype:
+                    raise ShapeError(f"{self.form.sparse} holds {a.dtype} values but the kernel "
+                                     f"is {self.dtype}")
+                if self.format == COO or (self.format == "auto"
+                                          and coo_pays(a.nnz, int(x.shape[1]))):
+                    return graph_ops.spmm_coo(a, x, out=out)
+                # a CSR to convert; a dynamic kernel keeps its columns unsorted (hyb, c = 1)
+                a = a.to_csr(sort=not self.dynamic)
+            elif self.format == COO:
+                raise ShapeError(f"format {COO!r} multiplies an edge list: pass "
+                                 f"{self.form.sparse} as a pitgen.graph.device.DeviceCOO, not "
+                                 f"{type(a).__name__}")
             mat, (_, _, sched) = self.prepare(self.form.sparse, a, int(x.shape[1]))
             if x.shape[0] != mat.shape[1]:
                 raise ShapeError(f"{xn} has {x.shape[0]} rows but {self.form.sparse} has "

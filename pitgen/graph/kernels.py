@@ -18,13 +18,13 @@ from ..errors import PlanError, ShapeError
 from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, stream_counters
-from .device import VALUE_DTYPES, DeviceCSR, DeviceMatrix, to_format
+from .device import MAX_GRID, VALUE_DTYPES, DeviceCOO, DeviceCSR, DeviceMatrix, to_format
 from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["spmm", "sddmm", "schedule_space", "default_schedule", "resolve_schedule", "SPMM_EXPR",
+__all__ = ["spmm", "spmm_coo", "sddmm", "schedule_space", "default_schedule", "resolve_schedule", "SPMM_EXPR",
            "SDDMM_EXPR"]
 
 GROUPS = (4, 8, 16, 32)
@@ -50,6 +50,9 @@ SPMM = OpSpec("spmm", "spmm.cu.j2", {"pit_spmm": "PPPPPPiiiii"}, _SPMM_PERMUTES,
 HYB_SPMM = OpSpec("hyb spmm", "spmm.cu.j2",
                   {"pit_spmm": "PPPPPPPPPPPPPiiiiiiiii", "pit_spmm_finish": "PiPiPPiiP"},
                   _SPMM_PERMUTES, VALUE_DTYPES)
+#: An edge list's SpMM: edges in any order, each one's products added into its row (atomics).
+COO_SPMM = OpSpec("coo spmm", "spmm.cu.j2", {"pit_spmm": "PPPPPqiii"}, _SPMM_PERMUTES,
+                  VALUE_DTYPES)
 #: Edges in any order, each to its CSR position; features reduced by a shuffle tree.
 GRAPH_SDDMM = OpSpec(
     "graph sddmm", "graph_sddmm.cu.j2", {"pit_sddmm": "PPPiiPPPiiii"},
@@ -390,6 +393,63 @@ class _SpMMLaunch:
                     args[i] = now[w]
                 bound(tl.stream, *args)
         return out
+
+
+#: spmm_coo's launch plans by call signature (operands' raw keys, the edge list's kind)
+_COO_PLANS: dict = {}
+COO_THREADS = 256
+
+
+@on_operand_device
+def spmm_coo(a: DeviceCOO, x: Tensor, out: Any = None) -> Any:
+    """Y = A @ X for an edge list A and dense X [cols, F] of A's dtype, with no CSR built: one
+    launch adds each edge's products into its row of an fp32 Y by atomics (float16: into a
+    float32 buffer, converted into ``out`` after), so the sums' order, and their last bits,
+    vary from run to run. ``out`` [rows, F] is overwritten. No host sync."""
+    if not isinstance(a, DeviceCOO):
+        raise ShapeError(f"spmm_coo needs a DeviceCOO, got {type(a).__name__}")
+    key = raw_key(x, out)
+    plan = validated(_COO_PLANS, None if key is None else
+                     (key, a.shape, a.dtype, a.rows.dtype, a.values is None),
+                     lambda: _coo_plan(a, x, out))
+    return plan(a, x, out)
+
+
+def _coo_plan(a: DeviceCOO, x: Any, out: Any) -> Any:
+    """The checked launch of ``spmm_coo`` for this call signature."""
+    import torch
+    n_rows, n_cols = a.shape
+    check_tensor("x", x, (a.dtype,), 2, (n_cols, None))
+    feat = int(x.shape[1])
+    if out is not None:
+        check_tensor("out", out, (a.dtype,), 2, (n_rows, feat))
+    if n_rows * feat > 2**31 - 1 or n_cols * feat > 2**31 - 1:
+        raise ShapeError(f"SpMM operands of {max(n_rows, n_cols)} x {feat} exceed int32 indexing")
+    direct = a.dtype == "float32"   # atomics straight into out
+    # the widest vector F and the pointers allow (Y: a fresh fp32 buffer, or out when direct)
+    vec = _vec_for(4, feat, "float32" if direct else a.dtype, x,
+                   *(() if out is None or not direct else (out,)))
+    kern = COO_SPMM.module({"dtype": a.dtype, "fmt": "coo", "vec": vec, "threads": COO_THREADS,
+                            "idx64": a.rows.dtype == torch.int64})
+    per_edge = feat // vec
+
+    def run(a: DeviceCOO, x: Any, out: Any) -> Any:
+        if direct:
+            y = torch.zeros((n_rows, feat), dtype=torch.float32, device=x.device) \
+                if out is None else out.zero_()
+        else:
+            y = torch.zeros((n_rows, feat), dtype=torch.float32, device=x.device)
+        items = a.nnz * per_edge
+        if items:
+            with TorchLaunch() as tl:
+                kern.launch("pit_spmm", (min(-(-items // COO_THREADS), MAX_GRID), 1, 1),
+                            (COO_THREADS, 1, 1), tl.stream, a.rows.data_ptr(), a.cols.data_ptr(),
+                            0 if a.values is None else a.values.data_ptr(), x.data_ptr(),
+                            y.data_ptr(), a.nnz, n_rows, n_cols, feat)
+        if direct:
+            return y
+        return y.to(x.dtype) if out is None else out.copy_(y)
+    return run
 
 
 @on_operand_device

@@ -63,6 +63,22 @@ MANY_ROWS = 1 << 16
 #: An explicit format modelled this many times slower than the model's choice is warned about.
 WARN_RATIO = 10.0
 
+#: An edge list multiplied as it comes (``DeviceCOO``, kernels.spmm_coo): GPU ns per (edge,
+#: feature) of its atomic adds (H100, F = 64: 0.0037 on ogbn-arxiv, 0.0042 ppi, 0.0049 pubmed;
+#: 0.0097 on ogbn-proteins, whose hub rows contend), and a bound on the host time per call that
+#: converting it instead costs (``DeviceCSR.from_coo``, hyb sized by bounds, a new SpMM launch
+#: closure: 0.7-0.9 ms of Python and driver calls per small graph on that H100's host,
+#: docs/formats.md).
+COO_NS_PER_EDGE_FEATURE = 0.004
+CONVERT_HOST_US = 300.0
+
+
+def coo_pays(nnz: int, feat: int) -> bool:
+    """Whether ``format="auto"`` multiplies an edge list directly: while its atomic adds take
+    less GPU time than converting takes on the host, a call that converted would wait for its
+    host work anyway (eager), and the direct launch also skips the conversion's GPU passes."""
+    return LAUNCH_US + nnz * feat * COO_NS_PER_EDGE_FEATURE * 1e-3 <= CONVERT_HOST_US
+
 
 def _elem(dtype: str) -> int:
     return 4 if dtype == "float32" else 2

@@ -570,8 +570,10 @@ def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
     tuned result of the tune cache, else the cost model's choice (pitgen.graph.model; no
     search), and with ``tune=True`` or a ``budget_s`` a measured search of ``budget_s``
     seconds (default 10) when the cache has none; ``dynamic=True`` for a graph that changes
-    every call (chosen once per shape, converted without a host sync). ``dtype`` is a name or a
-    torch/NumPy dtype (``torch.bfloat16``).
+    every call (chosen once per shape, converted without a host sync); SpMM also takes an edge
+    list (``pitgen.graph.device.DeviceCOO``), which 'coo' multiplies as it comes and 'auto'
+    does while that is cheaper than converting it. ``dtype`` is a name or a torch/NumPy dtype
+    (``torch.bfloat16``).
     """
     dtype = dtype_name(dtype)
     if format is not None:
