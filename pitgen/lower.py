@@ -298,7 +298,7 @@ def _fit(gemm: GemmSpec, dtype: str, stages: bool = True, bn: bool = True,
 #: Static shared memory of the wgmma row-owner kernel beside its dynamic stages and accumulator
 #: (the step's row slots, its ids in flight, a window of counts, a flag per owned row), with room
 #: to spare.
-ROWS_SM90_STATIC = 6144
+ROWS_SM90_STATIC = 7168
 
 
 def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
