@@ -174,5 +174,8 @@ with torch.no_grad():
         assert err < 1e-2, err
         sparse_conv2d(xin_c, wconv[:, :, :1, :1].contiguous(), stride=2)
         channel_index(xin_c)
+    # channels_last with more scalar columns than a CTA's threads: the index in two rounds
+    wide_c = torch.relu(torch.randn(2, 301, 5, 7, device="cuda", dtype=torch.float16))
+    channel_index(wide_c.contiguous(memory_format=torch.channels_last))
 torch.cuda.synchronize()
 print("sparse-channel conv index + gather + GEMM (NCHW, channels_last): ok")

@@ -193,25 +193,34 @@ def vector_width(layout: str, C: int, HW: int, ptr: int) -> int:
     return 1
 
 
+#: H100 rates behind :func:`dense_crossover`, from ``pitgen bench conv`` (docs/bench/conv.md,
+#: batch 32, fp16, NCHW): the copy rate; cuDNN's dense rate on the 3 x 3 layers; the index
+#: pass's read of X (0.030 ms for 51 MB); the implicit GEMM's share of cuDNN's rate (0.41 from
+#: the slope of its time over the active fraction at 56 x 56 x 256 -> 64, 3 x 3); and the fixed
+#: time of the three launches and their tails.
 COPY_BYTES_PER_S = 2.5e12
 DENSE_FLOPS_PER_S = 4.0e14
-SPARSE_EFFICIENCY = 0.6
+INDEX_BYTES_PER_S = 1.7e12
+SPARSE_EFFICIENCY = 0.4
+SPARSE_FIXED_S = 25e-6
 
 
 def dense_crossover(shape: tuple[int, int, int, int], weight: tuple[int, int, int, int],
                     out_hw: tuple[int, int]) -> float:
     """The active-channel fraction below which the sparse path is predicted faster than cuDNN:
-    the index reads X once and the gather moves the active part (twice its bytes), at the copy
-    rate; the GEMM runs the active FLOPs at SPARSE_EFFICIENCY of cuDNN's dense rate. Constants
-    are an H100's (COPY_BYTES_PER_S, DENSE_FLOPS_PER_S); ``pitgen bench conv`` measures both."""
+    the index reads X once (INDEX_BYTES_PER_S) after SPARSE_FIXED_S of launches, the gather
+    moves the active part (twice its bytes) at the copy rate, and the GEMM runs the active
+    FLOPs at SPARSE_EFFICIENCY of cuDNN's dense rate. Fitted on an H100: at 56 x 56 x 256 -> 64,
+    3 x 3 it is 0.08 (measured: 0.07), at 28 x 28 x 512 -> 128 0.17 (measured 0.33); 1 x 1
+    layers read more than they compute and never go sparse."""
     N, C, H, W = shape
     F, _, R, S = weight
     x_bytes = 2.0 * N * C * H * W
     flops = 2.0 * N * out_hw[0] * out_hw[1] * F * C * R * S
     dense = flops / DENSE_FLOPS_PER_S
-    index = x_bytes / COPY_BYTES_PER_S
+    fixed = SPARSE_FIXED_S + x_bytes / INDEX_BYTES_PER_S
     per_density = 2 * x_bytes / COPY_BYTES_PER_S + flops / (DENSE_FLOPS_PER_S * SPARSE_EFFICIENCY)
-    return max(0.0, min(1.0, (dense - index) / per_density))
+    return max(0.0, min(1.0, (dense - fixed) / per_density))
 
 
 # -- GPU ----------------------------------------------------------------------------------------
@@ -417,7 +426,7 @@ def _build_module_class() -> Any:
         ``mode``: "sparse" always runs pitgen; "dense" always cuDNN; "auto" (default) chooses
         per call without a host sync: it runs pitgen while the active-channel fraction of an
         earlier call is below :func:`dense_crossover` (the first call, knowing nothing, runs
-        pitgen), else cuDNN. Each pitgen call copies its device count to pinned host memory
+        pitgen, unless the crossover is 0: no density would pay), else cuDNN. Each pitgen call copies its device count to pinned host memory
         asynchronously; a later call reads it once its event has completed (never waits). On
         the cuDNN path one call in ``probe_every`` also runs the index pass alone (cheap when
         the input is dense: channels already found are not read again) to notice sparsity
@@ -481,9 +490,12 @@ def _build_module_class() -> Any:
                 return super().forward(x)
             if torch.compiler.is_compiling():   # no Python state in a traced graph
                 return sparse_conv2d(x, self.weight, self.bias, self.stride, self.padding)
+            limit = self._limit(x)
+            if limit <= 0.0:   # no density makes the sparse path pay: nothing to probe
+                return super().forward(x)
             self._poll()
             self._calls += 1
-            if self._density is not None and self._density > self._limit(x):
+            if self._density is not None and self._density > limit:
                 if self._calls % self.probe_every == 0:
                     self._record(channel_index(x)[1])
                 return super().forward(x)
