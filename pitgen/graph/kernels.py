@@ -24,8 +24,8 @@ from .formats import FORMATS, SDDMM_EXPR, SPMM_EXPR
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["spmm", "spmm_coo", "sddmm", "schedule_space", "default_schedule", "resolve_schedule", "SPMM_EXPR",
-           "SDDMM_EXPR"]
+__all__ = ["spmm", "spmm_coo", "sddmm", "schedule_space", "default_schedule", "resolve_schedule",
+           "SPMM_EXPR", "SDDMM_EXPR"]
 
 GROUPS = (4, 8, 16, 32)
 THREADS = (128, 256)
