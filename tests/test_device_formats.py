@@ -220,3 +220,23 @@ def test_variants_compile_for_sm80_and_sm90(nvcc):
     errors = [f"{name} ({ARCH[name]}): {job.exception()}"   # every failure, not only the first
               for name, job in nvcc_jobs(nvcc).items() if job.exception()]
     assert not errors, "\n".join(errors)
+
+
+def test_kernel_signatures_match_the_templates_parameters():
+    """Each graph kernel's launch signature has one letter per parameter of the rendered kernel
+    (P pointer, q 64-bit integer, i 32-bit): a wrong letter packs the arguments at the wrong
+    offsets, which no CPU launch would show."""
+    import re
+
+    from pitgen.graph.device import CONVERT, TRANSPOSE
+    from pitgen.graph.kernels import COO_SPMM, HYB_SPMM
+    ctx = {name: c for name, (_, c) in VARIANTS.items()}
+    cases = [(SPMM, ctx["spmm-csr-f16"]), (HYB_SPMM, ctx["spmm-hyb-f32"]),
+             (COO_SPMM, ctx["spmm-coo-f16-i64"]), (GRAPH_SDDMM, ctx["sddmm-bsr-f16"]),
+             (CONVERT, ctx["convert-f16"]), (TRANSPOSE, {})]
+    for spec, context in cases:
+        src = spec.source(context)
+        for kernel, sig in spec.kernels.items():
+            params = re.search(rf"\b{kernel}\(([^)]*)\)", src).group(1).split(",")
+            kinds = "".join("P" if "*" in p else "q" if "long long" in p else "i" for p in params)
+            assert kinds == sig, (spec.name, kernel, kinds, sig)
