@@ -239,6 +239,13 @@ def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
 PINGPONG = "never"
 
 
+def _c_rows_vec(layout: Layout, size: int, accumulate: bool) -> bool:
+    """Whether a wgmma kernel writes C' in 16-byte row chunks: n contiguous, rows and base
+    16-byte aligned, N a multiple of 8, nothing to read back."""
+    return (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
+            and layout.N % 8 == 0 and layout.align_c % 16 == 0)
+
+
 def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
             c_pair: bool) -> GemmSpec | None:
     """The wgmma kernel for a box plan (dense, or k-blocks listed per m-tile) on sm_90a, or None
@@ -257,8 +264,7 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
     bn = 256 if layout.N > 128 and not (pingpong and bm == 128) else 128
     wn = 1 if pingpong else 2 // wm
     stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
-    c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
-             and layout.N % 8 == 0 and layout.align_c % 16 == 0)
+    c_vec = _c_rows_vec(layout, size, accumulate)
     return GemmSpec("pit_gemm", "box", block_list, tk // 64 if block_list else 1,
                     c_pair, accumulate, bm, bn, 64, wm, wn, stages, 16 // size, 16 // size,
                     da == 1, db == 1, "wgmma", c_vec, pingpong=pingpong)
@@ -310,8 +316,8 @@ def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
     stages) and one consumer warpgroup per CTA, BN = 64 by default; at BM = 512 the fp32
     accumulator takes 144 KiB, four stages most of the rest."""
     size = DTYPES[dtype]
-    if (dtype == "float32" or tk not in (64, 128, 256) or layout.sa[1] != 1 or (layout.sa[0] * size) % 16
-            or layout.align_a % 16 or layout.K % 8
+    if (dtype == "float32" or tk not in (64, 128, 256) or layout.sa[1] != 1
+            or (layout.sa[0] * size) % 16 or layout.align_a % 16 or layout.K % 8
             or (schedule.bk, schedule.wm, schedule.wn, schedule.stages) != (None,) * 4):
         return None
     db = _tma_dim(layout.sb, (layout.K, layout.N), size, layout.align_b)
@@ -325,8 +331,7 @@ def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
     stages = 8 if fit >= 8 else 4 if fit >= 4 else 0
     if 2 * (tk // 64) > stages:
         return None
-    c_vec = (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
-             and layout.N % 8 == 0 and layout.align_c % 16 == 0)
+    c_vec = _c_rows_vec(layout, size, accumulate)
     return GemmSpec("pit_gemm", "rows", False, 1, False, accumulate, bm, bn, 64, 1, 1, stages,
                     16 // size, 16 // size, True, db == 1, "wgmma", c_vec, gather=64,
                     c_mfast=not c_vec and layout.sc[0] == 1 and layout.sc[1] != 1, tk=tk)

@@ -14,8 +14,8 @@ Two tables on SparseTIR's seven GNN graphs (pitgen.graphs' stand-ins), F = FEAT:
   pass and a scatter, each row's columns in any order: SpMM's reduction axis is permutation
   invariant; "pitgen sorted": ``sort=True``, a radix sort, deterministic sums), then the
   format chosen once for the shape (from the first graph's row statistics), each new graph
-  converted without a host sync (hyb sized by bounds) and multiplied. Peers, each its own CSR build then
-  ``torch.sparse.mm`` (cuSPARSE): ``coo.to_sparse_csr()`` (torch's coalesce), and a sort of
+  converted without a host sync (hyb sized by bounds) and multiplied. Peers, each its own CSR
+  build then ``torch.sparse.mm`` (cuSPARSE): ``coo.to_sparse_csr()`` (torch's coalesce), and a sort of
   (row, col) keys with ``searchsorted`` into ``torch.sparse_csr_tensor``; the faster is the
   reference. Target: >= DYNAMIC_TARGET x the faster peer, geomean (of ``pitgen``; the sorted
   variant's speed-up is reported beside it).

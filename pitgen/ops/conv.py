@@ -426,11 +426,11 @@ def _build_module_class() -> Any:
         ``mode``: "sparse" always runs pitgen; "dense" always cuDNN; "auto" (default) chooses
         per call without a host sync: it runs pitgen while the active-channel fraction of an
         earlier call is below :func:`dense_crossover` (the first call, knowing nothing, runs
-        pitgen, unless the crossover is 0: no density would pay), else cuDNN. Each pitgen call copies its device count to pinned host memory
-        asynchronously; a later call reads it once its event has completed (never waits). On
-        the cuDNN path one call in ``probe_every`` also runs the index pass alone (cheap when
-        the input is dense: channels already found are not read again) to notice sparsity
-        returning. While torch traces (torch.compile), "auto" runs pitgen.
+        pitgen, unless the crossover is 0: no density would pay), else cuDNN. Each pitgen call
+        copies its device count to pinned host memory asynchronously; a later call reads it
+        once its event has completed (never waits). On the cuDNN path one call in
+        ``probe_every`` also runs the index pass alone (cheap when the input is dense: channels
+        already found are not read again) to notice sparsity returning. While torch traces (torch.compile), "auto" runs pitgen.
         ``density_limit`` overrides the crossover. pitgen runs only what :func:`plan_conv`
         accepts (CUDA fp16/bf16, groups 1, dilation 1, stride 1 or 2, zero padding given as
         ints): anything else runs cuDNN in "auto" and raises in "sparse". Trains: the
