@@ -10,12 +10,15 @@
   their modules may define ``nvcc_jobs(pool)``, which submits its compiles to one background
   pool of os.cpu_count() worker processes right after collection, so that nvcc runs while the
   CPU-only tests do; the tests then take the results (``nvcc`` fixture). Identical jobs run
-  once. Processes, not threads: a thread starting nvcc while pytest sets PYTEST_CURRENT_TEST in
-  os.environ can exec with a freed environment (EFAULT).
+  once. The ``compile_source`` jobs submitted at collection compile several sources per nvcc
+  run (tests/nvcc_units.py: a job's result is its unit's cubin; a source that fails, fails with
+  its own error), the largest units first. Processes, not threads: a thread starting nvcc while
+  pytest sets PYTEST_CURRENT_TEST in os.environ can exec with a freed environment (EFAULT).
 - GPU tests (marker ``gpu``) skip with the reason where torch, a device or pycuda is missing.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import tempfile
@@ -23,8 +26,11 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import nvcc_units
 import pytest
 from hypothesis import settings
+
+from pitgen import compiler
 
 # The fast profile: derandomized (the same examples every run) and printing the blob that
 # reproduces a failure; PITGEN_HYPOTHESIS=thorough: fresh random examples, >= 2000 per GPU
@@ -38,12 +44,16 @@ settings.load_profile(os.environ.get("PITGEN_HYPOTHESIS") or "ci")
 class NvccPool:
     """Background jobs (compiles: module-level functions of picklable, hashable arguments), each
     distinct one run once; a job asked for again gets the first one's future. The workers start
-    with the first jobs, at collection, before any test changes the environment."""
+    with the first jobs, at collection, before any test changes the environment. Until
+    :meth:`start_units`, ``compile_source`` jobs are held, to be compiled in units."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[tuple, Future] = {}
+        self._held: dict[tuple, dict[str, Future]] | None = {}  # (arch, extra) -> source -> job
         self._tmp: tempfile.TemporaryDirectory | None = None
+        #: units that failed although each of their sources compiles alone (nvcc's complaint)
+        self.split_units: list[str] = []
 
     @property
     def tmp(self) -> Path:
@@ -55,13 +65,43 @@ class NvccPool:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         key = (fn, *args)
         if key not in self._jobs:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(os.cpu_count() or 2,
-                                                 mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_use_cache,
-                                                 initargs=(os.environ["PITGEN_CACHE"],))
-            self._jobs[key] = self._pool.submit(fn, *args)
+            if fn is compiler.compile_source and self._held is not None:
+                source, arch, *extra = args
+                self._jobs[key] = self._held.setdefault((arch, tuple(extra)), {})[source] = Future()
+            else:
+                self._jobs[key] = self._executor().submit(fn, *args)
         return self._jobs[key]
+
+    def start_units(self) -> None:
+        """Compile the held jobs in units, the largest first (the last to finish are short);
+        ``compile_source`` jobs submitted from now on run alone."""
+        held, self._held = self._held or {}, None
+        units = [(arch, extra, unit, jobs) for (arch, extra), jobs in held.items()
+                 for unit in nvcc_units.plan(jobs)]
+        for arch, extra, unit, jobs in sorted(units, key=lambda u: -sum(map(len, u[2]))):
+            done = self._executor().submit(nvcc_units.compile_unit, tuple(unit), arch, extra)
+            done.add_done_callback(functools.partial(self._settle, [jobs[s] for s in unit]))
+
+    def _settle(self, jobs: list[Future], done: Future) -> None:
+        try:
+            outcomes, unit_error = done.result()
+        except BaseException as e:  # noqa: BLE001 - the worker died or the pool shut down
+            outcomes, unit_error = [e] * len(jobs), None
+        for job, outcome in zip(jobs, outcomes):
+            if isinstance(outcome, BaseException):
+                job.set_exception(outcome)
+            else:
+                job.set_result(outcome)
+        if unit_error:
+            self.split_units.append(unit_error)
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(os.cpu_count() or 2,
+                                             mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_use_cache,
+                                             initargs=(os.environ["PITGEN_CACHE"],))
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
@@ -132,10 +172,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 jobs(_POOL)
         except Exception:  # noqa: BLE001 - a variant that fails to render fails its own test,
             pass           # which calls nvcc_jobs again, rather than the whole session
+    _POOL.start_units()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _POOL.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Units that compiled only source by source: the tests are right, the suite slower."""
+    for error in _POOL.split_units:
+        terminalreporter.write_line(f"nvcc unit split (each source compiles alone): {error}",
+                                    yellow=True)
 
 
 @pytest.fixture(scope="session")
