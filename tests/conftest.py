@@ -9,11 +9,12 @@
 - nvcc tests (marker ``nvcc``) skip with the reason where nvcc is missing, and run last: each of
   their modules may define ``nvcc_jobs(pool)``, which submits its compiles to one background
   pool of os.cpu_count() worker processes right after collection, so that nvcc runs while the
-  CPU-only tests do; the tests then take the results (``nvcc`` fixture). Identical jobs run
-  once. The ``compile_source`` jobs submitted at collection compile several sources per nvcc
-  run (tests/nvcc_units.py: a job's result is its unit's cubin; a source that fails, fails with
-  its own error), the largest units first. Processes, not threads: a thread starting nvcc while
-  pytest sets PYTEST_CURRENT_TEST in os.environ can exec with a freed environment (EFAULT).
+  CPU-only tests do; the tests then take the results (``nvcc`` fixture), module by module in
+  the order their compiles are queued. Identical jobs run once. The ``compile_source`` jobs
+  submitted at collection compile several sources per nvcc run (tests/nvcc_units.py: a job's
+  result is its unit's cubin; a source that fails, fails with its own error), the largest
+  units first. Processes, not threads: a thread starting nvcc while pytest sets
+  PYTEST_CURRENT_TEST in os.environ can exec with a freed environment (EFAULT).
 - GPU tests (marker ``gpu``) skip with the reason where torch, a device or pycuda is missing.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class NvccPool:
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[tuple, Future] = {}
         self._held: dict[tuple, dict[str, Future]] | None = {}  # (arch, extra) -> source -> job
+        self._queued: dict[Future, int] = {}  # job -> where it (its unit) is in the queue
         self._tmp: tempfile.TemporaryDirectory | None = None
         #: units that failed although each of their sources compiles alone (nvcc's complaint)
         self.split_units: list[str] = []
@@ -70,7 +72,12 @@ class NvccPool:
                 self._jobs[key] = self._held.setdefault((arch, tuple(extra)), {})[source] = Future()
             else:
                 self._jobs[key] = self._executor().submit(fn, *args)
+                self._queued[self._jobs[key]] = len(self._queued)
         return self._jobs[key]
+
+    def queued(self, job: Future) -> int:
+        """Where ``job`` is in the pool's queue: the earlier, the sooner it is done."""
+        return self._queued.get(job, len(self._queued))
 
     def start_units(self) -> None:
         """Compile the held jobs in units, the largest first (the last to finish are short);
@@ -80,6 +87,8 @@ class NvccPool:
                  for unit in nvcc_units.plan(jobs)]
         for arch, extra, unit, jobs in sorted(units, key=lambda u: -sum(map(len, u[2]))):
             done = self._executor().submit(nvcc_units.compile_unit, tuple(unit), arch, extra)
+            position = len(self._queued)
+            self._queued.update({jobs[s]: position for s in unit})
             done.add_done_callback(functools.partial(self._settle, [jobs[s] for s in unit]))
 
     def _settle(self, jobs: list[Future], done: Future) -> None:
@@ -158,21 +167,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = missing() if marked else None
         for item in marked if reason else ():
             item.add_marker(pytest.mark.skip(reason=f"{what} test skipped: {reason}"))
-    items.sort(key=lambda item: "nvcc" in item.keywords)  # stable: nvcc tests last
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the selected nvcc tests' compiles (their modules' ``nvcc_jobs``)."""
+    """Start the selected nvcc tests' compiles (their modules' ``nvcc_jobs``), and order those
+    tests by their modules' last compile in the queue: what a test does itself (linking, say)
+    runs while the pool still compiles, not after it."""
     modules = {item.module: None for item in session.items
                if "nvcc" in item.keywords and not item.get_closest_marker("skip")}
+    started: dict[Any, list[Future]] = {}
     for module in modules:
         jobs = getattr(module, "nvcc_jobs", None)
         try:
             if jobs is not None:
-                jobs(_POOL)
+                futures = jobs(_POOL)
+                started[module] = list(futures.values() if isinstance(futures, dict) else futures)
         except Exception:  # noqa: BLE001 - a variant that fails to render fails its own test,
             pass           # which calls nvcc_jobs again, rather than the whole session
     _POOL.start_units()
+    last = {module: max(map(_POOL.queued, futures), default=-1)
+            for module, futures in started.items()}
+    session.items.sort(key=lambda item: last.get(item.module, -1) if "nvcc" in item.keywords
+                       else -2)   # stable: the other tests first, as they were; nvcc tests last
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
