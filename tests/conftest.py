@@ -68,12 +68,17 @@ class NvccPool:
         key = (fn, *args)
         if key not in self._jobs:
             if fn is compiler.compile_source and self._held is not None:
-                source, arch, *extra = args
-                self._jobs[key] = self._held.setdefault((arch, tuple(extra)), {})[source] = Future()
+                self._jobs[key] = self._hold(*args)
             else:
                 self._jobs[key] = self._executor().submit(fn, *args)
                 self._queued[self._jobs[key]] = len(self._queued)
         return self._jobs[key]
+
+    def _hold(self, source: str, arch: str, extra: tuple[str, ...] = ()) -> Future:
+        """``compile_source(source, arch, extra)``'s job, settled once its unit is compiled."""
+        job: Future = Future()
+        self._held.setdefault((arch, tuple(extra)), {})[source] = job
+        return job
 
     def queued(self, job: Future) -> int:
         """Where ``job`` is in the pool's queue: the earlier, the sooner it is done."""
