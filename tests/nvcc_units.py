@@ -4,10 +4,11 @@ the suite compiles a hundred sources).
 
 In a unit (``unit.cu.j2``) each source keeps what it has alone: its own namespace, its kernels
 (renamed: ``extern "C"`` names are global), its macros (undefined after it), and exactly its
-headers: a unit holds sources that include the same ones, included once at its top (so a
-source sees them from its first line on, not from its own ``#include`` lines). Where that is
-not enough, the unit fails to compile and each of its sources is compiled alone: a source
-passes or fails exactly as it would alone. A unit's cubin must hold every renamed kernel.
+headers: a unit holds sources that include the same ones, included once at its top. (So a
+source sees them from its first line on, not from its own ``#include`` lines: the one way a
+unit is more lenient than nvcc alone, for code that uses a header above its own include of it.)
+Whatever else differs makes the unit fail, and then each of its sources is compiled alone, so
+that it fails with its own error. A unit's cubin must hold every renamed kernel.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def compile_unit(sources: tuple[str, ...], arch: str,
                  extra: tuple[str, ...] = ()) -> tuple[list[bytes | Exception], str | None]:
     """Each source's outcome (the unit's cubin, or the error of compiling it alone) and, when
     the unit failed although no source fails alone, nvcc's complaint about the unit."""
+    unit_error: str | None = None
     if len(sources) > 1:
         text, kernels = render(list(sources))
         try:
@@ -102,4 +104,4 @@ def compile_unit(sources: tuple[str, ...], arch: str,
         except Exception as e:  # noqa: BLE001 - each source's own failure, for its own test
             outcomes.append(e)
     failed_alone = any(isinstance(o, Exception) for o in outcomes)
-    return outcomes, None if len(sources) == 1 or failed_alone else unit_error
+    return outcomes, None if failed_alone else unit_error
