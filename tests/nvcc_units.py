@@ -4,11 +4,11 @@ the suite compiles a hundred sources).
 
 In a unit (``unit.cu.j2``) each source keeps what it has alone: its own namespace, its kernels
 (renamed: ``extern "C"`` names are global), its macros (undefined after it), and exactly its
-headers: a unit holds sources that include the same ones, included once at its top. (So a
-source sees them from its first line on, not from its own ``#include`` lines: the one way a
-unit is more lenient than nvcc alone, for code that uses a header above its own include of it.)
-Whatever else differs makes the unit fail, and then each of its sources is compiled alone, so
-that it fails with its own error. A unit's cubin must hold every renamed kernel.
+headers: a unit holds sources that include the same ones, in the same order, before their
+first line of code, and includes them once at its top (a source that includes a header further
+down compiles alone: in a unit, the code above that line would see the header). Whatever else
+differs makes the unit fail, and then each of its sources is compiled alone, so that it fails
+with its own error. A unit's cubin must hold every renamed kernel.
 """
 from __future__ import annotations
 
@@ -38,22 +38,27 @@ class Part(NamedTuple):
     macros: list[str]
 
 
-def headers(source: str) -> tuple[str, ...]:
-    """The headers ``source`` includes, sorted: sources share a unit only with equal ones."""
-    return tuple(sorted(set(INCLUDE.findall(source))))
-
-
-def fits(source: str) -> bool:
-    """Whether ``source`` can share a unit: every ``extern "C"`` name is a kernel found here."""
-    return len(KERNEL.findall(source)) == len(EXTERN_C.findall(source))
+def key(source: str) -> tuple[str, ...] | None:
+    """What ``source`` shares a unit by: the headers it includes before its first line of code,
+    in order; None when it cannot share one (an ``extern "C"`` name that is not a kernel cannot
+    be renamed; a header included further down would be seen above its line)."""
+    head = []
+    for line in source.splitlines():
+        if include := INCLUDE.match(line):
+            head.append(include.group(1))
+        elif line.strip() and not line.lstrip().startswith("//"):
+            break
+    if len(head) != len(INCLUDE.findall(source)):
+        return None
+    return tuple(head) if len(KERNEL.findall(source)) == len(EXTERN_C.findall(source)) else None
 
 
 def plan(sources: Iterable[str]) -> list[list[str]]:
-    """The units of ``sources`` (those that fit, by headers, in order), largest first; each
-    source that cannot share a unit is a unit of its own."""
+    """The units of ``sources`` (grouped by :func:`key`, in order), largest first; each source
+    that cannot share a unit is a unit of its own."""
     groups: dict[tuple[str, ...] | None, list[str]] = {}
     for src in dict.fromkeys(sources):
-        groups.setdefault(headers(src) if fits(src) else None, []).append(src)
+        groups.setdefault(key(src), []).append(src)
     units = [[src] for src in groups.pop(None, [])]
     for group in groups.values():
         units += _chunks(group)
@@ -76,7 +81,7 @@ def render(sources: list[str]) -> tuple[str, list[list[str]]]:
     parts = [Part(src, KERNEL.findall(src), DEFINE.findall(src)) for src in sources]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(Path(__file__).parent)),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    text = env.get_template("unit.cu.j2").render(headers=headers(sources[0]), parts=parts)
+    text = env.get_template("unit.cu.j2").render(headers=key(sources[0]), parts=parts)
     return text, [[f"{k}_unit{i}" for k in part.kernels] for i, part in enumerate(parts)]
 
 

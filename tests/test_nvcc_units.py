@@ -2,8 +2,8 @@
 would: sources that share kernel and macro names compile together and the unit's cubin holds
 each one's kernels; a source that fails alone fails with its own error (a macro of the source
 before it does not leak into it) while the others pass; a unit that fails although each of its
-sources compiles alone is reported. Units group sources of equal headers, within the limits,
-largest first."""
+sources compiles alone is reported. Units group sources that include the same headers before
+their code, within the limits, largest first."""
 from __future__ import annotations
 
 import re
@@ -34,6 +34,12 @@ extern "C" __device__ int f(int x) { return x; }
 HALF = """#include <cuda_fp16.h>
 extern "C" __global__ void k(__half* x) { *x = 0.0f; }
 """
+#: A header included below code: it compiles alone (in a unit, the code above would see it).
+LATE_INCLUDE = """// the header comes second
+__device__ int v;
+#include <stdint.h>
+extern "C" __global__ void k(int* x) { *x = v; }
+"""
 
 
 def nvcc_jobs(pool) -> list[Future]:
@@ -42,13 +48,15 @@ def nvcc_jobs(pool) -> list[Future]:
             for sources in (PROBES, (PROBES[0], LEAK), (PROBES[0], QUALIFIED))]
 
 
-def test_units_group_equal_headers_within_the_limits_largest_first(monkeypatch):
+def test_units_group_sources_by_their_headers_within_the_limits_largest_first(monkeypatch):
     monkeypatch.setattr(U, "MAX_SOURCES", 2)
-    sources = [*PROBES, LEAK, QUALIFIED, DEVICE_FUNCTION, HALF]
+    sources = [*PROBES, LEAK, QUALIFIED, DEVICE_FUNCTION, HALF, LATE_INCLUDE]
     units = U.plan(sources)
     assert sorted(s for unit in units for s in unit) == sorted(sources)
-    assert all(len(unit) <= 2 and len({U.headers(s) for s in unit}) == 1 for unit in units)
-    assert [DEVICE_FUNCTION] in units and not U.fits(DEVICE_FUNCTION) and U.fits(PROBES[0])
+    assert all(len(unit) <= 2 and len({U.key(s) for s in unit}) == 1 for unit in units)
+    assert U.key(PROBES[0]) == U.key(LEAK) == ("<stdint.h>",) and U.key(HALF) == ("<cuda_fp16.h>",)
+    assert U.key(DEVICE_FUNCTION) is None and U.key(LATE_INCLUDE) is None
+    assert [DEVICE_FUNCTION] in units and [LATE_INCLUDE] in units
     sizes = [sum(map(len, unit)) for unit in units]
     assert sizes == sorted(sizes, reverse=True)
     monkeypatch.setattr(U, "MAX_CHARS", len(PROBES[0]))
