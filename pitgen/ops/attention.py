@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .. import cache
+from .. import cache, lower
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, kept_scratch, stream_counters
+from ..runtime import TorchLaunch, device_arch, kept_scratch, stream_counters
 from . import lazy_torch_classes
 from .library import tracing
 
@@ -146,6 +146,7 @@ class AttentionPlan:
     stages: int = 0      # 0: STAGES[d]
     min_blocks: int = 0  # 0: MIN_BLOCKS[d]
     kv_heads: int = 0    # 0: heads (GQA: fewer K/V heads, kv head = h // group)
+    wgmma: bool = False  # the forward's products on wgmma (sm_90a)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -207,7 +208,7 @@ class AttentionPlan:
         """Dynamic shared memory of the attention kernel: K, V and mask-tile stages + the block
         list."""
         return 2 * self.stages * self.bn * self.d * 2 + self.stages * self.bm * MASK_ROW \
-            + 4 * self.n_kb
+            + 4 * self.n_kb + (1024 if self.wgmma else 0)   # slack to align the stages
 
     @property
     def mask_strides(self) -> tuple[int, int]:
@@ -233,7 +234,8 @@ class AttentionPlan:
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW,
-                "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, **STATE_NAMES}
+                "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, "wgmma": self.wgmma,
+                **STATE_NAMES}
 
     # -- backward --
 
@@ -267,16 +269,19 @@ class AttentionPlan:
         """Template context of the backward kernels."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "stages": STAGES_BWD[self.d],
-                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, **STATE_NAMES}
+                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, "wgmma": False,
+                **STATE_NAMES}
 
 
 @cache.lru("attention.plans")
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
-                   mask_shape: tuple[int, ...], kv_heads: int = 0) -> AttentionPlan:
+                   mask_shape: tuple[int, ...], kv_heads: int = 0,
+                   arch: str = "sm_80") -> AttentionPlan:
     """Check the problem against what the kernel runs and fix its tiles; the rule derivation runs
     here so that a kernel permuting a non-invariant axis could not be planned. The mask's
     leading dims broadcast (each 1 or the full extent: [Sq, Sk], [H|1, Sq, Sk] or
-    [B|1, H|1, Sq, Sk]); ``kv_heads`` (0: ``heads``) must divide ``heads``. Cached per shape
+    [B|1, H|1, Sq, Sk]); ``kv_heads`` (0: ``heads``) must divide ``heads``; on a device of
+    ``arch`` in ``lower.WGMMA_ARCHS`` the forward multiplies on wgmma. Cached per shape
     (every call plans; a refusal raises again each time)."""
     ATTENTION.derive()
     if d not in HEAD_DIMS:
@@ -304,7 +309,8 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
                          f"65535 and 65535")
     if max(batch * heads * max(sq, sk) * d, mb * mh * sq * sk) >= 2 ** 62:
         raise ShapeError("problem too large for 64-bit offsets")
-    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM, kv_heads=kv_heads)
+    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM, kv_heads=kv_heads,
+                         wgmma=arch in lower.WGMMA_ARCHS)
     if plan.smem > SMEM_LIMIT:
         raise ShapeError(f"Sk={sk} keys make a block list of {plan.n_kb} entries that does not fit "
                          f"shared memory; sparse_attention runs Sk up to "
@@ -376,8 +382,9 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
     check_tensor("k", k, (dtype,), ndim=4)
     check_tensor("v", v, (dtype,), ndim=4)
     b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    arch = device_arch()
     if mask is None:
-        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv)
+        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv, arch)
     check_tensor("mask", mask, ("bool", "uint8"), contiguous=False)
     for name, x in (("k", k), ("v", v), ("mask", mask)):
         if x.device != q.device:
@@ -386,7 +393,7 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
         if x.data_ptr() % 16:
             raise ShapeError(f"{name} is not 16-byte aligned (a view at an odd offset); "
                              f"pass {name}.clone()")
-    return plan_attention(b, h, sq, sk, d, dtype, _mask_shape(mask), hkv)
+    return plan_attention(b, h, sq, sk, d, dtype, _mask_shape(mask), hkv, arch)
 
 
 class BlockIndex(NamedTuple):
