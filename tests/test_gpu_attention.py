@@ -146,14 +146,15 @@ def test_index_orders_rows_on_every_call_and_resets_its_counters(sq, sk):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_long_sequence_with_scale_and_unaligned_mask(d):
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])   # the kernel flips Q for a negative one
+def test_long_sequence_with_scale_and_unaligned_mask(d, scale):
     rng = np.random.default_rng(d)
     sq, sk = 1000, 1203   # Sk % 16 != 0: the byte index path
     mask = T.longformer_mask(sq, sk, 128, T.random_global_tokens(rng, sq, 8))
     mask &= T.tile_mask(rng, sq, sk, (16, 16), 0.7)
     q, k, v = operands(rng, 1, 2, sq, sk, d, "float16")
-    out = A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), scale=0.3)
-    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask, scale=0.3)
+    out = A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), scale=scale)
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask, scale=scale)
     T.assert_close(out, ref, "float16")
 
 
