@@ -116,7 +116,7 @@ GRAD_K = "G[b,h,j,d] += T[b,h,i,j] * Q[b,h,i,d]"
 
 ATTENTION_BWD = OpSpec(
     "attention backward", "attention_bwd.cu.j2",
-    {"pit_attn_bwd_dq": "PPPPPPPPPPiiiiiiiff", "pit_attn_bwd_dq_vec": "PPPPPPPPPPiiiiiiiff",
+    {"pit_attn_bwd_dq": "PPPPPPPPPPPPiiiiiiiff", "pit_attn_bwd_dq_vec": "PPPPPPPPPPPPiiiiiiiff",
      "pit_attn_bwd_dkv": "PPPPPPPPPPPiiiiiiiiff", "pit_attn_bwd_dkv_vec": "PPPPPPPPPPPiiiiiiiiff"},
     permutes=(
         # dQ: a CTA per (batch, head, query block) in the forward's order, walking its key
@@ -676,25 +676,28 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:   # d lse_i / d s_ij = P_ij: the lse gradient shifts delta
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    # rowsum(dO * O) - dlse per query row (d lse_i / d s_ij = P_ij: the lse gradient shifts
+    # it), computed and stored by the dQ kernel for the dK/dV kernel
+    delta = torch.empty((plan.batch, plan.heads, plan.sq), dtype=torch.float32, device=q.device)
+    dlse = None if dlse is None else dlse.float().contiguous()
+    out = out.contiguous()
     columns = (blocks != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
     kv_order = torch.argsort(columns, descending=True, stable=True).to(torch.int32)
     kernels = ATTENTION_BWD.module(plan.backward_context())
     vec = "_vec" if _vector_mask(plan, mask) else ""
     sb, sh = plan.mask_strides
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-            delta.data_ptr())
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr())
     consts = (scale * math.log2(math.e), scale)
     with TorchLaunch() as launch:
         kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, dq.data_ptr(), _ptr(mask),
+                       launch.stream, *args, out.data_ptr(),
+                       0 if dlse is None else dlse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
+                       _ptr(mask),
                        blocks.data_ptr(), order.data_ptr(), plan.sq, plan.sk,
                        plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
         kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, dk.data_ptr(), dv.data_ptr(), _ptr(mask),
+                       launch.stream, *args, delta.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                       _ptr(mask),
                        blocks.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
                        plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
     return dq, dk, dv
