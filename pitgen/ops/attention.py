@@ -423,15 +423,18 @@ class BlockIndex(NamedTuple):
 def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, str, int]], int]:
     """(field, shape, torch dtype name, byte offset) of each BlockIndex array, then the index
     pass's scratch (``cols``: per (slice, query block) each column's 64-bit mask of the rows
-    allowing it; ``work``: per query block its visited blocks + gathered tiles), in one buffer,
-    each at a 16-byte boundary (the gathered row masks load with cp.async); and its size."""
+    allowing it, then per index CTA its visited blocks and gathered keys, an even count so rows
+    stay 16-byte aligned; ``work``: per query block its visited blocks + gathered tiles), in one
+    buffer, each at a 16-byte boundary (the gathered row masks load with cp.async); and its
+    size."""
     s, nq, nk = plan.slices, plan.n_qb, plan.n_kb
     fields = [("states", (s, nq, nk), "uint8", 1), ("blocks", (s, nq, nk), "uint8", 1),
               ("order", (s, nq), "int32", 4), ("counts", (s, nq), "int32", 4),
               ("keys", (s, nq, cap), "int32", 4), ("bits", (s, nq, cap), "int64", 8),
               ("dense", (s, nq), "int64", 8), ("drows", (s, nq * plan.bm), "int32", 4),
               ("dcount", (s,), "int32", 4),
-              ("cols", (s, nq, nk * plan.bn), "int64", 8), ("work", (s, nq), "int32", 4)]
+              ("cols", (s, nq, nk * plan.bn + -(-plan.index_grid()[0] // 2) * 2), "int64", 8),
+              ("work", (s, nq), "int32", 4)]
     out, off = [], 0
     for name, shape, dtype, size in fields:
         out.append((name, shape, dtype, off))
