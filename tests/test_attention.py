@@ -271,6 +271,7 @@ def test_hopper_plan_multiplies_on_wgmma():
     plan = A.plan_attention(1, 1, 100, 130, 128, "bfloat16", (100, 130), 0, "sm_90")
     base = A.plan_attention(1, 1, 100, 130, 128, "bfloat16", (100, 130))
     assert plan.wgmma and not base.wgmma and plan.smem == base.smem + 1024
+    assert (plan.min_blocks, base.min_blocks) == (A.MIN_BLOCKS_WGMMA[128], A.MIN_BLOCKS[128])
     src = A.ATTENTION.source(plan.context())
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in src
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src

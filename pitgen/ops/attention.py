@@ -60,6 +60,10 @@ INDEX_COLUMNS = 512
 #: within 2% of 3 x 2 with less shared memory).
 STAGES = {64: 2, 128: 2}
 MIN_BLOCKS = {64: 3, 128: 2}
+#: The wgmma forward's (no K/V fragments in registers): at D=64, 4 CTAs per SM (128 registers)
+#: run BigBird and Longformer 13-14% faster than 3 and the 128-block mask 3% slower (H200,
+#: docs/attention.md); at D=128 shared memory holds 2.
+MIN_BLOCKS_WGMMA = {64: 4, 128: 2}
 #: Per head dim: pipeline stages of the backward kernels (K/V for dQ, Q/dO for dK/dV).
 STAGES_BWD = {64: 2, 128: 2}
 #: Per head dim: CTAs per SM of the backward kernels (accumulators dQ, or dK and dV, plus S and
@@ -152,7 +156,8 @@ class AttentionPlan:
         if not self.stages:
             object.__setattr__(self, "stages", STAGES[self.d])
         if not self.min_blocks:
-            object.__setattr__(self, "min_blocks", MIN_BLOCKS[self.d])
+            object.__setattr__(self, "min_blocks",
+                               (MIN_BLOCKS_WGMMA if self.wgmma else MIN_BLOCKS)[self.d])
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
 
