@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import sympy
 
+from . import cache
 from .errors import ExpressionError, ShapeError
 
 #: Reducer written in the expression -> name used everywhere else.
@@ -406,12 +407,19 @@ class _Parser:
 def parse(text: str) -> Operator:
     """Parse an expression such as ``"C[m,n] += A[m,k] * B[k,n]"`` into an :class:`Operator`.
 
-    Raises :class:`pitgen.ExpressionError` with the column of the problem.
+    Raises :class:`pitgen.ExpressionError` with the column of the problem. Remembered per text
+    (an Operator is immutable): planning, lowering and the rules each take expression text, and
+    building the sympy indices costs about a millisecond.
     """
     if not isinstance(text, str):
         raise ExpressionError(f"expected the expression as a string, got {type(text).__name__}")
     if len(text) > MAX_LENGTH:
         raise ExpressionError(f"expression of {len(text)} characters: at most {MAX_LENGTH}")
+    return _parse(text)
+
+
+@cache.lru("expr.parse", maxsize=1024)
+def _parse(text: str) -> Operator:
     return _Parser(text).statement()
 
 

@@ -3,6 +3,7 @@ the rule engine derives), a runtime that only loads and launches, and no import 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pkgutil
 from pathlib import Path
@@ -25,9 +26,11 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+@functools.cache
+def _imports() -> dict[str, set[str]]:
     """Module -> the pitgen modules it imports at import time (relative imports, outside
-    ``if TYPE_CHECKING``)."""
+    ``if TYPE_CHECKING``); parsed once, for the tests that read it."""
+    mods = _modules()
     graph: dict[str, set[str]] = {}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
@@ -47,7 +50,7 @@ def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def test_no_import_circles_and_no_import_of_the_package_itself():
-    graph = _imports(_modules())
+    graph = _imports()
     assert not [m for m, ts in graph.items() if "pitgen" in ts]
     state: dict[str, int] = {}
 
@@ -65,7 +68,7 @@ def test_no_import_circles_and_no_import_of_the_package_itself():
 
 
 def test_runtime_only_loads_and_launches():
-    assert _imports(_modules())["pitgen.runtime"] <= {"pitgen.cache", "pitgen.compiler",
+    assert _imports()["pitgen.runtime"] <= {"pitgen.cache", "pitgen.compiler",
                                                       "pitgen.errors"}
 
 
