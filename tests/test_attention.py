@@ -256,9 +256,27 @@ def test_shared_memory_bounds_the_key_length():
 VARIANTS = [(d, dt) for d in A.HEAD_DIMS for dt in A.ATTENTION.dtypes]
 
 
-def _source(d: int, dtype: str) -> str:
-    plan = A.plan_attention(1, 1, 100, 130, d, dtype, (100, 130))
+def _source(d: int, dtype: str, arch: str = "sm_80") -> str:
+    plan = A.plan_attention(1, 1, 100, 130, d, dtype, (100, 130), 0, arch)
     return A.ATTENTION.source(plan.context())
+
+
+#: The Hopper forward (wgmma products) for both widths of its PV product and both dtypes.
+WGMMA_VARIANTS = ((64, "float16"), (128, "bfloat16"))
+
+
+def test_hopper_plan_multiplies_on_wgmma():
+    """On sm_90 the forward's products are wgmma instructions over K/V tiles in its layout
+    (aligned stages: 1 KiB of slack); the backward keeps mma.sync."""
+    plan = A.plan_attention(1, 1, 100, 130, 128, "bfloat16", (100, 130), 0, "sm_90")
+    base = A.plan_attention(1, 1, 100, 130, 128, "bfloat16", (100, 130))
+    assert plan.wgmma and not base.wgmma and plan.smem == base.smem + 1024
+    assert (plan.min_blocks, base.min_blocks) == (A.MIN_BLOCKS_WGMMA[128], A.MIN_BLOCKS[128])
+    src = A.ATTENTION.source(plan.context())
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in src
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src
+    assert "wgmma.mma_async" not in A.ATTENTION.source(base.context())
+    assert "wgmma.mma_async" not in A.ATTENTION_BWD.source(plan.backward_context())
 
 
 def test_render_names_the_kernels():
@@ -283,8 +301,10 @@ def _archs(d: int, dtype: str, source: str) -> tuple[str, ...]:
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
     """Every variant's compile for its archs (submitted at collection by conftest)."""
     sources = {v: _source(*v) for v in VARIANTS}
+    hopper = [pool.submit(compiler.compile_source, _source(*v, "sm_90"), "sm_90a")
+              for v in WGMMA_VARIANTS if "sm_90a" in archs]
     return [pool.submit(compiler.compile_source, src, arch) for v, src in sources.items()
-            for arch in _archs(*v, src) if arch in archs] + _backward_jobs(pool, archs)
+            for arch in _archs(*v, src) if arch in archs] + hopper + _backward_jobs(pool, archs)
 
 
 @pytest.mark.nvcc

@@ -5,15 +5,19 @@ contents stay in bounds, the module matches nn.MultiheadAttention with the same 
 input raises pitgen errors."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pitgen import lower
 from pitgen import testing as T
 from pitgen import reference as R
 import pitgen
 from pitgen.ops import attention as A
+from pitgen.runtime import device_arch
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -45,6 +49,26 @@ def make_mask(rng: np.random.Generator, pattern: str, sq: int, sk: int, density:
     return T.tile_mask(rng, sq, sk, tile, density)
 
 
+def _forget() -> None:
+    A.plan_attention.cache_clear()
+    A._CHECKED.clear()
+    A._EAGER.clear()
+
+
+@contextlib.contextmanager
+def mainloop(name: str):
+    """The calls inside run the forward on ``name`` ("mma_sync": Hopper's wgmma turned off, so
+    both kernels run on a Hopper GPU); yields whether the plan multiplies on wgmma."""
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "mma_sync":
+            mp.setattr(lower, "WGMMA_ARCHS", ())
+        _forget()
+        try:
+            yield device_arch() in lower.WGMMA_ARCHS
+        finally:
+            _forget()
+
+
 def operands(rng, b, h, sq, sk, d, dtype):
     tdt = getattr(torch, dtype)
     q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to("cuda", tdt)
@@ -68,8 +92,9 @@ def poison(monkeypatch):
        dtype=st.sampled_from(["float16", "bfloat16"]), pattern=st.sampled_from(PATTERNS),
        mask_dims=st.sampled_from([2, 3, 4]), density=st.sampled_from([0.1, 0.5, 0.9]),
        as_uint8=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, density, as_uint8,
-                                   seed):
+@pytest.mark.parametrize("loop", ["wgmma", "mma_sync"])
+def test_matches_float64_reference(loop, b, h, sq, sk, d, dtype, pattern, mask_dims, density,
+                                   as_uint8, seed):
     rng = np.random.default_rng(seed)
     lead = {2: (), 3: (h,), 4: (b, h)}[mask_dims]
     mask = np.stack([make_mask(rng, pattern, sq, sk, density)
@@ -78,9 +103,10 @@ def test_matches_float64_reference(b, h, sq, sk, d, dtype, pattern, mask_dims, d
     tmask = torch.from_numpy(mask).cuda()
     if as_uint8:
         tmask = tmask.to(torch.uint8) * 3   # any non-zero byte attends
-    with pytest.MonkeyPatch.context() as mp:
+    with mainloop(loop) as wgmma, pytest.MonkeyPatch.context() as mp:
         poison(mp)
         out = A.sparse_attention(q, k, v, tmask)
+        assert A._check(q, k, v, tmask)[0].wgmma == wgmma
     ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
     T.assert_close(out, ref, dtype)
 
@@ -120,14 +146,15 @@ def test_index_orders_rows_on_every_call_and_resets_its_counters(sq, sk):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_long_sequence_with_scale_and_unaligned_mask(d):
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])   # the kernel flips Q for a negative one
+def test_long_sequence_with_scale_and_unaligned_mask(d, scale):
     rng = np.random.default_rng(d)
     sq, sk = 1000, 1203   # Sk % 16 != 0: the byte index path
     mask = T.longformer_mask(sq, sk, 128, T.random_global_tokens(rng, sq, 8))
     mask &= T.tile_mask(rng, sq, sk, (16, 16), 0.7)
     q, k, v = operands(rng, 1, 2, sq, sk, d, "float16")
-    out = A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), scale=0.3)
-    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask, scale=0.3)
+    out = A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), scale=scale)
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask, scale=scale)
     T.assert_close(out, ref, "float16")
 
 
@@ -248,8 +275,9 @@ def test_empty_problems():
        d=st.sampled_from([64, 128]), dtype=st.sampled_from(["float16", "bfloat16"]),
        pattern=st.sampled_from(["bigbird", "global", "full_rows", "longformer"]),
        mask_dims=st.sampled_from([2, 3, 4]), seed=st.integers(0, 2 ** 16))
-def test_gathered_keys_and_dense_rows_match_float64_reference(b, hkv, group, sq, sk, d, dtype,
-                                                              pattern, mask_dims, seed):
+@pytest.mark.parametrize("loop", ["wgmma", "mma_sync"])
+def test_gathered_keys_and_dense_rows_match_float64_reference(loop, b, hkv, group, sq, sk, d,
+                                                              dtype, pattern, mask_dims, seed):
     """Masks whose index gathers keys and moves dense rows, at sizes with many key blocks:
     outputs and lse (poisoned first) against float64, GQA, every mask form, the index exact."""
     rng = np.random.default_rng(seed)
@@ -262,9 +290,10 @@ def test_gathered_keys_and_dense_rows_match_float64_reference(b, hkv, group, sq,
     k, v = (torch.from_numpy(rng.standard_normal((b, hkv, sk, d)).astype(np.float32)).to("cuda", tdt)
             for _ in range(2))
     tmask = torch.from_numpy(mask).cuda()
-    with pytest.MonkeyPatch.context() as mp:
+    with mainloop(loop) as wgmma, pytest.MonkeyPatch.context() as mp:
         poison(mp)
         out, lse = A.sparse_attention(q, k, v, tmask, return_lse=True)
+        assert A._check(q, k, v, tmask)[0].wgmma == wgmma
     args = [x.double().cpu().numpy() for x in (q, k, v)]
     T.assert_close(out, R.attention_reference(*args, mask), dtype)
     _, ref_lse = R.attention_probabilities(args[0], args[1], mask)

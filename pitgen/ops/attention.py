@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .. import cache
+from .. import cache, lower
 from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, kept_scratch, stream_counters
+from ..runtime import TorchLaunch, device_arch, kept_scratch, stream_counters
 from . import lazy_torch_classes
 from .library import tracing
 
@@ -60,6 +60,10 @@ INDEX_COLUMNS = 512
 #: within 2% of 3 x 2 with less shared memory).
 STAGES = {64: 2, 128: 2}
 MIN_BLOCKS = {64: 3, 128: 2}
+#: The wgmma forward's (no K/V fragments in registers): at D=64, 4 CTAs per SM (128 registers)
+#: run BigBird and Longformer 13-14% faster than 3 and the 128-block mask 3% slower (H200,
+#: docs/attention.md); at D=128 shared memory holds 2.
+MIN_BLOCKS_WGMMA = {64: 4, 128: 2}
 #: Per head dim: pipeline stages of the backward kernels (K/V for dQ, Q/dO for dK/dV).
 STAGES_BWD = {64: 2, 128: 2}
 #: Per head dim: CTAs per SM of the backward kernels (accumulators dQ, or dK and dV, plus S and
@@ -116,7 +120,7 @@ GRAD_K = "G[b,h,j,d] += T[b,h,i,j] * Q[b,h,i,d]"
 
 ATTENTION_BWD = OpSpec(
     "attention backward", "attention_bwd.cu.j2",
-    {"pit_attn_bwd_dq": "PPPPPPPPPPiiiiiiiff", "pit_attn_bwd_dq_vec": "PPPPPPPPPPiiiiiiiff",
+    {"pit_attn_bwd_dq": "PPPPPPPPPPPPiiiiiiiff", "pit_attn_bwd_dq_vec": "PPPPPPPPPPPPiiiiiiiff",
      "pit_attn_bwd_dkv": "PPPPPPPPPPPiiiiiiiiff", "pit_attn_bwd_dkv_vec": "PPPPPPPPPPPiiiiiiiiff"},
     permutes=(
         # dQ: a CTA per (batch, head, query block) in the forward's order, walking its key
@@ -146,12 +150,14 @@ class AttentionPlan:
     stages: int = 0      # 0: STAGES[d]
     min_blocks: int = 0  # 0: MIN_BLOCKS[d]
     kv_heads: int = 0    # 0: heads (GQA: fewer K/V heads, kv head = h // group)
+    wgmma: bool = False  # the forward's products on wgmma (sm_90a)
 
     def __post_init__(self) -> None:
         if not self.stages:
             object.__setattr__(self, "stages", STAGES[self.d])
         if not self.min_blocks:
-            object.__setattr__(self, "min_blocks", MIN_BLOCKS[self.d])
+            object.__setattr__(self, "min_blocks",
+                               (MIN_BLOCKS_WGMMA if self.wgmma else MIN_BLOCKS)[self.d])
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
 
@@ -207,7 +213,7 @@ class AttentionPlan:
         """Dynamic shared memory of the attention kernel: K, V and mask-tile stages + the block
         list."""
         return 2 * self.stages * self.bn * self.d * 2 + self.stages * self.bm * MASK_ROW \
-            + 4 * self.n_kb
+            + 4 * self.n_kb + (1024 if self.wgmma else 0)   # slack to align the stages
 
     @property
     def mask_strides(self) -> tuple[int, int]:
@@ -233,7 +239,8 @@ class AttentionPlan:
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW,
-                "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, **STATE_NAMES}
+                "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, "wgmma": self.wgmma,
+                **STATE_NAMES}
 
     # -- backward --
 
@@ -267,16 +274,19 @@ class AttentionPlan:
         """Template context of the backward kernels."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "stages": STAGES_BWD[self.d],
-                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, **STATE_NAMES}
+                "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, "wgmma": False,
+                **STATE_NAMES}
 
 
 @cache.lru("attention.plans")
 def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
-                   mask_shape: tuple[int, ...], kv_heads: int = 0) -> AttentionPlan:
+                   mask_shape: tuple[int, ...], kv_heads: int = 0,
+                   arch: str = "sm_80") -> AttentionPlan:
     """Check the problem against what the kernel runs and fix its tiles; the rule derivation runs
     here so that a kernel permuting a non-invariant axis could not be planned. The mask's
     leading dims broadcast (each 1 or the full extent: [Sq, Sk], [H|1, Sq, Sk] or
-    [B|1, H|1, Sq, Sk]); ``kv_heads`` (0: ``heads``) must divide ``heads``. Cached per shape
+    [B|1, H|1, Sq, Sk]); ``kv_heads`` (0: ``heads``) must divide ``heads``; on a device of
+    ``arch`` in ``lower.WGMMA_ARCHS`` the forward multiplies on wgmma. Cached per shape
     (every call plans; a refusal raises again each time)."""
     ATTENTION.derive()
     if d not in HEAD_DIMS:
@@ -304,7 +314,8 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
                          f"65535 and 65535")
     if max(batch * heads * max(sq, sk) * d, mb * mh * sq * sk) >= 2 ** 62:
         raise ShapeError("problem too large for 64-bit offsets")
-    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM, kv_heads=kv_heads)
+    plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM, kv_heads=kv_heads,
+                         wgmma=arch in lower.WGMMA_ARCHS)
     if plan.smem > SMEM_LIMIT:
         raise ShapeError(f"Sk={sk} keys make a block list of {plan.n_kb} entries that does not fit "
                          f"shared memory; sparse_attention runs Sk up to "
@@ -376,8 +387,9 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
     check_tensor("k", k, (dtype,), ndim=4)
     check_tensor("v", v, (dtype,), ndim=4)
     b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    arch = device_arch()
     if mask is None:
-        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv)
+        return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv, arch)
     check_tensor("mask", mask, ("bool", "uint8"), contiguous=False)
     for name, x in (("k", k), ("v", v), ("mask", mask)):
         if x.device != q.device:
@@ -386,7 +398,7 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
         if x.data_ptr() % 16:
             raise ShapeError(f"{name} is not 16-byte aligned (a view at an odd offset); "
                              f"pass {name}.clone()")
-    return plan_attention(b, h, sq, sk, d, dtype, _mask_shape(mask), hkv)
+    return plan_attention(b, h, sq, sk, d, dtype, _mask_shape(mask), hkv, arch)
 
 
 class BlockIndex(NamedTuple):
@@ -416,15 +428,18 @@ class BlockIndex(NamedTuple):
 def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, str, int]], int]:
     """(field, shape, torch dtype name, byte offset) of each BlockIndex array, then the index
     pass's scratch (``cols``: per (slice, query block) each column's 64-bit mask of the rows
-    allowing it; ``work``: per query block its visited blocks + gathered tiles), in one buffer,
-    each at a 16-byte boundary (the gathered row masks load with cp.async); and its size."""
+    allowing it, then per index CTA its visited blocks and gathered keys, an even count so rows
+    stay 16-byte aligned; ``work``: per query block its visited blocks + gathered tiles), in one
+    buffer, each at a 16-byte boundary (the gathered row masks load with cp.async); and its
+    size."""
     s, nq, nk = plan.slices, plan.n_qb, plan.n_kb
     fields = [("states", (s, nq, nk), "uint8", 1), ("blocks", (s, nq, nk), "uint8", 1),
               ("order", (s, nq), "int32", 4), ("counts", (s, nq), "int32", 4),
               ("keys", (s, nq, cap), "int32", 4), ("bits", (s, nq, cap), "int64", 8),
               ("dense", (s, nq), "int64", 8), ("drows", (s, nq * plan.bm), "int32", 4),
               ("dcount", (s,), "int32", 4),
-              ("cols", (s, nq, nk * plan.bn), "int64", 8), ("work", (s, nq), "int32", 4)]
+              ("cols", (s, nq, nk * plan.bn + -(-plan.index_grid()[0] // 2) * 2), "int64", 8),
+              ("work", (s, nq), "int32", 4)]
     out, off = [], 0
     for name, shape, dtype, size in fields:
         out.append((name, shape, dtype, off))
@@ -669,25 +684,28 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:   # d lse_i / d s_ij = P_ij: the lse gradient shifts delta
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    # rowsum(dO * O) - dlse per query row (d lse_i / d s_ij = P_ij: the lse gradient shifts
+    # it), computed and stored by the dQ kernel for the dK/dV kernel
+    delta = torch.empty((plan.batch, plan.heads, plan.sq), dtype=torch.float32, device=q.device)
+    dlse = None if dlse is None else dlse.float().contiguous()
+    out = out.contiguous()
     columns = (blocks != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
     kv_order = torch.argsort(columns, descending=True, stable=True).to(torch.int32)
     kernels = ATTENTION_BWD.module(plan.backward_context())
     vec = "_vec" if _vector_mask(plan, mask) else ""
     sb, sh = plan.mask_strides
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-            delta.data_ptr())
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr())
     consts = (scale * math.log2(math.e), scale)
     with TorchLaunch() as launch:
         kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, dq.data_ptr(), _ptr(mask),
+                       launch.stream, *args, out.data_ptr(),
+                       0 if dlse is None else dlse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
+                       _ptr(mask),
                        blocks.data_ptr(), order.data_ptr(), plan.sq, plan.sk,
                        plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
         kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, dk.data_ptr(), dv.data_ptr(), _ptr(mask),
+                       launch.stream, *args, delta.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                       _ptr(mask),
                        blocks.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
                        plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
     return dq, dk, dv
