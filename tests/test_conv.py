@@ -20,6 +20,9 @@ from pitgen.rules import analyse
 ARCHS = ("sm_80", "sm_90a")
 VARIANTS = [(cv.CONV_INDEX, cv.IndexConfig(d, lay)) for d in cv.DTYPES for lay in cv.LAYOUTS] + \
     [(cv.CONV, cv.GemmConfig(d, bn)) for d in cv.DTYPES for bn in (64, 128)]
+#: the GEMM on wgmma, built for sm_90a only: both dtypes and CTA widths
+WGMMA_VARIANTS = [(cv.CONV, cv.GemmConfig(d, bn, wgmma=True)) for d in cv.DTYPES for bn in (64, 128)]
+ALL = VARIANTS + WGMMA_VARIANTS
 RESNET = (32, 256, 56, 56), (64, 256, 3, 3)
 
 
@@ -48,6 +51,18 @@ def test_plan_picks_the_cta_width_from_the_filters():
     assert cv.out_size(wide, 14, 14) == (7, 7)
     assert cv.out_size(cv.plan_conv("float16", "nchw", (1, 3, 7, 8), (2, 3, 3, 3), 2, 1), 7, 8) \
         == (4, 4)
+
+
+def test_hopper_plan_multiplies_on_wgmma_two_ctas_per_sm():
+    p = cv.plan_conv("float16", "nchw", *RESNET, 1, 1, arch="sm_90")
+    assert p.gemm == cv.GemmConfig("float16", 64, wgmma=True)
+    assert not cv.plan_conv("float16", "nchw", *RESNET, 1, 1, arch="sm_80").gemm.wgmma
+    for bn, stages in ((64, 4), (128, 3)):
+        g = cv.GemmConfig("bfloat16", bn, wgmma=True)
+        assert g.threads == 256 and g.stages == stages and g.ctas_per_sm == 2
+        assert g.smem == stages * (cv.BM + bn) * 128 + 1024   # 128-byte rows, aligned stages
+        ctx = g.context()
+        assert ctx["wgmma"] and ctx["min_blocks"] == 2 and ctx["stages"] == stages
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -95,13 +110,13 @@ def test_index_vector_width_divides_the_run_and_the_alignment(layout, C, HW, ptr
 
 @functools.cache
 def _sources() -> tuple[str, ...]:
-    return tuple(spec.source(cfg.context()) for spec, cfg in VARIANTS)
+    return tuple(spec.source(cfg.context()) for spec, cfg in ALL)
 
 
 def _arch(i: int) -> str:
-    """Variant i's architecture: pairs alternate, so that each index layout and GEMM tile
-    width is compiled for both (one dtype each; nothing in the templates is arch-dependent)."""
-    return ARCHS[(i // 2) % 2]
+    """Variant i's architecture: the wgmma GEMMs sm_90a; the others' pairs alternate, so that
+    each index layout and mma.sync tile width is compiled for both (one dtype each)."""
+    return "sm_90a" if i >= len(VARIANTS) else ARCHS[(i // 2) % 2]
 
 
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
@@ -113,8 +128,8 @@ def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
 
 def test_variants_render_distinct_sources_with_their_kernels():
     srcs = _sources()
-    assert len(set(srcs)) == len(VARIANTS)
-    for (spec, cfg), src in zip(VARIANTS, srcs):
+    assert len(set(srcs)) == len(ALL)
+    for (spec, cfg), src in zip(ALL, srcs):
         for kernel in spec.kernels:
             assert f"{kernel}(" in src, (cfg, kernel)
         assert ("__nv_bfloat16 elem_t" in src) == (cfg.dtype == "bfloat16")
@@ -123,7 +138,7 @@ def test_variants_render_distinct_sources_with_their_kernels():
 def test_kernel_signatures_match_the_templates_parameters():
     """Each OpSpec signature has one letter per kernel parameter: P for pointers, i for ints."""
     import re
-    for (spec, cfg), src in zip(VARIANTS, _sources()):
+    for (spec, cfg), src in zip(ALL, _sources()):
         for kernel, sig in spec.kernels.items():
             params = re.search(rf"\b{kernel}\(([^)]*)\)", src).group(1).split(",")
             kinds = "".join("P" if "*" in p else "i" for p in params)
@@ -141,7 +156,8 @@ def test_generated_code_range_checks_every_channel_id():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_variant_compiles(arch, nvcc):
     cubins = [job.result() for job in nvcc_jobs(nvcc, [arch])]
-    assert len(cubins) == len(VARIANTS) // 2 and all(c[:4] == b"\x7fELF" for c in cubins)
+    hopper = len(WGMMA_VARIANTS) if arch == "sm_90a" else 0
+    assert len(cubins) == len(VARIANTS) // 2 + hopper and all(c[:4] == b"\x7fELF" for c in cubins)
     met = {(spec.name, cfg.layout if spec is cv.CONV_INDEX else cfg.bn, _arch(i))
            for i, (spec, cfg) in enumerate(VARIANTS)}
     assert met == {(spec.name, kind, a) for spec, kinds in ((cv.CONV_INDEX, cv.LAYOUTS),

@@ -82,7 +82,8 @@ class Device:
                         R, S, sw_f, sw_c, sw_r, sw_s, wc):
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
         HW = H * W
-        want = N * -(-HW // cv.TILE_P) if self.cfg.layout == "nchw" else -(-N * HW // cv.PIX)
+        want = (-(-C // cv.CHUNK) * N * -(-HW // cv.TILE_P) if self.cfg.layout == "nchw"
+                else -(-N * HW // cv.PIX))
         assert x_blocks == want
         ca, cp = active(count, C)
         assert (grid[0] - x_blocks) * cv.INDEX_THREADS * 8 >= F * R * S * cp, "W not covered"
@@ -104,7 +105,7 @@ class Device:
     def pit_conv_gemm(self, grid, block, smem, xc, wc, count, bias, y, N, C, H, W, F, R, S, P,
                       Q, sh, sw, ph, pw, so_n, so_f, so_p, so_q):
         cfg = self.cfg
-        assert block == (128, 1, 1) and smem == cfg.smem
+        assert block == (cfg.threads, 1, 1) and smem == cfg.smem
         assert grid == (-(-N * P * Q // cv.BM), -(-F // cfg.bn), 1)
         ca, cp = active(count, C)
         Xc = memory(xc, N * H * W * cp, np.float16).reshape(N, H, W, cp).astype(np.float64)
@@ -162,8 +163,9 @@ def track(*tensors) -> None:
 
 
 @contextmanager
-def emulated(monkeypatch):
+def emulated(monkeypatch, arch="sm_80"):
     devices: dict = {}
+    monkeypatch.setattr(cv, "device_arch", lambda: arch)   # the GEMM variant of this device
     ALLOCATIONS.clear()
     for name in ("empty", "zeros"):
         monkeypatch.setattr(torch, name, _recorded(getattr(torch, name)))
@@ -188,16 +190,18 @@ def activations(rng, shape, sparsity, channels_last):
 @given(N=st.integers(1, 3), C=st.integers(1, 70), H=st.integers(3, 9), W=st.integers(3, 9),
        F=st.integers(1, 140), R=st.sampled_from([1, 3]), S=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]),
        pad=st.tuples(st.integers(0, 1), st.integers(0, 1)), sparsity=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
-       channels_last=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+       channels_last=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**31 - 1),
+       arch=st.sampled_from(["sm_80", "sm_90"]))
 def test_launch_drives_the_kernels_as_their_contracts_expect(N, C, H, W, F, R, S, stride, pad,
-                                                             sparsity, channels_last, bias, seed):
+                                                             sparsity, channels_last, bias, seed,
+                                                             arch):
     pad = (min(pad[0], R - 1), min(pad[1], S - 1))
     rng = np.random.default_rng(seed)
     x = activations(rng, (N, C, H, W), sparsity, channels_last)
     w = torch.from_numpy(rng.standard_normal((F, C, R, S)).astype(np.float16))
     w = w.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if seed % 2 else w  # any strides
     b = torch.from_numpy(rng.standard_normal(F).astype(np.float16)) if bias else None
-    with pytest.MonkeyPatch.context() as mp, emulated(mp) as devices:
+    with pytest.MonkeyPatch.context() as mp, emulated(mp, arch) as devices:
         track(x, w, b)
         y, count = cv.launch(x, w, b, (stride, stride), pad)
         ids, count2 = cv.index_launch(x)

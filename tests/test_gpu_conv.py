@@ -2,17 +2,21 @@
 NumPy list on drawn inputs (0%, 50%, 90% and 100% zero channels, a channel alive in one sample
 only, -0.0); the convolution matches the float64 reference on drawn shapes that are not
 multiples of any tile (1x1 and 3x3, stride 1 and 2, padding, bias, NCHW and channels_last, fp16
-and bf16) with its output poisoned and its workspace flooded with NaN first; repeated calls with
+and bf16) with its output poisoned and its workspace flooded with NaN first, on both GEMMs (wgmma
+and, with it turned off, mma.sync on a Hopper GPU); repeated calls with
 other channels and other shapes on one stream (the index leaves its flags zero); no host sync;
 SparseConv2d in every mode and training; opcheck; the backward (cuDNN's) against conv2d's, dW
 of the zero channels exactly zero."""
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pitgen import lower
 from pitgen import testing as T
 from pitgen.ops import conv as cv
 from pitgen.reference import active_channels_reference, conv2d_reference
@@ -51,6 +55,20 @@ def flood(*numels, dtype=torch.float16):
     del blocks
 
 
+@contextlib.contextmanager
+def mainloop(name: str):
+    """The calls inside run the GEMM on ``name`` ("mma_sync": Hopper's wgmma turned off, so
+    both kernels run on a Hopper GPU)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "mma_sync":
+            mp.setattr(lower, "WGMMA_ARCHS", ())
+        cv.plan_conv.cache_clear()
+        try:
+            yield
+        finally:
+            cv.plan_conv.cache_clear()
+
+
 @st.composite
 def problems(draw):
     R = draw(st.sampled_from([1, 3]))
@@ -79,9 +97,15 @@ def test_index_equals_the_numpy_channel_list(N, C, H, W, sparsity, dtype, channe
     np.testing.assert_array_equal(ids[:n].cpu().numpy(), want)
 
 
+@pytest.mark.parametrize("loop", ["wgmma", "mma_sync"])
 @GPU_SETTINGS
-@given(problems())
-def test_conv_matches_the_float64_reference(p):
+@given(p=problems())
+def test_conv_matches_the_float64_reference(loop, p):
+    with mainloop(loop):
+        _check_conv(p)
+
+
+def _check_conv(p):
     rng = np.random.default_rng(p["seed"])
     N, C, H, W, F, R = p["N"], p["C"], p["H"], p["W"], p["F"], p["R"]
     tdt = getattr(torch, p["dtype"])
@@ -110,16 +134,18 @@ def test_conv_matches_the_float64_reference(p):
     T.assert_close(y2, want, p["dtype"], tol=TOL)
 
 
+@pytest.mark.parametrize("loop", ["wgmma", "mma_sync"])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("shape, weight, pad", [
     ((4, 256, 56, 56), (64, 256, 3, 3), 1),     # ResNet-50 stage shapes, fewer samples
     ((2, 512, 28, 28), (128, 512, 3, 3), 1),
     ((2, 1024, 14, 14), (256, 1024, 1, 1), 0)])
-def test_resnet_shapes_at_90_percent(shape, weight, pad, channels_last):
+def test_resnet_shapes_at_90_percent(shape, weight, pad, channels_last, loop):
     rng = np.random.default_rng(7)
     x, x64 = activations(rng, shape, 0.9, "float16", channels_last)
     w = (torch.randn(*weight, device="cuda") / np.sqrt(np.prod(weight[1:]))).half()
-    y = cv.sparse_conv2d(x, w, padding=pad)
+    with mainloop(loop):
+        y = cv.sparse_conv2d(x, w, padding=pad)
     ref = torch.nn.functional.conv2d(x.float(), w.float(), padding=pad)
     T.assert_close(y, ref.double().cpu().numpy(), "float16", tol=TOL)
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import cache
+from .. import cache, lower
 from ..errors import PlanError, ShapeError
 from ..limits import GRID_Y_MAX, INT32_MAX
 from ..operands import check_device, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, stream_counters
+from ..runtime import TorchLaunch, device_arch, stream_counters
 from . import lazy_torch_classes
 from .library import ops
 
@@ -54,8 +54,12 @@ LAYOUTS = ("nchw", "nhwc")
 CHUNK = 32
 INDEX_THREADS = 256
 #: CTAs' work in the index and gather kernels (the templates' PIX and TILE_P).
-PIX, TILE_P = 32, 64
+PIX, TILE_P = 32, 128
 BM, STAGES = 128, 4
+#: The wgmma kernel's stage bytes per CTA: two CTAs per SM (4 stages at 64 filters, 3 at 128).
+WGMMA_STAGES_BYTES = 100 * 1024
+#: Shared memory of an sm_90 SM.
+SM_SMEM = 228 * 1024
 #: Largest kernel extent (R, S) accepted: R*S k-taps per channel chunk, all runtime values.
 MAX_KERNEL = 7
 
@@ -87,16 +91,38 @@ class IndexConfig:
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """The implicit GEMM of one dtype and CTA width (filters per CTA)."""
+    """The implicit GEMM of one dtype and CTA width (filters per CTA), on mma.sync (4 warps) or,
+    with ``wgmma`` (sm_90a), two warpgroups multiplying 64-deep k-steps (conv_sm90.cu.j2) with
+    as many stages as let two CTAs share an SM."""
 
     dtype: str
     bn: int
+    wgmma: bool = False
+
+    @property
+    def stages(self) -> int:
+        return (WGMMA_STAGES_BYTES // ((BM + self.bn) * 4 * CHUNK)) if self.wgmma else STAGES
+
+    @property
+    def threads(self) -> int:
+        return 256 if self.wgmma else 128
 
     def context(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "bm": BM, "bn": self.bn, "chunk": CHUNK, "stages": STAGES}
+        return {"dtype": self.dtype, "bm": BM, "bn": self.bn, "chunk": CHUNK,
+                "stages": self.stages, "wgmma": self.wgmma, "threads": self.threads,
+                "min_blocks": self.ctas_per_sm}
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs of the wgmma kernel that share an SM: its shared memory (and 1 KB the driver
+        reserves per CTA) within an SM's 228 KB; registers allow three at 64 filters (85 per
+        thread), two at 128 (a 64 x 128 accumulator takes 64)."""
+        return max(1, min(3 if self.bn <= 64 else 2, SM_SMEM // (self.smem + 1024)))
 
     @property
     def smem(self) -> int:
+        if self.wgmma:   # 128-byte tile rows, 1024-byte aligned stages (the slack for that)
+            return self.stages * (BM + self.bn) * 4 * CHUNK + 1024
         return STAGES * (BM + self.bn) * (CHUNK + 8) * 2
 
 
@@ -130,10 +156,11 @@ def channel_axis(stride: int) -> str:
 @cache.lru("conv.plans", maxsize=1024)
 def plan_conv(dtype: str, layout: str, shape: tuple[int, int, int, int],
               weight: tuple[int, int, int, int], stride: Any = 1, padding: Any = 0,
-              dilation: Any = 1, groups: int = 1) -> ConvPlan:
+              dilation: Any = 1, groups: int = 1, arch: str = "sm_80") -> ConvPlan:
     """Check what the kernels run and choose them: fp16/bf16; groups 1; dilation 1; stride 1
     or 2 (each with its expression's rules); padding 0 .. kernel-1; kernels up to 7x7; an
-    output of at least one pixel. ``shape`` is X's [N, C, H, W], ``weight`` W's [F, C, R, S]."""
+    output of at least one pixel. ``shape`` is X's [N, C, H, W], ``weight`` W's [F, C, R, S];
+    on an ``arch`` in ``lower.WGMMA_ARCHS`` the GEMM multiplies on wgmma."""
     CONV.check_dtype(dtype)
     if layout not in LAYOUTS:
         raise PlanError(f"sparse_conv2d: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -161,8 +188,8 @@ def plan_conv(dtype: str, layout: str, shape: tuple[int, int, int, int],
     if min(F, C) < 1:
         raise ShapeError(f"sparse_conv2d needs at least one channel and filter, got C={C}, F={F}")
     channel_axis(sh)
-    return ConvPlan(IndexConfig(dtype, layout), GemmConfig(dtype, 64 if F <= 64 else 128),
-                    (sh, sw), (ph, pw), (R, S))
+    gemm = GemmConfig(dtype, 64 if F <= 64 else 128, wgmma=arch in lower.WGMMA_ARCHS)
+    return ConvPlan(IndexConfig(dtype, layout), gemm, (sh, sw), (ph, pw), (R, S))
 
 
 def out_size(plan: ConvPlan, h: int, w: int) -> tuple[int, int]:
@@ -306,7 +333,7 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     layout = layout_of(x)
     dtype = str(x.dtype).replace("torch.", "")
     plan = plan_conv(dtype, layout, tuple(x.shape), tuple(weight.shape), tuple(stride),
-                     tuple(padding))
+                     tuple(padding), arch=device_arch())
     N, C, H, W = x.shape
     F, _, R, S = weight.shape
     P, Q = out_size(plan, H, W)
@@ -326,7 +353,7 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     count = torch.empty(1, dtype=torch.int32, device=x.device)   # an output: its own tensor
     work = torch.empty((N * H * W + F * R * S) * cmax, dtype=x.dtype, device=x.device)
     xc, wc = work[:N * H * W * cmax], work[N * H * W * cmax:]   # one allocation, both 64-byte aligned
-    x_blocks = N * -(-H * W // TILE_P) if layout == "nchw" else -(-N * H * W // PIX)
+    x_blocks = (cmax // CHUNK) * N * -(-H * W // TILE_P) if layout == "nchw" else -(-N * H * W // PIX)
     w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
     g = plan.gemm
     grid = (-(-N * P * Q // BM), -(-F // g.bn), 1)
@@ -341,7 +368,7 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
             x.data_ptr(), N, C, H, W, ids.data_ptr(), count.data_ptr(), xc.data_ptr(), x_blocks,
             weight.data_ptr(), F, R, S, w_str[0], w_str[1], w_str[2], w_str[3], wc.data_ptr())
         CONV.module(g).launch(
-            "pit_conv_gemm", grid, (128, 1, 1), L.stream, xc.data_ptr(), wc.data_ptr(),
+            "pit_conv_gemm", grid, (g.threads, 1, 1), L.stream, xc.data_ptr(), wc.data_ptr(),
             count.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(), N, C, H,
             W, F, R, S, P, Q, plan.stride[0], plan.stride[1], plan.padding[0], plan.padding[1],
             so[0], so[1], so[2], so[3], smem=g.smem)
