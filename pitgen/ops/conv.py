@@ -222,31 +222,35 @@ def vector_width(layout: str, C: int, HW: int, ptr: int) -> int:
 
 #: H100 rates behind :func:`dense_crossover`, from ``pitgen bench conv`` (docs/bench/conv.md,
 #: batch 32, fp16, NCHW): the copy rate; cuDNN's dense rate on the 3 x 3 layers; the index
-#: pass's read of X (0.030 ms for 51 MB); the implicit GEMM's share of cuDNN's rate (0.41 from
-#: the slope of its time over the active fraction at 56 x 56 x 256 -> 64, 3 x 3); and the fixed
-#: time of the three launches and their tails.
+#: pass's read of X (0.030 ms for 51 MB); the implicit GEMM's share of cuDNN's rate per GEMM
+#: (the slope of its time over the active fraction at 56 x 56 x 256 -> 64, 3 x 3: mma.sync
+#: 0.41 on the H100; wgmma 0.77 on an H200, where mma.sync measured 0.45); and the fixed time
+#: of the three launches and their tails.
 COPY_BYTES_PER_S = 2.5e12
 DENSE_FLOPS_PER_S = 4.0e14
 INDEX_BYTES_PER_S = 1.7e12
-SPARSE_EFFICIENCY = 0.4
+SPARSE_EFFICIENCY = {False: 0.4, True: 0.75}   # by GemmConfig.wgmma
 SPARSE_FIXED_S = 25e-6
 
 
 def dense_crossover(shape: tuple[int, int, int, int], weight: tuple[int, int, int, int],
-                    out_hw: tuple[int, int]) -> float:
+                    out_hw: tuple[int, int], wgmma: bool = False) -> float:
     """The active-channel fraction below which the sparse path is predicted faster than cuDNN:
     the index reads X once (INDEX_BYTES_PER_S) after SPARSE_FIXED_S of launches, the gather
-    moves the active part (twice its bytes) at the copy rate, and the GEMM runs the active
-    FLOPs at SPARSE_EFFICIENCY of cuDNN's dense rate. Fitted on an H100: at 56 x 56 x 256 -> 64,
-    3 x 3 it is 0.08 (measured: 0.07), at 28 x 28 x 512 -> 128 0.17 (measured 0.33); 1 x 1
-    layers read more than they compute and never go sparse."""
+    moves the active part (twice its bytes) at the copy rate, and the GEMM (``wgmma`` or
+    mma.sync) runs the active FLOPs at its SPARSE_EFFICIENCY of cuDNN's dense rate. mma.sync,
+    fitted on an H100: at 56 x 56 x 256 -> 64, 3 x 3 it is 0.08 (measured: 0.07), at
+    28 x 28 x 512 -> 128 0.17 (measured 0.33); wgmma: 0.13 and 0.28 (measured on an H200 0.21
+    and 0.71: the H100 rates are conservative there); 1 x 1 layers read more than they compute
+    and never go sparse."""
     N, C, H, W = shape
     F, _, R, S = weight
     x_bytes = 2.0 * N * C * H * W
     flops = 2.0 * N * out_hw[0] * out_hw[1] * F * C * R * S
     dense = flops / DENSE_FLOPS_PER_S
     fixed = SPARSE_FIXED_S + x_bytes / INDEX_BYTES_PER_S
-    per_density = 2 * x_bytes / COPY_BYTES_PER_S + flops / (DENSE_FLOPS_PER_S * SPARSE_EFFICIENCY)
+    per_density = 2 * x_bytes / COPY_BYTES_PER_S + flops / (DENSE_FLOPS_PER_S
+                                                            * SPARSE_EFFICIENCY[wgmma])
     return max(0.0, min(1.0, (dense - fixed) / per_density))
 
 
@@ -538,7 +542,9 @@ def _build_module_class() -> Any:
             (R, S), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
             H, W = x.shape[2:]
             out = ((H + 2 * ph - R) // sh + 1, (W + 2 * pw - S) // sw + 1)
-            return dense_crossover(tuple(x.shape), tuple(self.weight.shape), out)
+            major, minor = torch.cuda.get_device_capability(x.device)
+            return dense_crossover(tuple(x.shape), tuple(self.weight.shape), out,
+                                   f"sm_{major}{minor}" in lower.WGMMA_ARCHS)
 
         def extra_repr(self) -> str:
             return super().extra_repr() + f", mode={self.mode!r}"
