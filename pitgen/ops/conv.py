@@ -228,29 +228,35 @@ def vector_width(layout: str, C: int, HW: int, ptr: int) -> int:
 #: of the three launches and their tails.
 COPY_BYTES_PER_S = 2.5e12
 DENSE_FLOPS_PER_S = 4.0e14
-INDEX_BYTES_PER_S = 1.7e12
+#: by X's layout: channels_last reads every pixel's channels whole (0.054 ms for 51 MB, H200)
+INDEX_BYTES_PER_S = {"nchw": 1.7e12, "nhwc": 0.95e12}
 SPARSE_EFFICIENCY = {False: 0.4, True: 0.75}   # by GemmConfig.wgmma
 SPARSE_FIXED_S = 25e-6
 
 
 def dense_crossover(shape: tuple[int, int, int, int], weight: tuple[int, int, int, int],
-                    out_hw: tuple[int, int], wgmma: bool = False) -> float:
+                    out_hw: tuple[int, int], wgmma: bool = False, layout: str = "nchw") -> float:
     """The active-channel fraction below which the sparse path is predicted faster than cuDNN:
-    the index reads X once (INDEX_BYTES_PER_S) after SPARSE_FIXED_S of launches, the gather
-    moves the active part (twice its bytes) at the copy rate, and the GEMM (``wgmma`` or
-    mma.sync) runs the active FLOPs at its SPARSE_EFFICIENCY of cuDNN's dense rate. mma.sync,
+    the index reads X once (INDEX_BYTES_PER_S of its layout) after SPARSE_FIXED_S of launches,
+    the gather moves the active part (twice its bytes; from channels_last it reads all of X, at
+    sector granularity) at the copy rate, and the GEMM (``wgmma`` or mma.sync) runs the active
+    FLOPs at its SPARSE_EFFICIENCY of cuDNN's dense rate. NCHW with mma.sync,
     fitted on an H100: at 56 x 56 x 256 -> 64, 3 x 3 it is 0.08 (measured: 0.07), at
     28 x 28 x 512 -> 128 0.17 (measured 0.33); wgmma: 0.13 and 0.28 (measured on an H200 0.21
-    and 0.71: the H100 rates are conservative there); 1 x 1 layers read more than they compute
-    and never go sparse."""
+    and 0.71: the H100 rates are conservative there); channels_last with wgmma: 0 and 0.11 (on
+    an H200 at 10% active channels the sparse path takes 1.5x cuDNN's time at 56 x 56 and 0.63x
+    at 28 x 28); 1 x 1 layers read more than they compute and never go sparse."""
     N, C, H, W = shape
     F, _, R, S = weight
     x_bytes = 2.0 * N * C * H * W
     flops = 2.0 * N * out_hw[0] * out_hw[1] * F * C * R * S
     dense = flops / DENSE_FLOPS_PER_S
-    fixed = SPARSE_FIXED_S + x_bytes / INDEX_BYTES_PER_S
-    per_density = 2 * x_bytes / COPY_BYTES_PER_S + flops / (DENSE_FLOPS_PER_S
-                                                            * SPARSE_EFFICIENCY[wgmma])
+    fixed = SPARSE_FIXED_S + x_bytes / INDEX_BYTES_PER_S[layout]
+    moved = 2 * x_bytes
+    if layout == "nhwc":   # the gather reads X whole, writes the active part
+        fixed += x_bytes / COPY_BYTES_PER_S
+        moved = x_bytes
+    per_density = moved / COPY_BYTES_PER_S + flops / (DENSE_FLOPS_PER_S * SPARSE_EFFICIENCY[wgmma])
     return max(0.0, min(1.0, (dense - fixed) / per_density))
 
 
@@ -544,7 +550,8 @@ def _build_module_class() -> Any:
             out = ((H + 2 * ph - R) // sh + 1, (W + 2 * pw - S) // sw + 1)
             major, minor = torch.cuda.get_device_capability(x.device)
             return dense_crossover(tuple(x.shape), tuple(self.weight.shape), out,
-                                   f"sm_{major}{minor}" in lower.WGMMA_ARCHS)
+                                   f"sm_{major}{minor}" in lower.WGMMA_ARCHS,
+                                   layout_of_or_none(x) or "nchw")
 
         def extra_repr(self) -> str:
             return super().extra_repr() + f", mode={self.mode!r}"
