@@ -91,9 +91,10 @@ def run_case(r: Run, name: str, xs_shape: tuple, w_shape: tuple, pad: int,
             torch.cuda.synchronize()
         y = auto(formats[best_c][0][0])
         t = r.timer.both(lambda x: auto(x), inputs=formats[best_c])
+    limit = auto._limit(formats[best_c][0][0])   # of the input auto ran on
+    dense = limit <= 0.0 or (auto._density is not None and auto._density > limit)
     case["auto"] = {"gpu_ms": t.gpu_ms, "wall_ms": t.wall_ms, "rel_err": rel_err(y, ref),
-                    "path": "dense" if auto._density is not None and
-                    auto._density > auto._limit(nchw[0]) else "sparse"}
+                    "path": "dense" if dense else "sparse"}
     cudnn_ms = cudnn[best_c]["gpu_ms"]
     x_bytes = 2 * nchw[0].numel()
     case.update({
