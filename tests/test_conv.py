@@ -20,8 +20,9 @@ from pitgen.rules import analyse
 ARCHS = ("sm_80", "sm_90a")
 VARIANTS = [(cv.CONV_INDEX, cv.IndexConfig(d, lay)) for d in cv.DTYPES for lay in cv.LAYOUTS] + \
     [(cv.CONV, cv.GemmConfig(d, bn)) for d in cv.DTYPES for bn in (64, 128)]
-#: the GEMM on wgmma, built for sm_90a only: both dtypes and CTA widths
-WGMMA_VARIANTS = [(cv.CONV, cv.GemmConfig(d, bn, wgmma=True)) for d in cv.DTYPES for bn in (64, 128)]
+#: the GEMM on wgmma, built for sm_90a only: each dtype and each CTA width once
+WGMMA_VARIANTS = [(cv.CONV, cv.GemmConfig(d, bn, wgmma=True))
+                  for d, bn in zip(cv.DTYPES, (64, 128))]
 ALL = VARIANTS + WGMMA_VARIANTS
 RESNET = (32, 256, 56, 56), (64, 256, 3, 3)
 
