@@ -71,13 +71,13 @@ def mainloop(name: str):
 
 @st.composite
 def problems(draw):
-    R = draw(st.sampled_from([1, 3]))
+    R, S = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 3]))   # non-square too
     stride = draw(st.sampled_from([1, 2]))
-    pad = draw(st.sampled_from(sorted({0, R // 2})))
-    H = draw(st.integers(max(1, R - 2 * pad), 13))
-    W = draw(st.integers(max(1, R - 2 * pad), 13))
+    pad = (draw(st.sampled_from(sorted({0, R // 2}))), draw(st.sampled_from(sorted({0, S // 2}))))
+    H = draw(st.integers(max(1, R - 2 * pad[0]), 13))
+    W = draw(st.integers(max(1, S - 2 * pad[1]), 13))
     return {"N": draw(st.integers(1, 3)), "C": draw(st.integers(1, 80)), "H": H, "W": W,
-            "F": draw(st.integers(1, 150)), "R": R, "stride": stride, "pad": pad,
+            "F": draw(st.integers(1, 150)), "R": R, "S": S, "stride": stride, "pad": pad,
             "sparsity": draw(st.sampled_from(SPARSITY)), "bias": draw(st.booleans()),
             "dtype": draw(st.sampled_from(cv.DTYPES)), "channels_last": draw(st.booleans()),
             "seed": draw(st.integers(0, 2**31 - 1))}
@@ -107,21 +107,21 @@ def test_conv_matches_the_float64_reference(loop, p):
 
 def _check_conv(p):
     rng = np.random.default_rng(p["seed"])
-    N, C, H, W, F, R = p["N"], p["C"], p["H"], p["W"], p["F"], p["R"]
+    N, C, H, W, F, R, S = p["N"], p["C"], p["H"], p["W"], p["F"], p["R"], p["S"]
     tdt = getattr(torch, p["dtype"])
     x, x64 = activations(rng, (N, C, H, W), p["sparsity"], p["dtype"], p["channels_last"])
-    w = torch.from_numpy(rng.standard_normal((F, C, R, R)).astype(np.float32) / np.sqrt(C * R * R))
+    w = torch.from_numpy(rng.standard_normal((F, C, R, S)).astype(np.float32) / np.sqrt(C * R * S))
     w = w.to("cuda", tdt)
     b = torch.from_numpy(rng.standard_normal(F).astype(np.float32)).to("cuda", tdt) \
         if p["bias"] else None
-    stride, pad = (p["stride"],) * 2, (p["pad"],) * 2
+    stride, pad = (p["stride"],) * 2, p["pad"]
     plan = cv.plan_conv(p["dtype"], cv.layout_of(x), tuple(x.shape), tuple(w.shape), stride, pad)
     P, Q = cv.out_size(plan, H, W)
     fmt = torch.channels_last if p["channels_last"] and cv.layout_of(x) == "nhwc" \
         else torch.contiguous_format
     out = T.poison(torch.empty((N, F, P, Q), dtype=tdt, device="cuda", memory_format=fmt))
     cmax = -(-C // cv.CHUNK) * cv.CHUNK
-    flood((N * H * W + F * R * R) * cmax, dtype=tdt)   # the size of launch's workspace
+    flood((N * H * W + F * R * S) * cmax, dtype=tdt)   # the size of launch's workspace
     y, count = cv.launch(x, w, b, stride, pad, out=out)
     assert y is out
     want = conv2d_reference(x64, w.double().cpu().numpy(), None if b is None else
