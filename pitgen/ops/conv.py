@@ -363,7 +363,8 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     count = torch.empty(1, dtype=torch.int32, device=x.device)   # an output: its own tensor
     work = torch.empty((N * H * W + F * R * S) * cmax, dtype=x.dtype, device=x.device)
     xc, wc = work[:N * H * W * cmax], work[N * H * W * cmax:]   # one allocation, both 64-byte aligned
-    x_blocks = (cmax // CHUNK) * N * -(-H * W // TILE_P) if layout == "nchw" else -(-N * H * W // PIX)
+    x_blocks = ((cmax // CHUNK) * N * -(-H * W // TILE_P) if layout == "nchw"
+                else -(-N * H * W // PIX))
     w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
     g = plan.gemm
     grid = (-(-N * P * Q // BM), -(-F // g.bn), 1)
