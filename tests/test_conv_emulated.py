@@ -48,7 +48,7 @@ def nonzero(bits: np.ndarray) -> np.ndarray:
 
 def active(count_ptr: int, C: int) -> tuple[int, int]:
     ca = int(np.clip(memory(count_ptr, 1, np.int32)[0], 0, C))
-    return ca, -(-ca // cv.CHUNK) * cv.CHUNK
+    return ca, -(-ca // cv.GRAIN) * cv.GRAIN
 
 
 class Device:
@@ -82,7 +82,8 @@ class Device:
                         R, S, sw_f, sw_c, sw_r, sw_s, wc):
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
         HW = H * W
-        want = (-(-C // cv.CHUNK) * N * -(-HW // cv.TILE_P) if self.cfg.layout == "nchw"
+        cmax = -(-C // cv.GRAIN) * cv.GRAIN
+        want = (-(-cmax // cv.GROUP) * N * -(-HW // cv.TILE_P) if self.cfg.layout == "nchw"
                 else -(-N * HW // cv.PIX))
         assert x_blocks == want
         ca, cp = active(count, C)

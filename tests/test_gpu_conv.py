@@ -120,7 +120,7 @@ def _check_conv(p):
     fmt = torch.channels_last if p["channels_last"] and cv.layout_of(x) == "nhwc" \
         else torch.contiguous_format
     out = T.poison(torch.empty((N, F, P, Q), dtype=tdt, device="cuda", memory_format=fmt))
-    cmax = -(-C // cv.CHUNK) * cv.CHUNK
+    cmax = -(-C // cv.GRAIN) * cv.GRAIN
     flood((N * H * W + F * R * S) * cmax, dtype=tdt)   # the size of launch's workspace
     y, count = cv.launch(x, w, b, stride, pad, out=out)
     assert y is out

@@ -50,8 +50,13 @@ EXPRS = {1: "Y[n,f,y,x] += X[n,c,y+r,x+s] * W[f,c,r,s]",
          2: "Y[n,f,y,x] += X[n,c,2*y+r,2*x+s] * W[f,c,r,s]"}
 DTYPES = ("float16", "bfloat16")
 LAYOUTS = ("nchw", "nhwc")
-#: Channels per k-tile of the GEMM; the gathered channel count is padded to a multiple.
-CHUNK = 32
+#: Channels per gathered micro-tile (a 16-byte piece of the GEMM's k sequence); the gathered
+#: channel count cp is padded to a multiple: 7 active channels multiply as 8, not as a k-tile.
+GRAIN = 8
+#: Channels per CTA of the NCHW gather.
+GROUP = 32
+#: k-depth of the GEMM's step: mma.sync's 32 (4 pieces), wgmma's 64 (8: one 128-byte row).
+BK = {False: 32, True: 64}
 INDEX_THREADS = 256
 #: CTAs' work in the index and gather kernels (the templates' PIX and TILE_P).
 PIX, TILE_P = 32, 128
@@ -86,7 +91,7 @@ class IndexConfig:
     layout: str
 
     def context(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "layout": self.layout, "chunk": CHUNK}
+        return {"dtype": self.dtype, "layout": self.layout, "grain": GRAIN, "group": GROUP}
 
 
 @dataclass(frozen=True)
@@ -101,14 +106,14 @@ class GemmConfig:
 
     @property
     def stages(self) -> int:
-        return (WGMMA_STAGES_BYTES // ((BM + self.bn) * 4 * CHUNK)) if self.wgmma else STAGES
+        return (WGMMA_STAGES_BYTES // ((BM + self.bn) * 2 * BK[True])) if self.wgmma else STAGES
 
     @property
     def threads(self) -> int:
         return 256 if self.wgmma else 128
 
     def context(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "bm": BM, "bn": self.bn, "chunk": CHUNK,
+        return {"dtype": self.dtype, "bm": BM, "bn": self.bn, "grain": GRAIN, "bk": BK[self.wgmma],
                 "stages": self.stages, "wgmma": self.wgmma, "threads": self.threads,
                 "min_blocks": self.ctas_per_sm}
 
@@ -122,8 +127,8 @@ class GemmConfig:
     @property
     def smem(self) -> int:
         if self.wgmma:   # 128-byte tile rows, 1024-byte aligned stages (the slack for that)
-            return self.stages * (BM + self.bn) * 4 * CHUNK + 1024
-        return STAGES * (BM + self.bn) * (CHUNK + 8) * 2
+            return self.stages * (BM + self.bn) * 2 * BK[True] + 1024
+        return STAGES * (BM + self.bn) * (BK[False] + 8) * 2
 
 
 @dataclass(frozen=True)
@@ -358,12 +363,12 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
         return y, torch.zeros(1, dtype=torch.int32, device=x.device)
     if N * P * Q > INT32_MAX or -(-N * P * Q // BM) > INT32_MAX:
         raise ShapeError(f"{N * P * Q} output pixels overflow the GEMM's int32 rows")
-    cmax = -(-C // CHUNK) * CHUNK
+    cmax = -(-C // GRAIN) * GRAIN
     ids = torch.empty(C, dtype=torch.int32, device=x.device)
     count = torch.empty(1, dtype=torch.int32, device=x.device)   # an output: its own tensor
     work = torch.empty((N * H * W + F * R * S) * cmax, dtype=x.dtype, device=x.device)
     xc, wc = work[:N * H * W * cmax], work[N * H * W * cmax:]   # one allocation, both 64-byte aligned
-    x_blocks = ((cmax // CHUNK) * N * -(-H * W // TILE_P) if layout == "nchw"
+    x_blocks = (-(-cmax // GROUP) * N * -(-H * W // TILE_P) if layout == "nchw"
                 else -(-N * H * W // PIX))
     w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
     g = plan.gemm
