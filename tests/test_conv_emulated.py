@@ -20,6 +20,9 @@ from pitgen.reference import active_channels_reference, conv2d_reference
 torch = pytest.importorskip("torch")
 
 
+#: Multiprocessors of the emulated device: few, so that the NCHW gather's grid strides.
+SMS = 2
+
 #: (address, bytes) of every tensor the host side allocated or was given, while emulating
 ALLOCATIONS: list[tuple[int, int]] = []
 
@@ -83,8 +86,8 @@ class Device:
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
         HW = H * W
         cmax = -(-C // cv.GRAIN) * cv.GRAIN
-        want = (-(-cmax // cv.GROUP) * N * -(-HW // cv.TILE_P) if self.cfg.layout == "nchw"
-                else -(-N * HW // cv.PIX))
+        want = (min(-(-cmax // cv.GROUP) * N * -(-HW // cv.TILE_P), cv.GATHER_CTAS_PER_SM * SMS)
+                if self.cfg.layout == "nchw" else -(-N * HW // cv.PIX))
         assert x_blocks == want
         ca, cp = active(count, C)
         assert (grid[0] - x_blocks) * cv.INDEX_THREADS * 8 >= F * R * S * cp, "W not covered"
@@ -167,6 +170,7 @@ def track(*tensors) -> None:
 def emulated(monkeypatch, arch="sm_80"):
     devices: dict = {}
     monkeypatch.setattr(cv, "device_arch", lambda: arch)   # the GEMM variant of this device
+    monkeypatch.setattr(cv, "device_sms", lambda: SMS)
     ALLOCATIONS.clear()
     for name in ("empty", "zeros"):
         monkeypatch.setattr(torch, name, _recorded(getattr(torch, name)))

@@ -35,7 +35,7 @@ from ..errors import PlanError, ShapeError
 from ..limits import GRID_Y_MAX, INT32_MAX
 from ..operands import check_device, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, device_arch, stream_counters
+from ..runtime import TorchLaunch, device_arch, device_sms, stream_counters
 from . import lazy_torch_classes
 from .library import ops
 
@@ -60,6 +60,8 @@ BK = {False: 32, True: 64}
 INDEX_THREADS = 256
 #: CTAs' work in the index and gather kernels (the templates' PIX and TILE_P).
 PIX, TILE_P = 32, 128
+#: The NCHW gather's grid: CTAs per SM (8 fit: 256 threads, 9 KB of shared memory each).
+GATHER_CTAS_PER_SM = 8
 BM, STAGES = 128, 4
 #: The wgmma kernel's stage bytes per CTA: two CTAs per SM (4 stages at 64 filters, 3 at 128).
 WGMMA_STAGES_BYTES = 100 * 1024
@@ -368,8 +370,8 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     count = torch.empty(1, dtype=torch.int32, device=x.device)   # an output: its own tensor
     work = torch.empty((N * H * W + F * R * S) * cmax, dtype=x.dtype, device=x.device)
     xc, wc = work[:N * H * W * cmax], work[N * H * W * cmax:]   # one allocation, both 64-byte aligned
-    x_blocks = (-(-cmax // GROUP) * N * -(-H * W // TILE_P) if layout == "nchw"
-                else -(-N * H * W // PIX))
+    x_blocks = (min(-(-cmax // GROUP) * N * -(-H * W // TILE_P), GATHER_CTAS_PER_SM * device_sms())
+                if layout == "nchw" else -(-N * H * W // PIX))
     w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
     g = plan.gemm
     grid = (-(-N * P * Q // BM), -(-F // g.bn), 1)
