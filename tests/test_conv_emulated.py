@@ -67,11 +67,12 @@ class Device:
 
     def pit_conv_index(self, grid, block, smem, x, N, C, HW, vec, flags, done, ids, count):
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
-        per = cv.INDEX_THREADS // 32 if self.cfg.layout == "nchw" else cv.PIX
-        items = N * C if self.cfg.layout == "nchw" else N * HW   # planes or pixels
-        assert grid[0] == -(-items // per) and grid[1:] == (1, 1)
         run = HW if self.cfg.layout == "nchw" else C
         assert run % vec == 0 and x % (2 * vec) == 0, "vector loads would be misaligned"
+        # NCHW: a warp per INDEX_SEGMENT vectors of the flat X; channels_last: a CTA per PIX pixels
+        per = cv.INDEX_THREADS // 32 * cv.INDEX_SEGMENT if self.cfg.layout == "nchw" else cv.PIX
+        items = N * C * HW // vec if self.cfg.layout == "nchw" else N * HW
+        assert grid[0] == -(-items // per) and grid[1:] == (1, 1)
         f = memory(flags, C, np.int32)
         assert not f.any() and memory(done, 1, np.int32)[0] == 0, "flags not left zero"
         bits = memory(x, N * C * HW, np.uint16)
@@ -81,8 +82,8 @@ class Device:
         memory(ids, C, np.int32)[:len(got)] = got
         memory(count, 1, np.int32)[0] = len(got)
 
-    def pit_conv_gather(self, grid, block, smem, x, N, C, H, W, ids, count, xc, x_blocks, w, F,
-                        R, S, sw_f, sw_c, sw_r, sw_s, wc):
+    def pit_conv_gather(self, grid, block, smem, x, N, C, H, W, ph, pw, ids, count, xc, x_blocks,
+                        h_blocks, w, F, R, S, sw_f, sw_c, sw_r, sw_s, wc):
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
         HW = H * W
         cmax = -(-C // cv.GRAIN) * cv.GRAIN
@@ -90,15 +91,17 @@ class Device:
                 if self.cfg.layout == "nchw" else -(-N * HW // cv.PIX))
         assert x_blocks == want
         ca, cp = active(count, C)
-        assert (grid[0] - x_blocks) * cv.INDEX_THREADS * 8 >= F * R * S * cp, "W not covered"
+        Hp, Wp = H + 2 * ph, W + 2 * pw
+        assert h_blocks * cv.INDEX_THREADS * 8 >= N * (Hp * Wp - HW) * cp, "halo not covered"
+        assert (grid[0] - x_blocks - h_blocks) * cv.INDEX_THREADS * 8 >= F * R * S * cp, "W not covered"
         chan = memory(ids, C, np.int32)[:ca]
         assert ((chan >= 0) & (chan < C)).all()
         xs = memory(x, N * C * HW, np.float16)
         X = xs.reshape(N, C, H, W) if self.cfg.layout == "nchw" else \
             xs.reshape(N, H, W, C).transpose(0, 3, 1, 2)
-        out = memory(xc, N * HW * cp, np.float16).reshape(N, H, W, cp)
-        out[...] = 0
-        out[..., :ca] = X[:, chan].transpose(0, 2, 3, 1)
+        out = memory(xc, N * Hp * Wp * cp, np.float16).reshape(N, Hp, Wp, cp)
+        out[...] = 0   # the halo and the padding channels
+        out[:, ph:ph + H, pw:pw + W, :ca] = X[:, chan].transpose(0, 2, 3, 1)
         span = sum((n - 1) * st for n, st in zip((F, C, R, S), (sw_f, sw_c, sw_r, sw_s))) + 1
         assert span == F * C * R * S, "W's strides do not describe a dense tensor"
         Wt = strided(w, (F, C, R, S), (sw_f, sw_c, sw_r, sw_s), np.float16)
@@ -112,10 +115,10 @@ class Device:
         assert block == (cfg.threads, 1, 1) and smem == cfg.smem
         assert grid == (-(-N * P * Q // cv.BM), -(-F // cfg.bn), 1)
         ca, cp = active(count, C)
-        Xc = memory(xc, N * H * W * cp, np.float16).reshape(N, H, W, cp).astype(np.float64)
+        Hp, Wp = H + 2 * ph, W + 2 * pw   # Xc's halo is the padding: every window lies in it
+        assert (P - 1) * sh + R <= Hp and (Q - 1) * sw + S <= Wp
+        pad = memory(xc, N * Hp * Wp * cp, np.float16).reshape(N, Hp, Wp, cp).astype(np.float64)
         Wc = memory(wc, F * R * S * cp, np.float16).reshape(F, R, S, cp).astype(np.float64)
-        pad = np.zeros((N, H + 2 * ph + sh * P, W + 2 * pw + sw * Q, cp))
-        pad[:, ph:ph + H, pw:pw + W] = Xc
         acc = np.zeros((N, P, Q, F))
         for r in range(R):
             for s in range(S):

@@ -121,7 +121,8 @@ def _check_conv(p):
         else torch.contiguous_format
     out = T.poison(torch.empty((N, F, P, Q), dtype=tdt, device="cuda", memory_format=fmt))
     cmax = -(-C // cv.GRAIN) * cv.GRAIN
-    flood((N * H * W + F * R * S) * cmax, dtype=tdt)   # the size of launch's workspace
+    xc_pixels = N * (H + 2 * pad[0]) * (W + 2 * pad[1])   # Xc with its zero halo
+    flood((xc_pixels + F * R * S) * cmax, dtype=tdt)   # the size of launch's workspace
     y, count = cv.launch(x, w, b, stride, pad, out=out)
     assert y is out
     want = conv2d_reference(x64, w.double().cpu().numpy(), None if b is None else

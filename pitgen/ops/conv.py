@@ -58,6 +58,8 @@ GROUP = 32
 #: k-depth of the GEMM's step: mma.sync's 32 (4 pieces), wgmma's 64 (8: one 128-byte row).
 BK = {False: 32, True: 64}
 INDEX_THREADS = 256
+#: Vectors of X per warp of the NCHW index (the template's SEGMENT: 8 per lane).
+INDEX_SEGMENT = 256
 #: CTAs' work in the index and gather kernels (the templates' PIX and TILE_P).
 PIX, TILE_P = 32, 128
 #: The NCHW gather's grid: CTAs per SM (8 fit: 256 threads, 9 KB of shared memory each).
@@ -77,7 +79,7 @@ GATHERS = tuple(Permutation(f"channels of {operand}, stride {stride}", expr, "re
                 for stride, expr in EXPRS.items() for operand in ("X", "W"))
 CONV_INDEX = OpSpec(
     "conv_index", "conv_index.cu.j2",
-    {"pit_conv_index": "PiiiiPPPP", "pit_conv_gather": "PiiiiPPPiPiiiiiiiP"},
+    {"pit_conv_index": "PiiiiPPPP", "pit_conv_gather": "PiiiiiiPPPiiPiiiiiiiP"},
     GATHERS, DTYPES)
 CONV = OpSpec(
     "conv", "conv.cu.j2",
@@ -291,18 +293,21 @@ def _check_x(x: Any, device: bool = True) -> str:
     return dtype
 
 
-def _index_grid(layout: str, N: int, C: int, HW: int) -> int:
-    return -(-N * C // (INDEX_THREADS // 32)) if layout == "nchw" else -(-N * HW // PIX)
+def _index_grid(layout: str, N: int, C: int, HW: int, vec: int) -> int:
+    """NCHW: a warp per INDEX_SEGMENT vectors of the flat X; channels_last: a CTA per PIX pixels."""
+    if layout == "nchw":
+        return -(-(N * C * HW // vec) // (INDEX_SEGMENT * INDEX_THREADS // 32))
+    return -(-N * HW // PIX)
 
 
 def _run_index(cfg: IndexConfig, x: Tensor, stream: int, ids: Tensor, count: Tensor) -> None:
     """Launch the index pass of X (count zeroed by the caller when X is empty)."""
     N, C, H, W = x.shape
-    grid = _index_grid(cfg.layout, N, C, H * W)
+    vec = vector_width(cfg.layout, C, H * W, x.data_ptr())
+    grid = _index_grid(cfg.layout, N, C, H * W, vec)
     if grid == 0:
         return
     flags = stream_counters(_FLAGS.setdefault(x.device.index, {}), stream, C + 1, x.device)
-    vec = vector_width(cfg.layout, C, H * W, x.data_ptr())
     CONV_INDEX.module(cfg).launch(
         "pit_conv_index", (grid, 1, 1), (INDEX_THREADS, 1, 1), stream, x.data_ptr(), N, C,
         H * W, vec, flags.data_ptr() + 4, flags.data_ptr(), ids.data_ptr(), count.data_ptr())
@@ -368,10 +373,13 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     cmax = -(-C // GRAIN) * GRAIN
     ids = torch.empty(C, dtype=torch.int32, device=x.device)
     count = torch.empty(1, dtype=torch.int32, device=x.device)   # an output: its own tensor
-    work = torch.empty((N * H * W + F * R * S) * cmax, dtype=x.dtype, device=x.device)
-    xc, wc = work[:N * H * W * cmax], work[N * H * W * cmax:]   # one allocation, both 64-byte aligned
+    ph, pw = plan.padding
+    xc_pixels = N * (H + 2 * ph) * (W + 2 * pw)   # Xc holds the zero padding as a halo
+    work = torch.empty((xc_pixels + F * R * S) * cmax, dtype=x.dtype, device=x.device)
+    xc, wc = work[:xc_pixels * cmax], work[xc_pixels * cmax:]   # one allocation, both 16-byte aligned
     x_blocks = (min(-(-cmax // GROUP) * N * -(-H * W // TILE_P), GATHER_CTAS_PER_SM * device_sms())
                 if layout == "nchw" else -(-N * H * W // PIX))
+    h_blocks = -(-(xc_pixels - N * H * W) * (cmax // 8) // INDEX_THREADS)
     w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
     g = plan.gemm
     grid = (-(-N * P * Q // BM), -(-F // g.bn), 1)
@@ -382,14 +390,15 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     with TorchLaunch() as L:
         _run_index(plan.index, x, L.stream, ids, count)
         CONV_INDEX.module(plan.index).launch(
-            "pit_conv_gather", (x_blocks + w_blocks, 1, 1), (INDEX_THREADS, 1, 1), L.stream,
-            x.data_ptr(), N, C, H, W, ids.data_ptr(), count.data_ptr(), xc.data_ptr(), x_blocks,
-            weight.data_ptr(), F, R, S, w_str[0], w_str[1], w_str[2], w_str[3], wc.data_ptr())
+            "pit_conv_gather", (x_blocks + h_blocks + w_blocks, 1, 1), (INDEX_THREADS, 1, 1),
+            L.stream, x.data_ptr(), N, C, H, W, ph, pw, ids.data_ptr(), count.data_ptr(),
+            xc.data_ptr(), x_blocks, h_blocks, weight.data_ptr(), F, R, S, w_str[0], w_str[1],
+            w_str[2], w_str[3], wc.data_ptr())
         CONV.module(g).launch(
             "pit_conv_gemm", grid, (g.threads, 1, 1), L.stream, xc.data_ptr(), wc.data_ptr(),
             count.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(), N, C, H,
-            W, F, R, S, P, Q, plan.stride[0], plan.stride[1], plan.padding[0], plan.padding[1],
-            so[0], so[1], so[2], so[3], smem=g.smem)
+            W, F, R, S, P, Q, plan.stride[0], plan.stride[1], ph, pw, so[0], so[1], so[2], so[3],
+            smem=g.smem)
     return y, count
 
 
