@@ -65,13 +65,22 @@ class Device:
         self.launches.append(name)
         getattr(self, name)(grid, block, smem, *args)
 
-    def pit_conv_index(self, grid, block, smem, x, N, C, HW, vec, flags, done, ids, count):
+    def pit_conv_index(self, grid, block, smem, x, N, C, HW, vec, per_plane, flags, done, ids,
+                       count):
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
         run = HW if self.cfg.layout == "nchw" else C
         assert run % vec == 0 and x % (2 * vec) == 0, "vector loads would be misaligned"
-        # NCHW: a warp per INDEX_SEGMENT vectors of the flat X; channels_last: a CTA per PIX pixels
-        per = cv.INDEX_THREADS // 32 * cv.INDEX_SEGMENT if self.cfg.layout == "nchw" else cv.PIX
-        items = N * C * HW // vec if self.cfg.layout == "nchw" else N * HW
+        # NCHW: a warp per plane of at least INDEX_SEGMENT vectors, else per INDEX_SEGMENT
+        # vectors of the flat X; channels_last: a CTA per PIX pixels
+        warps = cv.INDEX_THREADS // 32
+        if self.cfg.layout == "nhwc":
+            per, items = cv.PIX, N * HW
+        elif HW // vec >= cv.INDEX_SEGMENT:
+            assert per_plane == 1
+            per, items = warps, N * C
+        else:
+            assert per_plane == 0
+            per, items = warps * cv.INDEX_SEGMENT, N * C * HW // vec
         assert grid[0] == -(-items // per) and grid[1:] == (1, 1)
         f = memory(flags, C, np.int32)
         assert not f.any() and memory(done, 1, np.int32)[0] == 0, "flags not left zero"
@@ -195,7 +204,8 @@ def activations(rng, shape, sparsity, channels_last):
 
 
 @settings(max_examples=40, deadline=None)
-@given(N=st.integers(1, 3), C=st.integers(1, 70), H=st.integers(3, 9), W=st.integers(3, 9),
+@given(N=st.integers(1, 3), C=st.integers(1, 70),   # planes past 2048 elements: a warp per plane
+       H=st.one_of(st.integers(3, 9), st.integers(46, 50)), W=st.one_of(st.integers(3, 9), st.integers(46, 50)),
        F=st.integers(1, 140), R=st.sampled_from([1, 3]), S=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]),
        pad=st.tuples(st.integers(0, 1), st.integers(0, 1)), sparsity=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
        channels_last=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**31 - 1),

@@ -79,7 +79,7 @@ GATHERS = tuple(Permutation(f"channels of {operand}, stride {stride}", expr, "re
                 for stride, expr in EXPRS.items() for operand in ("X", "W"))
 CONV_INDEX = OpSpec(
     "conv_index", "conv_index.cu.j2",
-    {"pit_conv_index": "PiiiiPPPP", "pit_conv_gather": "PiiiiiiPPPiiPiiiiiiiP"},
+    {"pit_conv_index": "PiiiiiPPPP", "pit_conv_gather": "PiiiiiiPPPiiPiiiiiiiP"},
     GATHERS, DTYPES)
 CONV = OpSpec(
     "conv", "conv.cu.j2",
@@ -293,10 +293,20 @@ def _check_x(x: Any, device: bool = True) -> str:
     return dtype
 
 
+def index_per_plane(HW: int, vec: int) -> bool:
+    """Whether the NCHW index runs a warp per plane (planes of at least INDEX_SEGMENT vectors:
+    it skips known channels and stops at a non-zero) rather than flat segments of X."""
+    return HW // vec >= INDEX_SEGMENT
+
+
 def _index_grid(layout: str, N: int, C: int, HW: int, vec: int) -> int:
-    """NCHW: a warp per INDEX_SEGMENT vectors of the flat X; channels_last: a CTA per PIX pixels."""
+    """NCHW: a warp per plane or per INDEX_SEGMENT vectors of the flat X (index_per_plane);
+    channels_last: a CTA per PIX pixels."""
+    warps = INDEX_THREADS // 32
+    if layout == "nchw" and index_per_plane(HW, vec):
+        return -(-N * C // warps)
     if layout == "nchw":
-        return -(-(N * C * HW // vec) // (INDEX_SEGMENT * INDEX_THREADS // 32))
+        return -(-(N * C * HW // vec) // (INDEX_SEGMENT * warps))
     return -(-N * HW // PIX)
 
 
@@ -310,7 +320,7 @@ def _run_index(cfg: IndexConfig, x: Tensor, stream: int, ids: Tensor, count: Ten
     flags = stream_counters(_FLAGS.setdefault(x.device.index, {}), stream, C + 1, x.device)
     CONV_INDEX.module(cfg).launch(
         "pit_conv_index", (grid, 1, 1), (INDEX_THREADS, 1, 1), stream, x.data_ptr(), N, C,
-        H * W, vec, flags.data_ptr() + 4, flags.data_ptr(), ids.data_ptr(), count.data_ptr())
+        H * W, vec, int(index_per_plane(H * W, vec)), flags.data_ptr() + 4, flags.data_ptr(), ids.data_ptr(), count.data_ptr())
 
 
 def index_launch(x: Tensor) -> tuple[Tensor, Tensor]:
