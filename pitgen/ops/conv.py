@@ -10,12 +10,14 @@ with no host synchronisation (templates ``conv_index.cu.j2`` and ``conv.cu.j2``)
 
 1. **index** (``pit_conv_index``): one pass over X in 16-byte loads flags the active channels;
    the last CTA compacts them into ``ids`` (increasing) and ``count`` on the device;
-2. **gather** (``pit_conv_gather``): Xc [N, H, W, cp] (NHWC, the active channels in index
-   order, contiguous, ``cp`` = count rounded up to 32 with zero channels) and Wc [F, R*S, cp];
-3. **compute** (``pit_conv_gemm``): an implicit GEMM over Xc: k runs over (r, s, 32 active
-   channels), R*S*cp/32 iterations read from the device; Y written in X's memory format.
+2. **gather** (``pit_conv_gather``): Xc [N, H + 2 ph, W + 2 pw, cp] (NHWC, the active channels
+   in index order, contiguous, ``cp`` = count rounded up to GRAIN = 8 with zero channels; the
+   zero padding written out as a halo, so the GEMM reads any tap unchecked) and Wc [F, R*S, cp];
+3. **compute** (``pit_conv_gemm``): an implicit GEMM over Xc: k runs over pieces (r, s, 8 active
+   channels), R*S*cp/8 of them read from the device; Y written in X's memory format.
 
-Buffers and grids are sized for every channel active (C); CTAs past the device's count exit.
+Buffers are sized for every channel active (C); the halo and weight gathers' CTAs past the
+device's count exit, the NCHW gather's CTAs stride over this call's work.
 Why gather a copy: with Xc dense and channel-contiguous every GEMM load is a 16-byte cp.async
 (2-byte strided gathers inside the GEMM would repeat for each of the R*S taps), and at 10%
 density the copy moves a tenth of X. From NCHW it reads only the active planes; from
@@ -69,7 +71,7 @@ BM, STAGES = 128, 4
 WGMMA_STAGES_BYTES = 100 * 1024
 #: Shared memory of an sm_90 SM.
 SM_SMEM = 228 * 1024
-#: Largest kernel extent (R, S) accepted: R*S k-taps per channel chunk, all runtime values.
+#: Largest kernel extent (R, S) accepted.
 MAX_KERNEL = 7
 
 #: The gather and the GEMM's k loop take X's and W's channels in index order (SRead along c);
