@@ -257,3 +257,12 @@ def test_out_must_fit(monkeypatch):
         track(out)
         assert cv.launch(x, w, None, (1, 1), (1, 1), out=out)[0] is out
     assert not out.isnan().any()
+
+
+def test_x_too_large_for_int32_indices_is_refused():
+    """The index's last CTA addresses up to a segment per warp past X: its bound leaves room."""
+    x = torch.empty((1, 1, 1, 2**31 - 100), dtype=torch.float16, device="meta")
+    with pytest.raises(cv.ShapeError, match="int32"):
+        cv._check_x(x, device=False)
+    assert cv._check_x(torch.empty((1, 1, 1, 2**30), dtype=torch.float16, device="meta"),
+                       device=False) == "float16"

@@ -288,7 +288,7 @@ def _check_x(x: Any, device: bool = True) -> str:
         raise ShapeError(f"x has dtype {dtype}; sparse_conv2d runs {' or '.join(DTYPES)}")
     if x.dim() != 4:
         raise ShapeError(f"x has {x.dim()} dims {tuple(x.shape)}; expected 4 [N, C, H, W]")
-    if x.numel() >= INT32_MAX:
+    if x.numel() >= INT32_MAX - INDEX_THREADS // 32 * INDEX_SEGMENT:   # the index's last CTA too
         raise ShapeError(f"x has {x.numel()} elements; the kernels' indices are int32")
     if device:
         check_device("x", x)
