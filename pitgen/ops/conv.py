@@ -301,28 +301,28 @@ def index_per_plane(HW: int, vec: int) -> bool:
     return HW // vec >= INDEX_SEGMENT
 
 
-def _index_grid(layout: str, N: int, C: int, HW: int, vec: int) -> int:
-    """NCHW: a warp per plane or per INDEX_SEGMENT vectors of the flat X (index_per_plane);
+def _index_grid(layout: str, N: int, C: int, HW: int, vec: int, per_plane: bool) -> int:
+    """NCHW: a warp per plane (``per_plane``) or per INDEX_SEGMENT vectors of the flat X;
     channels_last: a CTA per PIX pixels."""
     warps = INDEX_THREADS // 32
-    if layout == "nchw" and index_per_plane(HW, vec):
-        return -(-N * C // warps)
-    if layout == "nchw":
-        return -(-(N * C * HW // vec) // (INDEX_SEGMENT * warps))
-    return -(-N * HW // PIX)
+    if layout == "nhwc":
+        return -(-N * HW // PIX)
+    return -(-N * C // warps) if per_plane else -(-(N * C * HW // vec) // (INDEX_SEGMENT * warps))
 
 
 def _run_index(cfg: IndexConfig, x: Tensor, stream: int, ids: Tensor, count: Tensor) -> None:
     """Launch the index pass of X (count zeroed by the caller when X is empty)."""
     N, C, H, W = x.shape
     vec = vector_width(cfg.layout, C, H * W, x.data_ptr())
-    grid = _index_grid(cfg.layout, N, C, H * W, vec)
+    per_plane = index_per_plane(H * W, vec)
+    grid = _index_grid(cfg.layout, N, C, H * W, vec, per_plane)
     if grid == 0:
         return
     flags = stream_counters(_FLAGS.setdefault(x.device.index, {}), stream, C + 1, x.device)
     CONV_INDEX.module(cfg).launch(
         "pit_conv_index", (grid, 1, 1), (INDEX_THREADS, 1, 1), stream, x.data_ptr(), N, C,
-        H * W, vec, int(index_per_plane(H * W, vec)), flags.data_ptr() + 4, flags.data_ptr(), ids.data_ptr(), count.data_ptr())
+        H * W, vec, int(per_plane), flags.data_ptr() + 4, flags.data_ptr(), ids.data_ptr(),
+        count.data_ptr())
 
 
 def index_launch(x: Tensor) -> tuple[Tensor, Tensor]:
