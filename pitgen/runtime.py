@@ -16,6 +16,7 @@ cache here is keyed by the cubin's source, so configurations that render alike s
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import sys
@@ -147,18 +148,32 @@ def bound_context() -> Iterator[Any]:
         drv.Context.pop()
 
 
+#: device index -> (``sm_XY``, multiprocessors): asked of the driver once per device
+_DEVICE_FACTS: dict[int, tuple[str, int]] = {}
+
+
+def _device_facts() -> tuple[str, int]:
+    """(arch, SM count) of the current device, read once (a context push and two driver
+    queries, which launch paths would otherwise pay on every call)."""
+    dev = device_index()
+    facts = _DEVICE_FACTS.get(dev)
+    if facts is None:
+        with bound_context() as drv:
+            d = drv.Context.get_device()
+            major, minor = d.compute_capability()
+            facts = (f"sm_{major}{minor}", d.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT))
+        _DEVICE_FACTS[dev] = facts
+    return facts
+
+
 def device_arch() -> str:
-    """``sm_XY`` of the device PyCUDA's context runs on."""
-    with bound_context() as drv:
-        major, minor = drv.Context.get_device().compute_capability()
-    return f"sm_{major}{minor}"
+    """``sm_XY`` of the current device (the one PyCUDA's context runs on)."""
+    return _device_facts()[0]
 
 
 def device_sms() -> int:
-    """Multiprocessors of the device PyCUDA's context runs on (persistent grids: one CTA each)."""
-    with bound_context() as drv:
-        dev = drv.Context.get_device()
-        return dev.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+    """Multiprocessors of the current device (persistent grids: one CTA each)."""
+    return _device_facts()[1]
 
 
 def compile_target(arch: str) -> str:
@@ -180,7 +195,6 @@ def tensor_map(ptr: int, dtype: str, dims: tuple[int, ...], strides: int | tuple
     consecutive indices of each outer dim (an int for 2-D); ``box`` elements per copy, 128-byte
     swizzle, zeros outside. Encoded on the host by the driver (no device work); remembered per
     argument tuple."""
-    import ctypes
     strides = (strides,) if isinstance(strides, int) else tuple(strides)
     rank = len(dims)
     out = ctypes.create_string_buffer(128)
@@ -202,13 +216,10 @@ def _libcuda() -> Any:
     """The driver library PyCUDA runs on: modules are loaded and kernels launched through it
     directly (PyCUDA cannot launch on torch's streams, nor pass a TMA descriptor)."""
     if not _LIBCUDA:
-        import ctypes
         _drv()
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         u32, vp = ctypes.c_uint, ctypes.c_void_p
-        lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp,
-                                       ctypes.POINTER(vp), ctypes.POINTER(vp)]
         lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, u32, ctypes.c_size_t, vp]
         lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
         _LIBCUDA.append(lib)
@@ -222,7 +233,6 @@ class Module:
     two ints; ``f`` float32, ``q`` int64, ``M`` a 128-byte by-value TMA descriptor)."""
 
     def __init__(self, cubin: bytes, signatures: Mapping[str, str]):
-        import ctypes
         self.signatures = dict(signatures)
         self._kernels: dict[str, _Kernel] = {}
         self._lib = _libcuda()
@@ -271,6 +281,11 @@ def _check(rc: int, what: str) -> None:
         raise DeviceError(f"{what} failed (CUresult {rc})")
 
 
+#: ``cuLaunchKernel`` is called without ctypes argtypes (0.5 us less per launch): the grid,
+#: block and shared-memory sizes go as C ints (all below 2**31), the handle and the parameter
+#: arrays as pointers, and the stream wrapped in this (a 64-bit handle)
+_VOID_P = ctypes.c_void_p
+
 #: struct codes, sizes and host alignments of the signature letters
 _PARAMS = {"P": ("Q", 8), "i": ("i", 4), "f": ("f", 4), "q": ("q", 8), "M": ("128s", 8)}
 
@@ -284,7 +299,6 @@ class _Kernel:
     (the driver then places each argument at the offset the cubin declares)."""
 
     def __init__(self, module: Module, name: str, signature: str):
-        import ctypes
         import struct
         self._lib = module._lib
         fmt, offsets, at = "=", [], 0
@@ -309,7 +323,6 @@ class _Kernel:
 
     def _buffers(self) -> tuple[Any, Any, Any]:
         """This thread's (argument buffer, kernelParams, extra) for cuLaunchKernel."""
-        import ctypes
         buf = ctypes.create_string_buffer(max(self._struct.size, 1))
         base = ctypes.addressof(buf)
         if self._per_parameter:
@@ -328,14 +341,17 @@ class _Kernel:
         """``launch`` with everything but the stream and the arguments fixed (Module.bind)."""
         if 0 in grid:
             return lambda stream, *args: None
-        (gx, gy, gz), (bx, by, bz) = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+        (gx, gy, gz), (bx, by, bz) = (int(d) for d in (*grid, 1, 1)[:3]), \
+            (int(d) for d in (*block, 1, 1)[:3])
+        smem = int(smem)
         driver, handle, pack, local = self._lib.cuLaunchKernel, self.handle, \
             self._struct.pack_into, self._local
+        vp = _VOID_P
 
         def bound(stream: int, *args: Any) -> None:
             buf, params, extra = getattr(local, "bufs", None) or self._buffers()
             pack(buf, 0, *args)
-            rc = driver(handle, gx, gy, gz, bx, by, bz, smem, stream, params,
+            rc = driver(handle, gx, gy, gz, bx, by, bz, smem, vp(stream), params,
                         extra and extra[0])
             if rc:
                 _check(rc, "cuLaunchKernel")
@@ -345,9 +361,10 @@ class _Kernel:
                args: tuple, smem: int) -> None:
         buf, params, extra = getattr(self._local, "bufs", None) or self._buffers()
         self._struct.pack_into(buf, 0, *args)
-        g, b = (*grid, 1, 1), (*block, 1, 1)
-        _check(self._lib.cuLaunchKernel(self.handle, g[0], g[1], g[2], b[0], b[1], b[2], smem,
-                                        stream, params, extra and extra[0]), "cuLaunchKernel")
+        g, b = [int(d) for d in (*grid, 1, 1)], [int(d) for d in (*block, 1, 1)]
+        _check(self._lib.cuLaunchKernel(self.handle, g[0], g[1], g[2], b[0], b[1], b[2], int(smem),
+                                        _VOID_P(stream), params, extra and extra[0]),
+               "cuLaunchKernel")
 
 
 #: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -460,7 +477,7 @@ def capturing() -> bool:
 #: bytes of scratch each stream keeps between eager calls (:func:`kept_scratch`); a call that
 #: needs more allocates its own from torch's caching allocator (its host cost is small beside
 #: the kernels of such a call)
-KEPT_SCRATCH = 4 << 20
+KEPT_SCRATCH = 16 << 20
 
 #: (device index, stream handle) -> (the scratch buffer kept there, the lock its users hold
 #: while enqueueing)

@@ -391,8 +391,17 @@ def test_timer_times_a_small_op():
     a = torch.randn(1024, 1024, device="cuda")
     ms = timer(lambda: a @ a)
     assert 0 < ms < 100
-    t = timer.both(lambda: a @ a, calls=5)
+    n = [0]
+
+    def op():
+        n[0] += 1
+        return a @ a
+
+    t = timer.both(op, calls=5)
     assert t.gpu_ms > 0 and t.wall_ms > 0
+    # five calls take far less than WALL_MIN_MS: the wall time came from longer rounds
+    from pitgen.bench.timing import WALL_MIN_MS, WALL_ROUNDS
+    assert n[0] >= 1 + 5 + WALL_ROUNDS * min(WALL_MIN_MS / t.wall_ms, 2000) * 0.5
     seen = []
     timer(lambda x: seen.append(x), inputs=[(1,), (2,), (3,)], repeats=4, warmup=0)
     assert seen == [1, 2, 3, 1]  # rotation among the input sets

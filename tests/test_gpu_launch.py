@@ -253,3 +253,16 @@ def _moe_reference(x, ids, gates, w1, w2):
     from pitgen.reference import moe_reference
     f64 = lambda a: a.double().cpu().numpy()  # noqa: E731
     return moe_reference(f64(x), ids.cpu().numpy(), f64(gates), f64(w1), f64(w2))
+
+
+def test_device_facts_are_the_current_devices_own():
+    """device_arch and device_sms (asked once per device, then remembered) match what torch
+    reports for every device, whichever was current first."""
+    from pitgen import runtime
+    for dev in reversed(range(torch.cuda.device_count())):
+        with torch.cuda.device(dev):
+            major, minor = torch.cuda.get_device_capability(dev)
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            for _ in range(2):   # the first call asks the driver, the second remembers
+                assert runtime.device_arch() == f"sm_{major}{minor}"
+                assert runtime.device_sms() == sms
