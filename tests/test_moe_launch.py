@@ -77,6 +77,12 @@ def test_mma_sync_paths(fake):
     assert names == ["moe_route", "moe_place", "moe_gemm1", "moe_gemm2"]
     assert args["moe_gemm2"][0] == args["moe_gemm1"][3]           # GEMM1's output, GEMM2's A
     fake.calls.clear()
-    _, names, args = _call(fake, 200, 1, "sm_90")                 # one routing block
-    assert names == ["moe_gemm1_routed", "moe_gemm2"]
+    _, names, args = _call(fake, 100, 2, "sm_90")                 # one routing block, top-2
+    assert names == ["memset", "moe_gemm1_routed", "moe_gemm2", "moe_finish"]
     assert args["moe_gemm2"][0] == args["moe_gemm1_routed"][14]
+    fake.calls.clear()
+    plan, names, args = _call(fake, 200, 1, "sm_90")              # and top-1: one launch
+    assert names == ["moe_small"]
+    ids, E, max_tiles, tickets = args["moe_small"][:4]
+    assert (E, max_tiles) == (plan.experts, plan.max_tiles)
+    assert args["moe_small"][-3:] == (plan.tokens, plan.hidden, plan.ffn)

@@ -41,7 +41,7 @@ MOE = OpSpec(
     # PyCUDA argument signatures, in the order of the kernels' parameter lists in moe.cu.j2
     {"moe_route": "PiiiPPPPPPPPPi", "moe_place": "PPPiiPPi",
      "moe_gemm1": "PPPPPPPPPiiiii", "moe_gemm1_routed": "Piii" + "P" * 11 + "iiii",
-     "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_finish": "PPq",
+     "moe_gemm2": "PPPPPPPPPPPiiiiii", "moe_small": "PiiP" + "P" * 8 + "iii", "moe_finish": "PPq",
      "moe_place_gather": "PPPiiPPiPPi", "moe_gemm1_sm90": "MM" + "P" * 7 + "i" * 6,
      "moe_gemm2_sm90": "MM" + "P" * 9 + "i" * 7},
     permutes=(
@@ -200,14 +200,15 @@ class _Launch:
     topk > 1 the fp32 sums [T, H] and, on the wgmma path, the token rows in expert order
     [pairs, H], each at a 128-byte boundary (the stream's kept scratch
     when small: ``runtime.kept_scratch``). A steady-state call allocates y and makes its
-    launches: routing, placing and the two expert GEMMs (a batch of at most INDEX_THREADS pairs:
-    the first GEMM routes inside, ``moe_gemm1_routed``, so top-1 is two launches); top-k > 1: a
-    driver memset of the fp32 sums first and a finishing pass last. Nothing else (issue 16's
-    host time). The routing counters are this plan's own, per stream, zero between launches."""
+    launches: routing, placing and the two expert GEMMs; a batch of at most INDEX_THREADS pairs
+    routes inside the first GEMM (``moe_gemm1_routed``), and a top-1 one is the whole layer in
+    one launch (``moe_small``); top-k > 1: a driver memset of the fp32 sums first and a
+    finishing pass last. Nothing else (issue 16's host time). The routing counters (and
+    moe_small's tickets) are this plan's own, per stream, zero between launches."""
 
     __slots__ = ("plan", "sizes", "words", "offsets", "direct", "esize", "bytes", "inter",
-                 "sums", "xs", "route_index", "place", "gemm1", "routed", "gemm2", "finish",
-                 "pending", "wgmma")
+                 "sums", "xs", "route_index", "place", "gemm1", "routed", "small", "gemm2",
+                 "finish", "pending", "wgmma")
 
     def __init__(self, plan: MoEPlan) -> None:
         kernels = MOE.module(plan)
@@ -235,14 +236,18 @@ class _Launch:
             sms = device_sms()
             self.gemm1 = kernels.bind("moe_gemm1_sm90", plan.gemm_grid(F, sms), threads, plan.smem)
             self.gemm2 = kernels.bind("moe_gemm2_sm90", plan.gemm_grid(H, sms), threads, plan.smem)
-            self.routed = None
+            self.routed = self.small = None
         else:
             self.place = None if index[0] == 1 else kernels.bind("moe_place", index, block)
             self.gemm1 = kernels.bind("moe_gemm1", plan.gemm_grid(F), threads, plan.smem)
             #: batches of one routing block: moe_gemm1_routed routes inside (two launches, top-1)
+            routed_smem = -(-plan.smem // 16) * 16 + 4 * (3 * INDEX_THREADS + 2 * E + 2 * t + 2)
             self.routed = None if index[0] > 1 or plan.threads < INDEX_THREADS else kernels.bind(
-                "moe_gemm1_routed", plan.gemm_grid(F), threads,
-                -(-plan.smem // 16) * 16 + 4 * (3 * INDEX_THREADS + 2 * E + 2 * t + 2))
+                "moe_gemm1_routed", plan.gemm_grid(F), threads, routed_smem)
+            #: and top-1: the whole layer in one launch, a CTA per tile of either GEMM
+            self.small = None if self.routed is None or not self.direct else kernels.bind(
+                "moe_small", (t * (plan.gemm_grid(F)[1] + plan.gemm_grid(H)[1]), 1, 1), threads,
+                routed_smem)
             self.gemm2 = kernels.bind("moe_gemm2", plan.gemm_grid(H), threads, plan.smem)
         self.finish = None if self.direct else kernels.bind(
             "moe_finish", (min(-(-T * H // 256), 4096), 1, 1), (256, 1, 1))
@@ -294,10 +299,18 @@ class _Launch:
     def _mma_sync(self, s: int, base: int, x: Any, expert_ids: Any, w1: Any, w2: Any, b1: Any,
                   b2: Any, yp: int, ws: int, g: Any) -> None:
         """The mma.sync path: routing and placing (or, for one routing block, the routing
-        inside the first GEMM), then both GEMMs gathering and scattering token rows."""
+        inside the first GEMM), then both GEMMs gathering and scattering token rows; one
+        top-1 routing block: the whole layer in one launch."""
         plan = self.plan
         T, H, F, E, topk = plan.tokens, plan.hidden, plan.ffn, plan.experts, plan.topk
         b1p, hbuf = 0 if b1 is None else b1.data_ptr(), base + self.inter
+        if self.small is not None:
+            tickets = stream_counters(self.pending.setdefault(x.device.index, {}), s,
+                                      2 + plan.max_tiles, x.device)   # held until the launch
+            self.small(s, expert_ids.data_ptr(), E, plan.max_tiles, tickets.data_ptr(), yp,
+                       x.data_ptr(), w1.data_ptr(), b1p, hbuf, w2.data_ptr(),
+                       0 if b2 is None else b2.data_ptr(), g.data_ptr(), T, H, F)
+            return
         if self.routed is not None:
             counts, _, offsets, row_pair, tile_e, tile_r, ntiles = (base + o for o in self.offsets)
             self.routed(s, expert_ids.data_ptr(), plan.pairs, E, plan.max_tiles, counts, offsets,
