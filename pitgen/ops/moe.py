@@ -426,7 +426,6 @@ def _requires_grad(*tensors: Any) -> bool:
     return False
 
 
-@on_operand_device
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
             b1: Tensor | None = None, b2: Tensor | None = None,
             activation: str = "gelu", check: bool = True) -> Tensor:
@@ -446,6 +445,23 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     Runs as the ``torch.library`` op ``pitgen::moe_ffn``, differentiable in x, gates, w1, w2,
     b1 and b2 (:func:`moe_backward`), when torch traces or an input requires grad; otherwise
     it launches the op's body directly (the same kernels, less host time)."""
+    import torch
+
+    if not check and isinstance(activation, str):
+        # a call signature seen before, nothing to differentiate: its launches, without the
+        # device guard (the key holds the current device, which was the operands' then)
+        key = raw_key(x, expert_ids, gates, w1, w2, b1, b2)
+        run = _CHECKED.get((key, activation)) if key is not None else None
+        if run is not None and run.plan.tokens and not (
+                torch.is_grad_enabled() and _requires_grad(x, gates, w1, w2, b1, b2)):
+            return run(x, expert_ids, gates, w1, w2, b1, b2)
+    return _moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation, check)
+
+
+@on_operand_device
+def _moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
+             activation: str, check: bool) -> Any:
+    """``moe_ffn`` past its fast path, on the operands' device."""
     import torch
 
     if tracing():  # the op validates and plans when it runs (the rule engine is not traced)
