@@ -65,6 +65,11 @@ class Device:
         self.launches.append(name)
         getattr(self, name)(grid, block, smem, *args)
 
+    def bind(self, name, grid, block, smem=0):
+        if 0 in grid:   # as runtime.Module.bind: an empty grid launches nothing
+            return lambda stream, *args: None
+        return lambda stream, *args: self.launch(name, grid, block, stream, *args, smem=smem)
+
     def pit_conv_index(self, grid, block, smem, x, N, C, HW, vec, per_plane, flags, done, ids,
                        count):
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
@@ -190,6 +195,7 @@ def emulated(monkeypatch, arch="sm_80"):
     monkeypatch.setattr(cv, "CONV", _Spec(cv.CONV, devices))
     monkeypatch.setattr(cv, "TorchLaunch", _Launch)
     monkeypatch.setattr(cv, "_FLAGS", {})
+    monkeypatch.setattr(cv, "_LAUNCHES", {})   # no launch closure of real modules, or of another test's
     yield devices
 
 

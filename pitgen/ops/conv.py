@@ -39,7 +39,7 @@ from ..operands import check_device, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, device_arch, device_sms, stream_counters
 from . import lazy_torch_classes
-from .library import ops
+from .library import grad_enabled, ops, requires_grad, tracing
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -362,56 +362,102 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
            padding: tuple[int, int], out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Index, gather and GEMM on validated operands (the body of ``pitgen::sparse_conv2d``):
     Y and the device's active-channel count. ``out``: Y's buffer (the GPU tests poison it),
-    of Y's shape and dtype in x's memory format; a new one when None."""
-    import torch
-    layout = layout_of(x)
-    dtype = str(x.dtype).replace("torch.", "")
-    plan = plan_conv(dtype, layout, tuple(x.shape), tuple(weight.shape), tuple(stride),
-                     tuple(padding), arch=device_arch())
-    N, C, H, W = x.shape
-    F, _, R, S = weight.shape
-    P, Q = out_size(plan, H, W)
-    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    y = torch.empty((N, F, P, Q), dtype=x.dtype, device=x.device, memory_format=fmt) \
-        if out is None else out
-    if tuple(y.shape) != (N, F, P, Q) or y.dtype != x.dtype or not y.is_contiguous(
-            memory_format=fmt):
-        raise ShapeError(f"out must be {(N, F, P, Q)} of {x.dtype} in x's memory format, got "
-                         f"{tuple(y.shape)} of {y.dtype} with strides {tuple(y.stride())}")
-    if y.numel() == 0:   # N == 0: the plan refuses every other empty output
-        return y, torch.zeros(1, dtype=torch.int32, device=x.device)
-    if N * P * Q > INT32_MAX or -(-N * P * Q // BM) > INT32_MAX:
-        raise ShapeError(f"{N * P * Q} output pixels overflow the GEMM's int32 rows")
-    cmax = -(-C // GRAIN) * GRAIN
-    ids = torch.empty(C, dtype=torch.int32, device=x.device)
-    count = torch.empty(1, dtype=torch.int32, device=x.device)   # an output: its own tensor
-    ph, pw = plan.padding
-    xc_pixels = N * (H + 2 * ph) * (W + 2 * pw)   # Xc holds the zero padding as a halo
-    work = torch.empty((xc_pixels + F * R * S) * cmax, dtype=x.dtype, device=x.device)
-    xc, wc = work[:xc_pixels * cmax], work[xc_pixels * cmax:]   # one allocation, both 16-byte aligned
-    x_blocks = (min(-(-cmax // GROUP) * N * -(-H * W // TILE_P), GATHER_CTAS_PER_SM * device_sms())
-                if layout == "nchw" else -(-N * H * W // PIX))
-    h_blocks = -(-(xc_pixels - N * H * W) * (cmax // 8) // INDEX_THREADS)
-    w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
-    g = plan.gemm
-    grid = (-(-N * P * Q // BM), -(-F // g.bn), 1)
-    if grid[1] > GRID_Y_MAX:
-        raise ShapeError(f"{F} filters need {grid[1]} CTA columns (at most {GRID_Y_MAX})")
-    so = y.stride()
-    w_str = weight.stride()
-    with TorchLaunch() as L:
-        _run_index(plan.index, x, L.stream, ids, count)
-        CONV_INDEX.module(plan.index).launch(
-            "pit_conv_gather", (x_blocks + h_blocks + w_blocks, 1, 1), (INDEX_THREADS, 1, 1),
-            L.stream, x.data_ptr(), N, C, H, W, ph, pw, ids.data_ptr(), count.data_ptr(),
-            xc.data_ptr(), x_blocks, h_blocks, weight.data_ptr(), F, R, S, w_str[0], w_str[1],
-            w_str[2], w_str[3], wc.data_ptr())
-        CONV.module(g).launch(
-            "pit_conv_gemm", grid, (g.threads, 1, 1), L.stream, xc.data_ptr(), wc.data_ptr(),
-            count.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(), N, C, H,
-            W, F, R, S, P, Q, plan.stride[0], plan.stride[1], ph, pw, so[0], so[1], so[2], so[3],
-            smem=g.smem)
-    return y, count
+    of Y's shape and dtype in x's memory format; a new one when None. The launches are decided
+    once per call signature (:class:`_ConvLaunch`)."""
+    key = raw_key(x, weight, bias)
+    run = validated(_LAUNCHES, None if key is None else (key, tuple(stride), tuple(padding)),
+                    lambda: _ConvLaunch(x, weight, bias, tuple(stride), tuple(padding)))
+    return run(x, weight, bias, out)
+
+
+#: (raw_key of x, weight, bias; stride; padding) -> its _ConvLaunch
+_LAUNCHES = cache.memo("conv.launches")
+
+
+class _ConvLaunch:
+    """The convolution's three launches for one call signature (shapes, strides, dtypes,
+    alignment, device), decided once: the plan, the grids, the kernels bound to them and
+    every argument that is not an address. A call allocates Y, the count and one work buffer
+    (the channel ids, Xc with its halo and Wc, each 256-byte aligned) and makes three driver
+    calls (issue 16's lean path; the op's dispatcher is skipped by eager calls with nothing to
+    differentiate, :func:`_conv_count`)."""
+
+    __slots__ = ("shape", "fmt", "layout", "C", "index", "gather", "gemm", "index_args",
+                 "gather_args", "w_str", "gemm_args", "xc", "wc", "nbytes")
+
+    def __init__(self, x: Any, weight: Any, bias: Any, stride: tuple[int, int],
+                 padding: tuple[int, int]) -> None:
+        import torch
+        layout = layout_of(x)
+        dtype = str(x.dtype).replace("torch.", "")
+        plan = plan_conv(dtype, layout, tuple(x.shape), tuple(weight.shape), stride, padding,
+                         arch=device_arch())
+        N, C, H, W = x.shape
+        F, _, R, S = weight.shape
+        P, Q = out_size(plan, H, W)
+        self.shape, self.layout, self.C = (N, F, P, Q), layout, C
+        self.fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+        if N * P * Q == 0:   # an empty batch (the plan refuses other empty outputs): no launch
+            return
+        if N * P * Q > INT32_MAX or -(-N * P * Q // BM) > INT32_MAX:
+            raise ShapeError(f"{N * P * Q} output pixels overflow the GEMM's int32 rows")
+        g = plan.gemm
+        grid = (-(-N * P * Q // BM), -(-F // g.bn), 1)
+        if grid[1] > GRID_Y_MAX:
+            raise ShapeError(f"{F} filters need {grid[1]} CTA columns (at most {GRID_Y_MAX})")
+        cmax = -(-C // GRAIN) * GRAIN
+        ph, pw = plan.padding
+        xc_pixels = N * (H + 2 * ph) * (W + 2 * pw)   # Xc holds the zero padding as a halo
+        esize = x.element_size()
+        # the work buffer: channel ids, then Xc, then Wc, each 256-byte aligned
+        self.xc = -(-4 * C // 256) * 256
+        self.wc = self.xc + -(-xc_pixels * cmax * esize // 256) * 256
+        self.nbytes = self.wc + F * R * S * cmax * esize
+        x_blocks = (min(-(-cmax // GROUP) * N * -(-H * W // TILE_P),
+                        GATHER_CTAS_PER_SM * device_sms())
+                    if layout == "nchw" else -(-N * H * W // PIX))
+        h_blocks = -(-(xc_pixels - N * H * W) * (cmax // 8) // INDEX_THREADS)
+        w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
+        vec = vector_width(layout, C, H * W, x.data_ptr())   # the key holds x's alignment
+        per_plane = index_per_plane(H * W, vec)
+        block = (INDEX_THREADS, 1, 1)
+        self.index = CONV_INDEX.module(plan.index).bind(
+            "pit_conv_index", (_index_grid(layout, N, C, H * W, vec, per_plane), 1, 1), block)
+        self.index_args = (N, C, H * W, vec, int(per_plane))
+        self.gather = CONV_INDEX.module(plan.index).bind(
+            "pit_conv_gather", (x_blocks + h_blocks + w_blocks, 1, 1), block)
+        self.gather_args = (N, C, H, W, ph, pw)
+        self.w_str = (F, R, S, *weight.stride())
+        self.gemm = CONV.module(g).bind("pit_conv_gemm", grid, (g.threads, 1, 1), g.smem)
+        self.gemm_args = ((N, C, H, W, F, R, S, P, Q), (*plan.stride, ph, pw), (x_blocks, h_blocks))
+
+    def __call__(self, x: Any, weight: Any, bias: Any, out: Any) -> tuple[Any, Any]:
+        import torch
+        N, F, P, Q = self.shape
+        dev = x.device
+        y = torch.empty(N, F, P, Q, dtype=x.dtype, device=dev, memory_format=self.fmt) \
+            if out is None else out
+        if out is not None and (tuple(y.shape) != self.shape or y.dtype != x.dtype
+                                or not y.is_contiguous(memory_format=self.fmt)):
+            raise ShapeError(f"out must be {self.shape} of {x.dtype} in x's memory format, got "
+                             f"{tuple(y.shape)} of {y.dtype} with strides {tuple(y.stride())}")
+        if y.numel() == 0:   # N == 0: the plan refuses every other empty output
+            return y, torch.zeros(1, dtype=torch.int32, device=dev)
+        count = torch.empty(1, dtype=torch.int32, device=dev)   # an output: its own tensor
+        work = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
+        base, c, xp = work.data_ptr(), count.data_ptr(), x.data_ptr()
+        xc, wc = base + self.xc, base + self.wc
+        sizes, conv, blocks = self.gemm_args
+        with TorchLaunch() as L:
+            s = L.stream
+            flags = stream_counters(_FLAGS.setdefault(dev.index, {}), s, self.C + 1, dev)
+            fp = flags.data_ptr()
+            self.index(s, xp, *self.index_args, fp + 4, fp, base, c)
+            self.gather(s, xp, *self.gather_args, base, c, xc, *blocks, weight.data_ptr(),
+                        *self.w_str, wc)
+            self.gemm(s, xc, wc, c, bias.data_ptr() if bias is not None else 0, y.data_ptr(),
+                      *sizes, *conv, *y.stride())
+        return y, count
 
 
 def _check_conv(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
@@ -473,7 +519,12 @@ def _conv_count(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any, pad
                      lambda: _check_conv(x, weight, bias, stride, padding, dilation, groups))
     if layout_of_or_none(x) is None:
         x = x.contiguous()
+    if not tracing() and not (grad_enabled() and requires_grad(x, weight, bias)):
+        # nothing to differentiate: the op's launches, without the dispatcher's host cost
+        return launch(x, weight, bias.contiguous() if bias is not None else None, plan.stride,
+                      plan.padding)
     return ops().sparse_conv2d(x, weight, bias, list(plan.stride), list(plan.padding))
+
 
 
 # -- torch module (built lazily: importing pitgen.ops.conv needs no torch) ---------------------

@@ -46,6 +46,20 @@ def tracing() -> bool:
     return torch is not None and bool(torch.compiler.is_compiling())
 
 
+def grad_enabled() -> bool:
+    """torch's grad mode (False while torch is not even imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled()
+
+
+def requires_grad(*tensors: Any) -> bool:
+    """Whether one of ``tensors`` (None entries skipped) requires grad."""
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 def plain_tensors(*tensors: Any) -> bool:
     """Whether every one of ``tensors`` is a plain ``torch.Tensor`` (not a fake, functional or
     other subclass, which only the ops' fake implementations can take)."""

@@ -27,7 +27,7 @@ from ..opspec import OpSpec, Permutation
 from ..runtime import (TorchLaunch, device_arch, device_index, device_sms, kept_scratch, memset_d32,
                        stream_counters, tensor_map)
 from . import lazy_torch_classes
-from .library import ops, tracing
+from .library import ops, requires_grad, tracing
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -418,14 +418,6 @@ def _checked(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2:
     return validated(_CHECKED, None if key is None else (key, activation), check_all)
 
 
-def _requires_grad(*tensors: Any) -> bool:
-    """Whether one of ``tensors`` (None entries skipped) requires grad."""
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return True
-    return False
-
-
 def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
             b1: Tensor | None = None, b2: Tensor | None = None,
             activation: str = "gelu", check: bool = True) -> Tensor:
@@ -453,7 +445,7 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
         key = raw_key(x, expert_ids, gates, w1, w2, b1, b2)
         run = _CHECKED.get((key, activation)) if key is not None else None
         if run is not None and run.plan.tokens and not (
-                torch.is_grad_enabled() and _requires_grad(x, gates, w1, w2, b1, b2)):
+                torch.is_grad_enabled() and requires_grad(x, gates, w1, w2, b1, b2)):
             return run(x, expert_ids, gates, w1, w2, b1, b2)
     return _moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation, check)
 
@@ -475,7 +467,7 @@ def _moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2:
             raise ShapeError(f"expert_ids: {int(bad[0])} ids outside [0, {E})")
         if bad[1]:
             raise ShapeError(f"gates: {int(bad[1])} values are NaN or infinite")
-    if not (torch.is_grad_enabled() and _requires_grad(x, gates, w1, w2, b1, b2)):
+    if not (torch.is_grad_enabled() and requires_grad(x, gates, w1, w2, b1, b2)):
         # nothing to differentiate: the op's launches, without the dispatcher's host cost
         return run(x, expert_ids, gates, w1, w2, b1, b2) if T else torch.empty_like(x)
     return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
