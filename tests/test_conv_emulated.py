@@ -70,8 +70,8 @@ class Device:
             return lambda stream, *args: None
         return lambda stream, *args: self.launch(name, grid, block, stream, *args, smem=smem)
 
-    def pit_conv_index(self, grid, block, smem, x, N, C, HW, vec, per_plane, flags, done, ids,
-                       count):
+    def pit_conv_index(self, grid, block, smem, x, N, C, HW, vec, per_plane, pix, flags, done,
+                       ids, count):
         assert block == (cv.INDEX_THREADS, 1, 1) and smem == 0
         run = HW if self.cfg.layout == "nchw" else C
         assert run % vec == 0 and x % (2 * vec) == 0, "vector loads would be misaligned"
@@ -79,7 +79,8 @@ class Device:
         # vectors of the flat X; channels_last: a CTA per PIX pixels
         warps = cv.INDEX_THREADS // 32
         if self.cfg.layout == "nhwc":
-            per, items = cv.PIX, N * HW
+            assert pix == cv.index_pixels(N * HW, C, vec, SMS)
+            per, items = pix, N * HW
         elif HW // vec >= cv.INDEX_SEGMENT:
             assert per_plane == 1
             per, items = warps, N * C
