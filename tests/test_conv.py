@@ -100,10 +100,10 @@ def test_dense_crossover_is_a_fraction_that_favours_compute_heavy_shapes():
     wide_wgmma = cv.dense_crossover(*RESNET, (56, 56), wgmma=True)
     assert 0.1 < wide_wgmma < 0.2 and wide_wgmma < cv.dense_crossover(
         (32, 512, 28, 28), (128, 512, 3, 3), (28, 28), wgmma=True) < 1.0
-    # channels_last: the index and the gather read all of X (0.11 against 0.073 ms at 56 x 56)
+    # channels_last: the index and the gather read all of X (0.067 against 0.073 ms at 56 x 56)
     assert cv.dense_crossover(*RESNET, (56, 56), wgmma=True, layout="nhwc") == 0.0
-    assert 0.1 < cv.dense_crossover((32, 512, 28, 28), (128, 512, 3, 3), (28, 28), wgmma=True,
-                                    layout="nhwc") < 0.2
+    assert 0.15 < cv.dense_crossover((32, 512, 28, 28), (128, 512, 3, 3), (28, 28), wgmma=True,
+                                     layout="nhwc") < 0.3
     # a layer whose FLOPs cost less than reading X once never goes sparse
     assert cv.dense_crossover((32, 1024, 14, 14), (256, 1024, 1, 1), (14, 14)) == 0.0
     assert cv.dense_crossover((32, 1024, 14, 14), (1, 1024, 1, 1), (14, 14)) == 0.0

@@ -242,8 +242,9 @@ def vector_width(layout: str, C: int, HW: int, ptr: int) -> int:
 #: of the three launches and their tails.
 COPY_BYTES_PER_S = 2.5e12
 DENSE_FLOPS_PER_S = 4.0e14
-#: by X's layout: channels_last reads every pixel's channels whole (0.054 ms for 51 MB, H200)
-INDEX_BYTES_PER_S = {"nchw": 1.7e12, "nhwc": 0.95e12}
+#: by X's layout: channels_last reads every pixel's channels whole (0.030 ms for 51 MB on an
+#: H200 since session 24's pixels per CTA, index_pixels; 0.054 before)
+INDEX_BYTES_PER_S = {"nchw": 1.7e12, "nhwc": 1.7e12}
 SPARSE_EFFICIENCY = {False: 0.4, True: 0.75}   # by GemmConfig.wgmma
 SPARSE_FIXED_S = 25e-6
 
@@ -257,9 +258,10 @@ def dense_crossover(shape: tuple[int, int, int, int], weight: tuple[int, int, in
     FLOPs at its SPARSE_EFFICIENCY of cuDNN's dense rate. NCHW with mma.sync,
     fitted on an H100: at 56 x 56 x 256 -> 64, 3 x 3 it is 0.08 (measured: 0.07), at
     28 x 28 x 512 -> 128 0.17 (measured 0.33); wgmma: 0.13 and 0.28 (measured on an H200 0.21
-    and 0.71: the H100 rates are conservative there); channels_last with wgmma: 0 and 0.11 (on
-    an H200 at 10% active channels the sparse path takes 1.5x cuDNN's time at 56 x 56 and 0.63x
-    at 28 x 28); 1 x 1 layers read more than they compute and never go sparse."""
+    and 0.71: the H100 rates are conservative there); channels_last with wgmma: 0 and 0.22 (on
+    an H200 at 10% active channels the sparse path takes 0.92x cuDNN's time at 56 x 56 and 0.50x
+    at 28 x 28: conservative too); 1 x 1 layers read more than they compute and never go
+    sparse."""
     N, C, H, W = shape
     F, _, R, S = weight
     x_bytes = 2.0 * N * C * H * W
