@@ -359,12 +359,7 @@ class _Kernel:
 
     def launch(self, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
                args: tuple, smem: int) -> None:
-        buf, params, extra = getattr(self._local, "bufs", None) or self._buffers()
-        self._struct.pack_into(buf, 0, *args)
-        g, b = [int(d) for d in (*grid, 1, 1)], [int(d) for d in (*block, 1, 1)]
-        _check(self._lib.cuLaunchKernel(self.handle, g[0], g[1], g[2], b[0], b[1], b[2], int(smem),
-                                        _VOID_P(stream), params, extra and extra[0]),
-               "cuLaunchKernel")
+        self.bind(grid, block, smem)(stream, *args)
 
 
 #: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

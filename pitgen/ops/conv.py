@@ -39,7 +39,7 @@ from ..operands import check_device, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import TorchLaunch, device_arch, device_sms, stream_counters
 from . import lazy_torch_classes
-from .library import grad_enabled, ops, requires_grad, tracing
+from .library import needs_grad, ops, tracing
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -332,20 +332,27 @@ def _index_grid(layout: str, N: int, C: int, HW: int, vec: int, per_plane: bool,
     return -(-N * C // warps) if per_plane else -(-(N * C * HW // vec) // (INDEX_SEGMENT * warps))
 
 
-def _run_index(cfg: IndexConfig, x: Tensor, stream: int, ids: Tensor, count: Tensor) -> None:
-    """Launch the index pass of X (count zeroed by the caller when X is empty)."""
+def _index_geometry(layout: str, x: Any) -> tuple[int, tuple[int, ...]]:
+    """The index pass over X: its grid and its arguments between X and the flags (N, C, H*W,
+    vector width, per plane, pixels per CTA); the vector width follows X's alignment."""
     N, C, H, W = x.shape
-    vec = vector_width(cfg.layout, C, H * W, x.data_ptr())
+    vec = vector_width(layout, C, H * W, x.data_ptr())
     per_plane = index_per_plane(H * W, vec)
     pix = index_pixels(N * H * W, C, vec, device_sms())
-    grid = _index_grid(cfg.layout, N, C, H * W, vec, per_plane, pix)
+    return (_index_grid(layout, N, C, H * W, vec, per_plane, pix),
+            (N, C, H * W, vec, int(per_plane), pix))
+
+
+def _run_index(cfg: IndexConfig, x: Tensor, stream: int, ids: Tensor, count: Tensor) -> None:
+    """Launch the index pass of X (count zeroed by the caller when X is empty)."""
+    grid, args = _index_geometry(cfg.layout, x)
     if grid == 0:
         return
+    C = x.shape[1]
     flags = stream_counters(_FLAGS.setdefault(x.device.index, {}), stream, C + 1, x.device)
     CONV_INDEX.module(cfg).launch(
-        "pit_conv_index", (grid, 1, 1), (INDEX_THREADS, 1, 1), stream, x.data_ptr(), N, C,
-        H * W, vec, int(per_plane), pix, flags.data_ptr() + 4, flags.data_ptr(),
-        ids.data_ptr(), count.data_ptr())
+        "pit_conv_index", (grid, 1, 1), (INDEX_THREADS, 1, 1), stream, x.data_ptr(), *args,
+        flags.data_ptr() + 4, flags.data_ptr(), ids.data_ptr(), count.data_ptr())
 
 
 def index_launch(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -387,6 +394,8 @@ def launch(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, in
     Y and the device's active-channel count. ``out``: Y's buffer (the GPU tests poison it),
     of Y's shape and dtype in x's memory format; a new one when None. The launches are decided
     once per call signature (:class:`_ConvLaunch`)."""
+    if bias is not None:
+        bias = bias.contiguous()
     key = raw_key(x, weight, bias)
     run = validated(_LAUNCHES, None if key is None else (key, tuple(stride), tuple(padding)),
                     lambda: _ConvLaunch(x, weight, bias, tuple(stride), tuple(padding)))
@@ -405,7 +414,7 @@ class _ConvLaunch:
     calls (issue 16's lean path; the op's dispatcher is skipped by eager calls with nothing to
     differentiate, :func:`_conv_count`)."""
 
-    __slots__ = ("shape", "fmt", "layout", "C", "index", "gather", "gemm", "index_args",
+    __slots__ = ("shape", "fmt", "C", "index", "gather", "gemm", "index_args",
                  "gather_args", "w_str", "gemm_args", "xc", "wc", "nbytes")
 
     def __init__(self, x: Any, weight: Any, bias: Any, stride: tuple[int, int],
@@ -418,7 +427,7 @@ class _ConvLaunch:
         N, C, H, W = x.shape
         F, _, R, S = weight.shape
         P, Q = out_size(plan, H, W)
-        self.shape, self.layout, self.C = (N, F, P, Q), layout, C
+        self.shape, self.C = (N, F, P, Q), C
         self.fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
         if N * P * Q == 0:   # an empty batch (the plan refuses other empty outputs): no launch
             return
@@ -441,14 +450,9 @@ class _ConvLaunch:
                     if layout == "nchw" else -(-N * H * W // PIX))
         h_blocks = -(-(xc_pixels - N * H * W) * (cmax // 8) // INDEX_THREADS)
         w_blocks = -(-F * R * S * (cmax // 8) // INDEX_THREADS)
-        vec = vector_width(layout, C, H * W, x.data_ptr())   # the key holds x's alignment
-        per_plane = index_per_plane(H * W, vec)
-        pix = index_pixels(N * H * W, C, vec, device_sms())
+        index_grid, self.index_args = _index_geometry(layout, x)   # the key holds x's alignment
         block = (INDEX_THREADS, 1, 1)
-        self.index = CONV_INDEX.module(plan.index).bind(
-            "pit_conv_index", (_index_grid(layout, N, C, H * W, vec, per_plane, pix), 1, 1),
-            block)
-        self.index_args = (N, C, H * W, vec, int(per_plane), pix)
+        self.index = CONV_INDEX.module(plan.index).bind("pit_conv_index", (index_grid, 1, 1), block)
         self.gather = CONV_INDEX.module(plan.index).bind(
             "pit_conv_gather", (x_blocks + h_blocks + w_blocks, 1, 1), block)
         self.gather_args = (N, C, H, W, ph, pw)
@@ -544,12 +548,10 @@ def _conv_count(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any, pad
                      lambda: _check_conv(x, weight, bias, stride, padding, dilation, groups))
     if layout_of_or_none(x) is None:
         x = x.contiguous()
-    if not tracing() and not (grad_enabled() and requires_grad(x, weight, bias)):
+    if not tracing() and not needs_grad(x, weight, bias):
         # nothing to differentiate: the op's launches, without the dispatcher's host cost
-        return launch(x, weight, bias.contiguous() if bias is not None else None, plan.stride,
-                      plan.padding)
+        return launch(x, weight, bias, plan.stride, plan.padding)
     return ops().sparse_conv2d(x, weight, bias, list(plan.stride), list(plan.padding))
-
 
 
 # -- torch module (built lazily: importing pitgen.ops.conv needs no torch) ---------------------

@@ -46,14 +46,12 @@ def tracing() -> bool:
     return torch is not None and bool(torch.compiler.is_compiling())
 
 
-def grad_enabled() -> bool:
-    """torch's grad mode (False while torch is not even imported)."""
+def needs_grad(*tensors: Any) -> bool:
+    """Whether autograd would record an op on ``tensors`` (None entries skipped): grad mode is
+    on and one of them requires grad (False while torch is not even imported)."""
     torch = sys.modules.get("torch")
-    return torch is not None and torch.is_grad_enabled()
-
-
-def requires_grad(*tensors: Any) -> bool:
-    """Whether one of ``tensors`` (None entries skipped) requires grad."""
+    if torch is None or not torch.is_grad_enabled():
+        return False
     for t in tensors:
         if t is not None and t.requires_grad:
             return True
@@ -70,8 +68,7 @@ def plain_tensors(*tensors: Any) -> bool:
 def no_backward(op: str, *tensors: Any, hint: str = "") -> None:
     """BackwardError naming ``op`` when grad mode is on and one of ``tensors`` requires grad:
     ``op`` has no backward, so its result would silently have no grad path."""
-    import torch
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         raise BackwardError(f"{op} has no backward, but an input requires grad; run it under "
                             f"torch.no_grad() or pass detached tensors" + (f" ({hint})" if hint else ""))
 
@@ -355,8 +352,7 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         "(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding) -> (Tensor, Tensor)")
     def sparse_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       stride: list[int], padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        b = bias.contiguous() if bias is not None else None
-        return conv.launch(x, weight, b, tuple(stride), tuple(padding))
+        return conv.launch(x, weight, bias, tuple(stride), tuple(padding))
 
     @sparse_conv2d.register_fake
     def _(x, weight, bias, stride, padding):

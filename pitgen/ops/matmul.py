@@ -183,9 +183,6 @@ class Launcher:
         else:
             tile = self.mod.bind("pit_gemm", geo.grid, (g.threads, 1, 1), self.smem)
         empty, by_stream = torch.empty, {}
-        #: (A's, B's address) -> their TMA descriptors (wgmma): one lookup per call, not two
-        #: argument-tuple hashes; dropped past MAX_LAUNCHERS addresses
-        maps: dict[tuple[int, int], tuple[bytes, bytes]] = {}
 
         def buffers(stream: int) -> tuple[int, int]:
             """(ids, packed A') addresses of this stream's index buffers (build_index's)."""
@@ -209,12 +206,7 @@ class Launcher:
                 index(stream, a_ptr, *index_args, counts, ids, pack, mask_ptr, *mask_strides,
                       zero, order_ptr)
                 if wgmma:
-                    ta_tb = maps.get((a_ptr, b_ptr))
-                    if ta_tb is None:
-                        if len(maps) >= MAX_LAUNCHERS:
-                            maps.clear()
-                        ta_tb = maps[a_ptr, b_ptr] = self.tensor_maps(a_ptr, b_ptr)
-                    tile(stream, *ta_tb, pack or a_ptr, b_ptr,
+                    tile(stream, *self.tensor_maps(a_ptr, b_ptr), pack or a_ptr, b_ptr,
                          out.data_ptr(), counts, ids, order_ptr, tile_counter(counts, n), *sizes)
                 else:
                     tile(stream, pack or a_ptr, b_ptr, out.data_ptr(), counts, ids, *sizes)

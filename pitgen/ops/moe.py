@@ -27,7 +27,7 @@ from ..opspec import OpSpec, Permutation
 from ..runtime import (TorchLaunch, device_arch, device_index, device_sms, kept_scratch, memset_d32,
                        stream_counters, tensor_map)
 from . import lazy_torch_classes
-from .library import ops, requires_grad, tracing
+from .library import needs_grad, ops, tracing
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -437,15 +437,12 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     Runs as the ``torch.library`` op ``pitgen::moe_ffn``, differentiable in x, gates, w1, w2,
     b1 and b2 (:func:`moe_backward`), when torch traces or an input requires grad; otherwise
     it launches the op's body directly (the same kernels, less host time)."""
-    import torch
-
     if not check and isinstance(activation, str):
         # a call signature seen before, nothing to differentiate: its launches, without the
         # device guard (the key holds the current device, which was the operands' then)
         key = raw_key(x, expert_ids, gates, w1, w2, b1, b2)
         run = _CHECKED.get((key, activation)) if key is not None else None
-        if run is not None and run.plan.tokens and not (
-                torch.is_grad_enabled() and requires_grad(x, gates, w1, w2, b1, b2)):
+        if run is not None and run.plan.tokens and not needs_grad(x, gates, w1, w2, b1, b2):
             return run(x, expert_ids, gates, w1, w2, b1, b2)
     return _moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation, check)
 
@@ -467,7 +464,7 @@ def _moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2:
             raise ShapeError(f"expert_ids: {int(bad[0])} ids outside [0, {E})")
         if bad[1]:
             raise ShapeError(f"gates: {int(bad[1])} values are NaN or infinite")
-    if not (torch.is_grad_enabled() and requires_grad(x, gates, w1, w2, b1, b2)):
+    if not needs_grad(x, gates, w1, w2, b1, b2):
         # nothing to differentiate: the op's launches, without the dispatcher's host cost
         return run(x, expert_ids, gates, w1, w2, b1, b2) if T else torch.empty_like(x)
     return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
