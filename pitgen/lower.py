@@ -151,6 +151,7 @@ class ModuleSpec:
     plan_shape: tuple[int, ...]
     gemm: GemmSpec
     index: IndexSpec | None
+    fused: bool = False  # also pit_gemm_fused: the index pass and the tiles in one launch
 
     def context(self) -> dict:
         """Template context of ``module.cu.j2``: every decision, nested as the dataclasses
@@ -546,3 +547,21 @@ def geometry(spec: ModuleSpec, layout: Layout, sms: int = 132) -> Geometry:
         raise PlanError(f"{grid_m} m-tiles exceed the grid limit {GRID_Y_MAX}")
     return Geometry(grid, tk, groups, cap, index_grid, index_args,
                     (min((M * N + 255) // 256, 65535), 1))
+
+
+#: the most CTAs (index pass and output tiles together) of a fused launch: one wave on any
+#: sm_80+ data-center GPU (108 SMs and up), where a second driver call would cost the host more
+#: than the problem costs the GPU
+FUSED_MAX_CTAS = 96
+
+
+def fuse(spec: ModuleSpec, geo: Geometry) -> ModuleSpec:
+    """``spec`` with the one-launch kernel (gemm_fused.cu.j2) where it applies: an mma.sync tile
+    kernel over an index (packed micro-tiles along k, or listed blocks, unordered) whose index
+    CTAs and output tiles together fit FUSED_MAX_CTAS."""
+    g, ix = spec.gemm, spec.index
+    if ix is None or g.mainloop != "mma_sync" or g.a_mode == "rows" or ix.ordered \
+            or g.threads > 256:
+        return spec
+    ctas = geo.index_grid[0] * geo.index_grid[1] + geo.grid[0] * geo.grid[1]
+    return replace(spec, fused=True) if ctas <= FUSED_MAX_CTAS else spec

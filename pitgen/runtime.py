@@ -311,10 +311,15 @@ class _Kernel:
         self._struct, self._offsets = struct.Struct(fmt), offsets
         self._per_parameter = "M" in signature
         self._local = threading.local()
-        self.smem_limit = 48 * 1024
         self.handle = ctypes.c_void_p()
         _check(self._lib.cuModuleGetFunction(ctypes.byref(self.handle), module.handle,
                                              name.encode()), f"cuModuleGetFunction({name})")
+        static = ctypes.c_int()
+        _check(self._lib.cuFuncGetAttribute(ctypes.byref(static), _STATIC_SMEM, self.handle),
+               f"cuFuncGetAttribute({name})")
+        #: dynamic shared memory a launch may ask for without opting in: static and dynamic
+        #: together stay within 48 KiB (the fused kernels hold their index pass's static arrays)
+        self.smem_limit = 48 * 1024 - static.value
 
     def set_smem_limit(self, smem: int) -> None:
         _check(self._lib.cuFuncSetAttribute(self.handle, _MAX_DYNAMIC_SMEM, smem),
@@ -362,8 +367,8 @@ class _Kernel:
         self.bind(grid, block, smem)(stream, *args)
 
 
-#: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-_MAX_DYNAMIC_SMEM = 8
+#: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SMEM, _STATIC_SMEM = 8, 1
 
 
 def _finish_work() -> None:

@@ -6,6 +6,7 @@ every D and every dtype."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -256,9 +257,13 @@ def test_shared_memory_bounds_the_key_length():
 VARIANTS = [(d, dt) for d in A.HEAD_DIMS for dt in A.ATTENTION.dtypes]
 
 
-def _source(d: int, dtype: str, arch: str = "sm_80") -> str:
+def _source(d: int, dtype: str, arch: str = "sm_80", fused: bool = False) -> str:
     plan = A.plan_attention(1, 1, 100, 130, d, dtype, (100, 130), 0, arch)
-    return A.ATTENTION.source(plan.context())
+    return A.ATTENTION.source(replace(plan, fused=fused).context())
+
+
+#: the one-launch forward's module: (d, dtype, plan arch, compile target), once each
+FUSED_VARIANTS = ((64, "float16", "sm_80", "sm_80"), (128, "bfloat16", "sm_90", "sm_90a"))
 
 
 #: The Hopper forward (wgmma products) for both widths of its PV product and both dtypes.
@@ -282,13 +287,26 @@ def test_hopper_plan_multiplies_on_wgmma():
 def test_render_names_the_kernels():
     src = _source(128, "bfloat16")
     assert src == _source(128, "bfloat16")
-    for name in A.ATTENTION.kernels:
-        assert f"{name}(" in src
+    fused = _source(128, "bfloat16", fused=True)
+    names = {n: fused if "fused" in n else src for n in A.ATTENTION.kernels}
+    for name, text in names.items():   # each kernel in its own module, not in the other
+        assert f"\n{name}(" in text and f"\n{name}(" not in (src if text is fused else fused)
     assert "constexpr int D = 128;" in src and "__nv_bfloat16" in src
     # the prepared signatures match the kernels' parameter counts
     for name, sig in A.ATTENTION.kernels.items():
-        params = src.split(f"\n{name}(")[1].split(")\n{")[0]
+        params = names[name].split(f"\n{name}(")[1].split(")\n{")[0]
         assert params.count(",") + 1 == len(sig), name
+
+
+def test_small_masked_problems_run_in_one_launch():
+    """fused_grid: the index CTAs and the forward's fit FUSED_MAX_CTAS (the one-launch
+    forward, a module of its own), else None (two launches)."""
+    from pitgen import lower
+    small = A.plan_attention(1, 2, 128, 128, 64, "float16", (128, 128))
+    (ix, iy, iz), (ax, ay, _) = small.index_grid(), small.forward_grid()
+    assert small.fused_grid() == (ix * iy * iz + ax * ay, 1, 1)
+    assert ix * iy * iz + ax * ay <= lower.FUSED_MAX_CTAS
+    assert A.plan_attention(1, 12, 4096, 4096, 64, "float16", (4096, 4096)).fused_grid() is None
 
 
 def _archs(d: int, dtype: str, source: str) -> tuple[str, ...]:
@@ -303,6 +321,8 @@ def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
     sources = {v: _source(*v) for v in VARIANTS}
     hopper = [pool.submit(compiler.compile_source, _source(*v, "sm_90"), "sm_90a")
               for v in WGMMA_VARIANTS if "sm_90a" in archs]
+    hopper += [pool.submit(compiler.compile_source, _source(d, dt, arch, fused=True), target)
+               for d, dt, arch, target in FUSED_VARIANTS if target in archs]
     return [pool.submit(compiler.compile_source, src, arch) for v, src in sources.items()
             for arch in _archs(*v, src) if arch in archs] + hopper + _backward_jobs(pool, archs)
 

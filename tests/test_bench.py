@@ -399,9 +399,10 @@ def test_timer_times_a_small_op():
 
     t = timer.both(op, calls=5)
     assert t.gpu_ms > 0 and t.wall_ms > 0
-    # five calls take far less than WALL_MIN_MS: the wall time came from longer rounds
+    # five calls take far less than WALL_MIN_MS: the wall time came from longer rounds (sized
+    # by the five calls' pace, which a lent host's noise may put at a few times the median's)
     from pitgen.bench.timing import WALL_MIN_MS, WALL_ROUNDS
-    assert n[0] >= 1 + 5 + WALL_ROUNDS * min(WALL_MIN_MS / t.wall_ms, 2000) * 0.5
+    assert n[0] >= 1 + 5 + WALL_ROUNDS * min(WALL_MIN_MS / t.wall_ms, 2000) / 4
     seen = []
     timer(lambda x: seen.append(x), inputs=[(1,), (2,), (3,)], repeats=4, warmup=0)
     assert seen == [1, 2, 3, 1]  # rotation among the input sets

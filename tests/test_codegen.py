@@ -15,7 +15,7 @@ import pytest
 import pitgen
 from pitgen import compiler
 from pitgen import lower as lower_mod
-from pitgen.lower import Layout, Schedule, gemm_form, geometry, lower
+from pitgen.lower import Layout, Schedule, fuse, gemm_form, geometry, lower
 from pitgen.ops.matmul import MATMUL
 
 
@@ -41,7 +41,8 @@ def _layout(op, form, M, N, K) -> Layout:
                   (c[form.c_dims[0]], c[form.c_dims[1]]))
 
 
-def variant(dtype: str, form_name: str, kind: str, odd: bool, accumulate: bool = False):
+def variant(dtype: str, form_name: str, kind: str, odd: bool, accumulate: bool = False,
+            fused: bool = False):
     expr, sparse = FORMS[form_name]
     op = pitgen.parse(expr)
     f = gemm_form(op, sparse)
@@ -56,14 +57,22 @@ def variant(dtype: str, form_name: str, kind: str, odd: bool, accumulate: bool =
         shape[f.a_dims[0]], axis = 1, f.m_axis
         shape[f.a_dims[1]] = 32 if kind == "micro_m_short" else 1024
     mk = kind.split("_")[0] if kind != "micro_k" and not kind.startswith("micro_m") else "micro"
-    spec = lower(op, sparse, mk, axis, tuple(shape) if mk != "dense" else (), dtype,
-                 _layout(op, f, M, N, K), accumulate=accumulate)
+    lay = _layout(op, f, M, N, K)
+    spec = lower(op, sparse, mk, axis, tuple(shape) if mk != "dense" else (), dtype, lay,
+                 accumulate=accumulate)
+    if fused:
+        spec = fuse(spec, geometry(spec, lay))
+        assert spec.fused, (dtype, form_name, kind)
     return spec
 
 
 DTYPES = ("float16", "bfloat16", "float32")
 LAYOUTS = (("AB", False), ("AtB", True), ("ABt", False), ("sparseB", True))  # odd: unaligned
 VARIANTS = [(d, f, k, odd) for d in DTYPES for k in KINDS for f, odd in LAYOUTS]
+#: variants compiled with the one-launch kernel as well (each kind it applies to, each dtype;
+#: one layout whose m-tiles are whole, one whose are not)
+FUSED = {("float16", "AB", "micro_k", False), ("bfloat16", "sparseB", "block", True),
+         ("float32", "ABt", "micro_k", False), ("float32", "AB", "block", False)}
 
 
 def test_variants_cover_every_mode_and_copy_width():
@@ -289,6 +298,30 @@ def test_rows_lowering_owns_row_blocks(dtype):
         lower(op, "A", "micro", "m", (1, 64), dtype, odd, schedule=Schedule(bm=96))
 
 
+def test_small_problems_run_in_one_launch():
+    """fuse: packed micro-tiles and listed blocks on the mma.sync kernel get the one-launch
+    kernel while index CTAs and output tiles fit FUSED_MAX_CTAS; rows mode, the wgmma
+    kernels and dense plans keep their launches."""
+    op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
+    small = Layout(128, 128, 128, (128, 1), (128, 1), (128, 1))
+    big = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
+    for kind, shape in (("micro", (32, 1)), ("block", (32, 64)), ("block", (64, 64))):
+        axis = "k" if kind == "micro" else None
+        spec = lower(op, "A", kind, axis, shape, "float16", small)
+        geo = geometry(spec, small)
+        fused = fuse(spec, geo)
+        ctas = geo.index_grid[0] * geo.index_grid[1] + geo.grid[0] * geo.grid[1]
+        assert fused.fused and ctas <= lower_mod.FUSED_MAX_CTAS, (kind, shape)
+        assert fused.gemm == spec.gemm and fused.index == spec.index
+        assert "pit_gemm_fused" in render(fused) and "pit_gemm_fused" not in render(spec)
+        spec = lower(op, "A", kind, axis, shape, "float16", big)
+        assert not fuse(spec, geometry(spec, big)).fused
+    for kind, axis, shape, arch in (("micro", "m", (1, 64), "sm_80"), ("dense", None, (), "sm_80"),
+                                    ("block", None, (64, 64), "sm_90")):
+        spec = lower(op, "A", kind, axis, shape, "float16", small, arch=arch)
+        assert not fuse(spec, geometry(spec, small, sms=132)).fused, (kind, arch)
+
+
 def test_lowering_refuses_what_it_cannot_run():
     op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
     lay = Layout(64, 64, 64, (64, 1), (64, 1), (64, 1))
@@ -320,7 +353,7 @@ def _compiles() -> dict[tuple, tuple[str, tuple[str, ...]]]:
     """Each variant's source (a third of them accumulating into C) and its archs."""
     out = {}
     for i, v in enumerate(VARIANTS):
-        src = render(variant(*v, accumulate=(i % 3 == 0)))
+        src = render(variant(*v, accumulate=(i % 3 == 0), fused=v in FUSED))
         out[v] = (src, _archs(v, src))
     return out
 

@@ -266,3 +266,80 @@ def test_device_facts_are_the_current_devices_own():
             for _ in range(2):   # the first call asks the driver, the second remembers
                 assert runtime.device_arch() == f"sm_{major}{minor}"
                 assert runtime.device_sms() == sms
+
+
+@pytest.mark.parametrize("micro_tile,dtype", [("32x1", "float16"), ("64x1", "bfloat16"),
+                                              ("32x64", "float16"), ("64x64", "float32")])
+def test_small_problems_run_in_one_launch_and_agree_with_two(micro_tile, dtype, monkeypatch):
+    """A problem whose index CTAs and tiles fit one wave runs the fused kernel (lower.fuse):
+    back to back on new patterns (empty, full, random; odd extents) it gives what the two
+    launches give, and the index alone (SparseKernel.index) still builds."""
+    from pitgen import lower
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(31)
+    M, K, N = 150, 136, 72
+    b = torch.randn(K, N, device="cuda", dtype=tdt, generator=g)
+    masks = [torch.zeros(M, K, device="cuda", dtype=torch.bool),
+             torch.ones(M, K, device="cuda", dtype=torch.bool)]
+    masks += [torch.rand(M, K, device="cuda", generator=g) < d for d in (0.02, 0.3, 0.02, 0.7)]
+    fused = pitgen.compile(EXPR, sparse="A", dtype=dtype, micro_tile=micro_tile)
+    monkeypatch.setattr(lower, "FUSED_MAX_CTAS", 0)
+    two = pitgen.compile(EXPR, sparse="A", dtype=dtype, micro_tile=micro_tile)
+    a0 = torch.randn(M, K, device="cuda", dtype=tdt, generator=g)
+    two(a0, b)
+    monkeypatch.undo()
+    fused(a0, b)
+    assert next(iter(fused._launchers.values())).fused_mod is not None
+    assert next(iter(two._launchers.values())).fused_mod is None
+    for mask in masks * 3:
+        a = a0 * mask
+        got, want = fused(a, b), two(a, b)
+        if micro_tile.endswith("x1"):   # listed blocks come in any order: sums may round apart
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        ref = a.double().cpu().numpy() @ b.double().cpu().numpy()
+        assert_close(got.double().cpu().numpy(), ref, dtype if dtype != "float32" else "tf32",
+                     scale=np.abs(a.double().cpu().numpy()) @ np.abs(b.double().cpu().numpy()))
+    counts, ids = fused.index(a0 * masks[2], b)
+    counts2, ids2 = two.index(a0 * masks[2], b)
+    torch.testing.assert_close(counts.cpu(), counts2.cpu())
+    for c, x, y in zip(counts.cpu().tolist(), ids.cpu(), ids2.cpu()):
+        assert sorted(x[:c].tolist()) == sorted(y[:c].tolist())
+
+
+@pytest.mark.parametrize("b,h,s,d,dtype,lead", [(1, 2, 130, 64, "float16", ()),
+                                                (2, 2, 192, 128, "bfloat16", (2, 1)),
+                                                (1, 3, 64, 64, "float16", (3,))])
+def test_small_attention_runs_in_one_launch_and_agrees_with_two(b, h, s, d, dtype, lead,
+                                                                monkeypatch):
+    """A masked problem whose index and forward grids fit one wave runs the one-launch forward
+    (a module of its own): on empty, full and random masks (byte masks at S = 130, 16-byte ones
+    at 64 and 192), called back to back and with its log-sum-exp, it agrees with the reference
+    and with the two launches."""
+    from pitgen import lower
+    from pitgen import reference as R
+    from pitgen.ops import attention as A
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(41)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=tdt, generator=g) for _ in range(3))
+    shape = (*lead, s, s)
+    masks = [torch.zeros(shape, device="cuda", dtype=torch.bool),
+             torch.ones(shape, device="cuda", dtype=torch.bool)]
+    masks += [torch.rand(shape, device="cuda", generator=g) < p for p in (0.03, 0.5, 0.03)]
+
+    def run():
+        A._EAGER.clear()
+        got = [A.sparse_attention(q, k, v, m, return_lse=True) for m in masks * 2]
+        fused = [f.fused is not None for f in A._EAGER.values()]
+        return got, fused
+
+    one, fused = run()
+    assert fused and all(fused)
+    monkeypatch.setattr(lower, "FUSED_MAX_CTAS", 0)
+    two, fused = run()
+    assert fused and not any(fused)
+    f64 = lambda x: x.double().cpu().numpy()  # noqa: E731
+    for m, (out, lse), (out2, lse2) in zip(masks * 2, one, two):
+        ref = R.attention_reference(f64(q), f64(k), f64(v), m.cpu().numpy())
+        assert_close(f64(out), ref, dtype)
+        torch.testing.assert_close(out, out2, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(lse, lse2, rtol=1e-4, atol=1e-4)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -105,7 +105,9 @@ ATTENTION = OpSpec(
     "attention", "attention.cu.j2",
     {"pit_attn_index_vec": "Piii" + "P" * 14 + "i", "pit_attn_index_byte": "Piii" + "P" * 14 + "i",
      "pit_attention": "PPPPPPPPiiiiiiifPPPiPPPiiiPP",
-     "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPPiiiPP"},
+     "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPPiiiPP",
+     **dict.fromkeys(("pit_attention_fused", "pit_attention_fused_vec"),
+                     "Piii" + "P" * 14 + "iP" + "iiii" + "PPPPP" + "iiii" + "f" + "ii" + "PP")},
     permutes=(
         # a CTA per (batch, head, query block), taken in any order: longest rows first
         Permutation("query blocks", SCORES, "spatial", "Q"),
@@ -151,6 +153,7 @@ class AttentionPlan:
     min_blocks: int = 0  # 0: MIN_BLOCKS[d]
     kv_heads: int = 0    # 0: heads (GQA: fewer K/V heads, kv head = h // group)
     wgmma: bool = False  # the forward's products on wgmma (sm_90a)
+    fused: bool = False  # the module of the one-launch forward alone (a small problem, a mask)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -223,6 +226,14 @@ class AttentionPlan:
     def index_grid(self) -> tuple[int, int, int]:
         return (-(-self.n_kb // self.kpc), self.n_qb, self.slices)
 
+    def fused_grid(self) -> tuple[int, int, int] | None:
+        """The one-launch forward's grid (the index CTAs, then the forward's), or None where the
+        two grids together exceed lower.FUSED_MAX_CTAS: a larger problem's GPU work outweighs the
+        second driver call."""
+        (ix, iy, iz), (ax, ay, _) = self.index_grid(), self.forward_grid()
+        ctas = ix * iy * iz + ax * ay
+        return (ctas, 1, 1) if ctas <= lower.FUSED_MAX_CTAS else None
+
     def attention_grid(self) -> tuple[int, int, int]:
         """(batch x head, rank in the query-block order): every head's longest rows first (the
         backward's dQ kernel)."""
@@ -240,7 +251,7 @@ class AttentionPlan:
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW,
                 "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, "wgmma": self.wgmma,
-                **STATE_NAMES}
+                "fused": self.fused, **STATE_NAMES}
 
     # -- backward --
 
@@ -275,7 +286,7 @@ class AttentionPlan:
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "stages": STAGES_BWD[self.d],
                 "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, "wgmma": False,
-                **STATE_NAMES}
+                "fused": False, **STATE_NAMES}
 
 
 @cache.lru("attention.plans")
@@ -547,12 +558,18 @@ def _arrays(base: int, offsets: tuple[int, ...]) -> list[int]:
     return [base + off for off in offsets]
 
 
+def _counter_words(plan: AttentionPlan) -> int:
+    """int32 words of the index pass's counters (``_counters``), the fused forward's after them."""
+    return plan.slices * (3 * plan.n_qb + 1)
+
+
 def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> Any:
     """The index pass's counters on ``stream`` (zero between launches): per (slice, query
     block) a 64-bit mask of the rows that miss some key, then per (slice, query block) and per
-    slice a done counter (int32). The caller holds the tensor until its launch is enqueued (a
+    slice a done counter (int32); for a fused plan then the one-launch forward's ticket, finish
+    and index-done counters. The caller holds the tensor until its launch is enqueued (a
     captured call's are fresh: runtime.stream_counters)."""
-    return stream_counters(by_stream, stream, plan.slices * (3 * plan.n_qb + 1), device)
+    return stream_counters(by_stream, stream, _counter_words(plan) + 3 * plan.fused, device)
 
 
 #: device index -> runtime.stream_counters cache of the dense-row tiles' merge counters (the
@@ -812,12 +829,29 @@ class _EagerForward:
 
     __slots__ = ("plan", "lse_shape", "static", "static_ptrs", "index", "attend", "size",
                  "arrays", "walked", "index_counters", "merge_counters", "sizes", "dense", "ws",
-                 "default_scale", "device")
+                 "default_scale", "device", "fused", "grids")
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
                  device: Any) -> None:
-        kernels = ATTENTION.module(plan)
         vec = _vector_mask(plan, mask)
+        grid = None if mask is None else plan.fused_grid()
+        #: the one-launch forward of a small problem with a mask (pit_attention_fused*, in a
+        #: module of its own), or None: the index pass and the attention kernel
+        self.fused = self.index = self.attend = None
+        if grid is not None:
+            plan = replace(plan, fused=True)
+            self.fused = ATTENTION.module(plan).bind(
+                "pit_attention_fused_vec" if vec else "pit_attention_fused", grid,
+                (INDEX_THREADS, 1, 1), plan.smem)
+        else:
+            kernels = ATTENTION.module(plan)
+            self.index = None if mask is None else kernels.bind(
+                "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
+                (INDEX_THREADS, 1, 1))
+            self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
+                                       plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem)
+        #: the index grid's extents and the forward grid's width (the fused kernel's arguments)
+        self.grids = (*plan.index_grid(), plan.forward_grid()[0])
         self.plan, self.device = plan, device
         self.lse_shape = (plan.batch, plan.heads, plan.sq) if want_lse else None
         self.static = None if mask is not None else _static_index(plan, causal, device)
@@ -825,11 +859,6 @@ class _EagerForward:
         self.static_ptrs = None if mask is not None else tuple(
             getattr(self.static, n).data_ptr() for n in ("states", "order", "counts", "keys",
                                                          "bits", "dense", "drows", "dcount"))
-        self.index = None if mask is None else kernels.bind(
-            "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
-            (INDEX_THREADS, 1, 1))
-        self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
-                                   plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem)
         #: the index buffer (_index_layout), then the dense rows' float32 workspace (a call
         #: with a mask); the arrays' offsets in the index kernel's argument order
         layout, index_bytes = _index_layout(plan, plan.gather_cap)
@@ -890,12 +919,19 @@ class _EagerForward:
                 states, _, order, counts, keys, bits, dense, drows, dcount = arrays[:9]
                 mptr, cap, ws = mask.data_ptr(), plan.gather_cap, base + self.ws
             with lock or nullcontext():
-                if mask is not None:
-                    self.index(s, *_index_args(plan, mptr, counters, arrays))
-                self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                            0 if lse is None else lse.data_ptr(), mptr, states, order,
-                            *self.sizes, scale * math.log2(math.e), counts, keys, bits, cap,
-                            dense, drows, dcount, *self.dense, ws, merge)
+                if self.fused is not None:   # one launch (a mask, a small problem)
+                    self.fused(s, *_index_args(plan, mptr, counters, arrays),
+                               counters + 4 * _counter_words(plan), *self.grids, q.data_ptr(),
+                               k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                               0 if lse is None else lse.data_ptr(), *self.sizes[2:6],
+                               scale * math.log2(math.e), *self.dense[1:], ws, merge)
+                else:
+                    if mask is not None:
+                        self.index(s, *_index_args(plan, mptr, counters, arrays))
+                    self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                0 if lse is None else lse.data_ptr(), mptr, states, order,
+                                *self.sizes, scale * math.log2(math.e), counts, keys, bits, cap,
+                                dense, drows, dcount, *self.dense, ws, merge)
         if with_index:
             if mask is None:
                 return out, lse, self.static.blocks.clone(), self.static.order.clone()
@@ -975,9 +1011,10 @@ def _sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, in
         out, lse, _, _ = _ops()(q, k, v, mask, scale, None if index is None else list(index),
                                 is_causal)
     else:
+        fast = _eager(q, k, v, mask, is_causal, return_lse, plan, m) if index is None else None
+        if fast is not None:   # later calls go straight to it (sparse_attention's fast path)
+            return fast(q, k, v, mask, scale)
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
-        if index is None:
-            _eager(q, k, v, mask, is_causal, return_lse, plan, m)
     return (out, lse) if return_lse else out
 
 

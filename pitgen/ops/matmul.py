@@ -13,7 +13,7 @@ from ..coverage import plan_on_device
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
-from ..lower import DTYPES, GemmForm, Layout, Schedule, gemm_form, geometry, lower_first
+from ..lower import DTYPES, GemmForm, Layout, Schedule, fuse, gemm_form, geometry, lower_first
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
                         distinct_strides, on_operand_device, raw_key, signature)
 from ..opspec import OpSpec
@@ -28,7 +28,7 @@ from .library import ops as torch_ops
 #: axes), so none is declared here.
 MATMUL = OpSpec("matmul", "module.cu.j2", {
     "pit_gemm": "PPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPPiiiiiiiiii",
-    "pit_build_index": "PiiiiPPPPiiPP",
+    "pit_build_index": "PiiiiPPPPiiPP", "pit_gemm_fused": "PiiiiPPPPiiPPii" + "PPP" + "i" * 10,
     "pit_gemm_zero": "Piiii"}, dtypes=tuple(DTYPES))
 
 
@@ -108,7 +108,10 @@ class Launcher:
         self.vendor = kind == "dense" and A.is_torch and vendor_dense
         sms = device_sms() if self.spec.gemm.mainloop == "wgmma" else 0
         self.geo = geometry(self.spec, self.layout, sms)
-        self.mod = MATMUL.module(self.spec.context()) if M * N and not self.vendor else None
+        #: the one-launch module of a small problem (only pit_gemm_fused), else None
+        fused = fuse(self.spec, self.geo) if not self.vendor and M * N * K else self.spec
+        self.fused_mod = MATMUL.module(fused.context()) if fused.fused else None
+        self._mod = None
         self.smem = self.spec.gemm.smem_bytes(dtype)
         self.mask_strides = (0, 0)
         if mask is not None:  # the mask's strides along the index's (long, id) dims
@@ -128,6 +131,15 @@ class Launcher:
         #: threads on one stream cannot interleave their launches over one index buffer
         self.lock = threading.Lock()
         self._torch_call: Callable[[Any, Any, Any, int], Any] | None = None
+
+    @property
+    def mod(self) -> Any:
+        """The module of the index pass, the tile kernel and the K = 0 pass (None for a vendor
+        or empty plan), loaded on first use: a fused launcher needs it only for an index alone,
+        a captured call or prepare()."""
+        if self._mod is None and self.M * self.N and not self.vendor:
+            self._mod = MATMUL.module(self.spec.context())
+        return self._mod
 
     def scratch(self, stream: int | None, words: int, dtype: str) -> Any:
         """This launcher's reusable buffer of ``words`` elements for launches on ``stream``."""
@@ -156,6 +168,23 @@ class Launcher:
         self._scratch[key] = (buf, 1 - half, other, this)
         return buf, half, this, other
 
+    def fused_sync(self, stream: int | None) -> int:
+        """The address of the fused kernel's ticket, finish and per-m-tile done counters for
+        launches on ``stream``: zeroed once, and every launch leaves them zero."""
+        key = (stream or 0, "sync")
+        entry = self._scratch.get(key)
+        if entry is None:
+            words = 2 + self.geo.groups
+            buf = Workspace(self.is_torch).alloc((words,), "int32")
+            memset_d32(Workspace.ptr(buf), 0, words, stream or 0)
+            entry = self._scratch[key] = (buf, Workspace.ptr(buf))
+        return entry[1]
+
+    def fused_grid(self) -> tuple[int, int, int]:
+        """The fused kernel's grid: the index CTAs, then the output tiles."""
+        (ix, iy), (tx, ty) = self.geo.index_grid, self.geo.grid
+        return (ix * iy + tx * ty, 1, 1)
+
     def torch_call(self) -> Callable[[Any, Any, Any, int], Any]:
         """``call(a, b, out, mask_ptr) -> out``: a steady-state call on plain torch tensors
         (SparseKernel.__call__ once this launcher is known for their raw attributes), the same
@@ -176,12 +205,15 @@ class Launcher:
         import torch
         shape, dtype, lock, n = self.out_shape, getattr(torch, self.dtype), self.lock, geo.groups
         index_args, mask_strides, sizes = geo.index_args, self.mask_strides, self.sizes
-        index = self.mod.bind("pit_build_index", geo.index_grid, (256, 1, 1))
         wgmma = g.mainloop == "wgmma"
-        if wgmma:
-            tile = self.mod.bind("pit_gemm_sm90", geo.grid, (g.threads, 1, 1), self.smem)
+        if self.fused_mod is not None:
+            fused = self.fused_mod.bind("pit_gemm_fused", self.fused_grid(), (256, 1, 1),
+                                        self.smem)
         else:
-            tile = self.mod.bind("pit_gemm", geo.grid, (g.threads, 1, 1), self.smem)
+            fused = None
+            index = self.mod.bind("pit_build_index", geo.index_grid, (256, 1, 1))
+            tile = self.mod.bind("pit_gemm_sm90" if wgmma else "pit_gemm", geo.grid,
+                                 (g.threads, 1, 1), self.smem)
         empty, by_stream = torch.empty, {}
 
         def buffers(stream: int) -> tuple[int, int]:
@@ -202,6 +234,11 @@ class Launcher:
                 stream = launch.stream
                 ids, pack = by_stream.get(stream) or buffers(stream)
                 _, _, counts, zero = self.counts_pair(stream)
+                if fused is not None:
+                    fused(stream, a_ptr, *index_args, counts, ids, pack, mask_ptr, *mask_strides,
+                          zero, self.fused_sync(stream), *geo.index_grid, pack or a_ptr, b_ptr,
+                          out.data_ptr(), *sizes)
+                    return out
                 order_ptr = ids + 4 * n * geo.cap if wgmma else 0
                 index(stream, a_ptr, *index_args, counts, ids, pack, mask_ptr, *mask_strides,
                       zero, order_ptr)
@@ -289,10 +326,18 @@ class GemmCall:
         (wgmma: and its last CTA sorts the m-tiles longest first). Fresh counts and their done
         counter, ids and the m-tile order share one int32 buffer; a reusing call takes the
         launcher's counts pair instead, zeroed by the launch before."""
+        args = self._index_args(stream)
+        if args is not None:
+            self.L.mod.launch("pit_build_index", self.L.geo.index_grid, (256, 1, 1), stream,
+                              *args, self.order_ptr)
+
+    def _index_args(self, stream: int | None) -> tuple | None:
+        """The index buffers of this call (fresh, or the launcher's for ``stream``), and the
+        index pass's arguments over them but the last (the m-tile order); None: no index."""
         L = self.L
         ix = L.spec.index
         if ix is None or L.vendor or L.M * L.N * L.K == 0:
-            return
+            return None
         geo = L.geo
         n, cap = geo.groups, geo.groups * geo.cap
         words = L.index_words
@@ -312,9 +357,8 @@ class GemmCall:
         if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
             self.order_ptr = base + 4 * (n + COUNTS_TAIL + cap)
             self.next_ptr = tile_counter(self.counts_ptr, n)
-        L.mod.launch("pit_build_index", geo.index_grid, (256, 1, 1), stream, self.a_ptr,
-                     *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
-                     *L.mask_strides, zero_ptr, self.order_ptr)
+        return (self.a_ptr, *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
+                *L.mask_strides, zero_ptr)
 
     @on_operand_device
     def compute(self, stream: int | None) -> None:
@@ -360,9 +404,18 @@ class GemmCall:
         if self.L.vendor:
             self.compute(None)
             return self.out
-        with TorchLaunch(self.L.is_torch) as launch, self.L.lock:
-            self.build_index(launch.stream)
-            self.compute(launch.stream)
+        L = self.L
+        with TorchLaunch(L.is_torch) as launch, L.lock:
+            s = launch.stream
+            if L.fused_mod is not None and self.reuse:   # one launch (gemm_fused.cu.j2)
+                args = self._index_args(s)
+                a = Workspace.ptr(self.pack) if self.pack is not None else self.a_ptr
+                L.fused_mod.launch("pit_gemm_fused", L.fused_grid(), (256, 1, 1), s, *args,
+                             L.fused_sync(s), *L.geo.index_grid, a, self.b_ptr, self.c_ptr,
+                             *L.sizes, smem=L.smem)
+            else:
+                self.build_index(s)
+                self.compute(s)
         return self.out
 
 
