@@ -496,6 +496,13 @@ def kept_scratch(stream: int, nbytes: int, device: Any) -> tuple[Any, Any]:
     import torch
     if nbytes > KEPT_SCRATCH or capturing():
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), None
+    return kept_buffer(stream, nbytes, device)
+
+
+def kept_buffer(stream: int, nbytes: int, device: Any) -> tuple[Any, Any]:
+    """:func:`kept_scratch` for a caller that has checked that the stream is not capturing and
+    that ``nbytes`` is at most KEPT_SCRATCH: the kept buffer and its lock."""
+    import torch
     key = (device.index, stream)   # every device's default stream is handle 0
     entry = _KEPT.get(key)
     if entry is None or entry[0].numel() < nbytes:

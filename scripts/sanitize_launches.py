@@ -179,3 +179,25 @@ with torch.no_grad():
     channel_index(wide_c.contiguous(memory_format=torch.channels_last))
 torch.cuda.synchronize()
 print("sparse-channel conv index + gather + GEMM (NCHW, channels_last): ok")
+
+# Small problems above ran the one-launch kernels (lower.FUSED_MAX_CTAS); the same calls again
+# with two launches each (index pass, then tile kernel / attention forward)
+from pitgen.ops import attention as attention_op
+
+lower.FUSED_MAX_CTAS = 0
+attention_op._EAGER.clear()
+for dtype in ("float16", "float32"):
+    A = torch.randn(M, K, device="cuda", dtype=getattr(torch, dtype))
+    A = A * (torch.rand(M, K, device="cuda") < 0.2).to(A.dtype)
+    B = torch.randn(K, N, device="cuda", dtype=A.dtype)
+    for micro in ("32x1", "32x32"):
+        kern = pitgen.compile("C[m,n] += A[m,k] * B[k,n]", sparse="A", dtype=dtype, micro_tile=micro)
+        kern(A, B), kern(A, B, mask=A != 0)
+for d in (64, 128):
+    for sq, sk in ((200, 200), (200, 256)):
+        q = torch.randn(1, 2, sq, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(1, 2, sk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        m = torch.from_numpy(bigbird_mask(rng, sq, sk, 32, random_global_tokens(rng, sq, 3), 6))
+        sparse_attention(q, k, v, m.cuda())
+torch.cuda.synchronize()
+print("matmul and attention in two launches: ok")

@@ -40,7 +40,8 @@ from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, device_arch, kept_scratch, stream_counters
+from ..runtime import (KEPT_SCRATCH, TorchLaunch, capturing, device_arch, kept_buffer,
+                       kept_scratch, stream_counters)
 from . import lazy_torch_classes
 from .library import tracing
 
@@ -83,6 +84,8 @@ EMPTY, PARTIAL, FULL, GATHERED = 0, 1, 2, 3
 #: slots (12 bytes each: id and row mask), 4.7% of the mask's bytes; blocks with more allowed
 #: columns (window edges, dense micro-tiles) stay partial, where the contiguous tile load wins.
 GATHER_MAX = 16
+#: log2(e): the kernels take the scores' scale in log2 units
+LOG2E = math.log2(math.e)
 #: A query block moves at most this many rows allowing every key (Longformer's and BigBird's
 #: global rows) to dense-row tiles, so a slice has at most nQB * DENSE_ROWS_MAX / 64 dense tiles
 #: (their grid and workspace are sized from shapes); more such rows stay in their block.
@@ -678,7 +681,7 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                        launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk, plan.heads,
-                       plan.group, sb, sh, plan.n_kb, scale * math.log2(math.e),
+                       plan.group, sb, sh, plan.n_kb, scale * LOG2E,
                        idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
                        idx.keys.shape[-1], idx.dense.data_ptr(), idx.drows.data_ptr(),
                        idx.dcount.data_ptr(), *dense, smem=plan.smem)
@@ -712,7 +715,7 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     vec = "_vec" if _vector_mask(plan, mask) else ""
     sb, sh = plan.mask_strides
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr())
-    consts = (scale * math.log2(math.e), scale)
+    consts = (scale * LOG2E, scale)
     with TorchLaunch() as launch:
         kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, *args, out.data_ptr(),
@@ -829,7 +832,7 @@ class _EagerForward:
 
     __slots__ = ("plan", "lse_shape", "static", "static_ptrs", "index", "attend", "size",
                  "arrays", "walked", "index_counters", "merge_counters", "sizes", "dense", "ws",
-                 "default_scale", "device", "fused", "grids")
+                 "default_scale", "device", "fused", "grids", "launches")
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
                  device: Any) -> None:
@@ -874,6 +877,21 @@ class _EagerForward:
         self.sizes = (plan.sq, plan.sk, plan.heads, plan.group, sb, sh, plan.n_kb)
         self.dense = (plan.n_qb, plan.dense_split, plan.dense_tiles)
         self.default_scale = 1.0 / math.sqrt(plan.d)
+        #: stream handle -> (kept buffer's address, counters, the fused launch's arguments
+        #: between the mask and q, and after the scale): what an eager fused call reuses while
+        #: the stream's kept buffer stays at that address (_fused_args)
+        self.launches: dict[int, tuple] = {}
+
+    def _fused_args(self, stream: int, base: int) -> tuple:
+        """The ``launches`` entry of ``stream`` over its kept buffer at ``base`` (the arguments
+        depend on its address alone: a buffer the stream keeps later at the same address, of
+        the same size or larger, takes them as they are)."""
+        plan = self.plan
+        counters = self._counters(stream)
+        c, merge = counters[0].data_ptr(), counters[1].data_ptr()
+        arrays = _arrays(base, self.arrays)
+        mid = (*_index_args(plan, 0, c, arrays)[1:], c + 4 * _counter_words(plan), *self.grids)
+        return base, counters, mid, (*self.dense[1:], base + self.ws, merge)
 
     @staticmethod
     def eligible(plan: AttentionPlan, q: Any, mask: Any, index: Any) -> bool:
@@ -902,6 +920,20 @@ class _EagerForward:
         out = torch.empty_like(q)
         lse = None if self.lse_shape is None else torch.empty(
             self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.fused is not None and not with_index and self.size <= KEPT_SCRATCH:
+            with TorchLaunch() as launch:   # the steady state: one launch, arguments reused
+                s = launch.stream
+                if not capturing():
+                    buf, lock = kept_buffer(s, self.size, q.device)
+                    entry = self.launches.get(s)
+                    if entry is None or entry[0] != buf.data_ptr():
+                        entry = self.launches[s] = self._fused_args(s, buf.data_ptr())
+                    with lock:
+                        self.fused(s, mask.data_ptr(), *entry[2], q.data_ptr(), k.data_ptr(),
+                                   v.data_ptr(), out.data_ptr(),
+                                   0 if lse is None else lse.data_ptr(), *self.sizes[2:6],
+                                   scale * LOG2E, *entry[3])
+                    return (out, lse) if lse is not None else out
         with TorchLaunch() as launch:
             s, lock = launch.stream, None
             if mask is None:
@@ -924,13 +956,13 @@ class _EagerForward:
                                counters + 4 * _counter_words(plan), *self.grids, q.data_ptr(),
                                k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                0 if lse is None else lse.data_ptr(), *self.sizes[2:6],
-                               scale * math.log2(math.e), *self.dense[1:], ws, merge)
+                               scale * LOG2E, *self.dense[1:], ws, merge)
                 else:
                     if mask is not None:
                         self.index(s, *_index_args(plan, mptr, counters, arrays))
                     self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                 0 if lse is None else lse.data_ptr(), mptr, states, order,
-                                *self.sizes, scale * math.log2(math.e), counts, keys, bits, cap,
+                                *self.sizes, scale * LOG2E, counts, keys, bits, cap,
                                 dense, drows, dcount, *self.dense, ws, merge)
         if with_index:
             if mask is None:
