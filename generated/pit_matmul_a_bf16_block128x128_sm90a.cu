@@ -465,17 +465,27 @@ __device__ __forceinline__ bool block_nonzero(const elem_t* __restrict__ src, in
     return false;
 }
 
+// Index CTA (bx, by) of the pass: block bx of group by.
+__device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_long, int s_id,
+    int n_long, int n_id, int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ /* pack */,
+    const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+    int bx, int by)
+{
+    const int g = by, x = bx;
+    const int nblk = (n_id + BKC - 1) / BKC;
+    if (zero_next != nullptr && x == 0 && threadIdx.x == 0) zero_next[g] = 0;  // the other counts buffer
+    const bool nz = x < nblk && block_nonzero(src, s_long, s_id, n_long, n_id, mask, m_long, m_id, g, x);
+    if (threadIdx.x == 0 && nz) ids[(size_t)g * nblk + atomicAdd(&counts[g], 1)] = x;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_bf16_block128x128_sm90a_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
            const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
            int* __restrict__ order)
 {
-    const int g = blockIdx.y, x = blockIdx.x;
-    const int nblk = (n_id + BKC - 1) / BKC;
-    if (zero_next != nullptr && x == 0 && threadIdx.x == 0) zero_next[g] = 0;  // the other counts buffer
-    const bool nz = x < nblk && block_nonzero(src, s_long, s_id, n_long, n_id, mask, m_long, m_id, g, x);
-    if (threadIdx.x == 0 && nz) ids[(size_t)g * nblk + atomicAdd(&counts[g], 1)] = x;
+    index_cta(src, s_long, s_id, n_long, n_id, counts, ids, pack, mask, m_long, m_id, zero_next,
+              blockIdx.x, blockIdx.y);
     order_groups(counts, order);
 }
 
@@ -721,6 +731,7 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
 
 }  // namespace pit_gemm
 
+
 namespace pit_epilogue {
 
 // c[m, n] = 0 for every element (strided).
@@ -882,12 +893,23 @@ struct Args {
     int sa_m, sa_k, sb_k, sb_n, sc_m, sc_n;
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-pit_matmul_a_bf16_block128x128_sm90a_narrow(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
-           const int* __restrict__ counts, const int* __restrict__ ids,
-           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
+// The index's words: read through L2 where the same launch wrote them (the fused kernel),
+// else through the read-only path.
+__device__ __forceinline__ int index_word(const int* p) {
+    return __ldg(p);
+}
+
+// The threads of one tile's barrier: the CTA, or the fused kernel's first THREADS threads.
+__device__ __forceinline__ void tile_sync() {
+    __syncthreads();
+}
+
+// Output tile (bx, by) of a grid of gx x gy tiles. With `done` (the fused kernel), thread 0
+// first waits until done[m-tile] reaches `need` (that m-tile's index CTAs have finished), and
+// the tile's threads are past tile_sync before they read the index.
+__device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx, int gy,
+                                          const int* done, int need)
 {
-    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* As = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* Bs = As + STAGES * A_STAGE;
@@ -898,17 +920,24 @@ pit_matmul_a_bf16_block128x128_sm90a_narrow(const elem_t* __restrict__ a, const 
     // resident at once share one slab of B' (GN * BN columns over all of K, about 8 MB) that
     // stays in L2 while every m-tile's listed k rows multiply it. Taken m-tile by m-tile, each
     // m-tile re-read its k rows of all of B', from HBM once B' outgrows L2.
-    const int tiles_n = gridDim.x, tiles_m = gridDim.y;
+    const int tiles_n = gx, tiles_m = gy;
     const long long slab = (long long)max(p.K, 1) * BN * (long long)sizeof(elem_t);
     const int GN = (int)max(1LL, min((long long)tiles_n, (8LL << 20) / slab));
-    const int lin = blockIdx.y * tiles_n + blockIdx.x, per_group = GN * tiles_m;
+    const int lin = by * tiles_n + bx, per_group = GN * tiles_m;
     const int g0 = (lin / per_group) * GN, cols = min(GN, tiles_n - g0), r_in = lin % per_group;
     const int n0 = (g0 + r_in % cols) * BN;
     const int mt = r_in / cols;
     const int m0 = mt * BM;
+    if (done != nullptr) {
+        if (tid == 0) {
+            while (*reinterpret_cast<const volatile int*>(done + mt) < need) __nanosleep(64);
+            __threadfence();
+        }
+        tile_sync();
+    }
     constexpr int KSUB = 2;  // k-iterations per listed block
     const int nkb = (p.K + BK * KSUB - 1) / (BK * KSUB);
-    const int iters = p.counts[mt] * KSUB;
+    const int iters = index_word(p.counts + mt) * KSUB;
     const int* kblk = p.ids + (size_t)mt * nkb;
 
     // Each thread's copy chunks: shared-memory offset, k offset inside the tile and base pointer
@@ -946,7 +975,7 @@ pit_matmul_a_bf16_block128x128_sm90a_narrow(const elem_t* __restrict__ a, const 
     auto load_stage = [&](int st, int it) {
         elem_t* as = As + st * A_STAGE;
         elem_t* bs = Bs + st * B_STAGE;
-        const int k0 = kblk[it / KSUB] * (BK * KSUB) + (it % KSUB) * BK;
+        const int k0 = index_word(kblk + it / KSUB) * (BK * KSUB) + (it % KSUB) * BK;
         const int kend = p.K;
         #pragma unroll
         for (int q = 0; q < A_PER; ++q) {
@@ -979,7 +1008,7 @@ pit_matmul_a_bf16_block128x128_sm90a_narrow(const elem_t* __restrict__ a, const 
     }
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<STAGES - 2>();
-        __syncthreads();
+        tile_sync();
         const int nxt = it + STAGES - 1;
         if (nxt < iters) load_stage(nxt % STAGES, nxt);
         cp_async_commit();
@@ -1039,7 +1068,17 @@ pit_matmul_a_bf16_block128x128_sm90a_narrow(const elem_t* __restrict__ a, const 
     }
 }
 
+extern "C" __global__ void __launch_bounds__(THREADS)
+pit_matmul_a_bf16_block128x128_sm90a_narrow(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
+           const int* __restrict__ counts, const int* __restrict__ ids,
+           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
+{
+    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
+    gemm_tile(p, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, nullptr, 0);
+}
+
 }  // namespace pit_gemm
+
 
 namespace pit_epilogue {
 

@@ -151,14 +151,14 @@ __device__ __forceinline__ void mma_tile(float (&d)[4], const uint32_t (&a)[4], 
 namespace pit_index {
 constexpr int L = 32;
 
-extern "C" __global__ void __launch_bounds__(256)
-pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
-           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
-           int* __restrict__ order)
+// Index CTA (bx, by) of the pass: tiles bx * (per CTA) .. of group by.
+__device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_long, int s_id,
+    int n_long, int n_id, int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+    const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+    int bx, int by)
 {
-    const int g = blockIdx.y;
-    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int g = by;
+    const int x = bx * blockDim.x + threadIdx.x;
     const bool in = x < n_id;
     int* const counter = counts + g;
     int* const out = ids + (size_t)g * n_id;
@@ -193,6 +193,16 @@ pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, i
     constexpr int PER16 = 16 / (int)sizeof(elem_t);
     #pragma unroll
     for (int q = 0; q < L / PER16; ++q) dst[q] = bits128(&v[q * PER16]);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+pit_matmul_a_bf16_k32x1_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
+           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+           int* __restrict__ order)
+{
+    index_cta(src, s_long, s_id, n_long, n_id, counts, ids, pack, mask, m_long, m_id, zero_next,
+              blockIdx.x, blockIdx.y);
 }
 
 }  // namespace pit_index
@@ -232,12 +242,23 @@ struct Args {
     int sa_m, sa_k, sb_k, sb_n, sc_m, sc_n;
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
-           const int* __restrict__ counts, const int* __restrict__ ids,
-           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
+// The index's words: read through L2 where the same launch wrote them (the fused kernel),
+// else through the read-only path.
+__device__ __forceinline__ int index_word(const int* p) {
+    return __ldg(p);
+}
+
+// The threads of one tile's barrier: the CTA, or the fused kernel's first THREADS threads.
+__device__ __forceinline__ void tile_sync() {
+    __syncthreads();
+}
+
+// Output tile (bx, by) of a grid of gx x gy tiles. With `done` (the fused kernel), thread 0
+// first waits until done[m-tile] reaches `need` (that m-tile's index CTAs have finished), and
+// the tile's threads are past tile_sync before they read the index.
+__device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx, int gy,
+                                          const int* done, int need)
 {
-    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* As = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* Bs = As + STAGES * A_STAGE;
@@ -248,15 +269,22 @@ pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
     // resident at once share one slab of B' (GN * BN columns over all of K, about 8 MB) that
     // stays in L2 while every m-tile's listed k rows multiply it. Taken m-tile by m-tile, each
     // m-tile re-read its k rows of all of B', from HBM once B' outgrows L2.
-    const int tiles_n = gridDim.x, tiles_m = gridDim.y;
+    const int tiles_n = gx, tiles_m = gy;
     const long long slab = (long long)max(p.K, 1) * BN * (long long)sizeof(elem_t);
     const int GN = (int)max(1LL, min((long long)tiles_n, (8LL << 20) / slab));
-    const int lin = blockIdx.y * tiles_n + blockIdx.x, per_group = GN * tiles_m;
+    const int lin = by * tiles_n + bx, per_group = GN * tiles_m;
     const int g0 = (lin / per_group) * GN, cols = min(GN, tiles_n - g0), r_in = lin % per_group;
     const int n0 = (g0 + r_in % cols) * BN;
     const int mt = r_in / cols;
     const int m0 = mt * BM;
-    const int cnt = p.counts[mt];
+    if (done != nullptr) {
+        if (tid == 0) {
+            while (*reinterpret_cast<const volatile int*>(done + mt) < need) __nanosleep(64);
+            __threadfence();
+        }
+        tile_sync();
+    }
+    const int cnt = index_word(p.counts + mt);
     const int iters = (cnt + BK - 1) / BK;
     const int* kid = p.ids + (size_t)mt * p.K;
     const elem_t* apack = p.a + (size_t)mt * p.K * BM;
@@ -270,7 +298,7 @@ pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
         for (int q = 0; q < B_PER; ++q) {
             const int c = tid + q * THREADS;
             const int s = it * BK + c / (BN / B_VEC);
-            krow[q] = (c < BK * BN / B_VEC && s < cnt) ? kid[s] : -1;
+            krow[q] = (c < BK * BN / B_VEC && s < cnt) ? index_word(kid + s) : -1;
         }
     };
 
@@ -338,7 +366,7 @@ pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
     fetch_rows(STAGES - 1);
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<STAGES - 2>();
-        __syncthreads();
+        tile_sync();
         const int nxt = it + STAGES - 1;
         if (nxt < iters) load_stage(nxt % STAGES, nxt);
         cp_async_commit();
@@ -394,7 +422,17 @@ pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
     }
 }
 
+extern "C" __global__ void __launch_bounds__(THREADS)
+pit_matmul_a_bf16_k32x1_sm80_wide(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
+           const int* __restrict__ counts, const int* __restrict__ ids,
+           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
+{
+    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
+    gemm_tile(p, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, nullptr, 0);
+}
+
 }  // namespace pit_gemm
+
 
 namespace pit_epilogue {
 
@@ -557,12 +595,23 @@ struct Args {
     int sa_m, sa_k, sb_k, sb_n, sc_m, sc_n;
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
-           const int* __restrict__ counts, const int* __restrict__ ids,
-           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
+// The index's words: read through L2 where the same launch wrote them (the fused kernel),
+// else through the read-only path.
+__device__ __forceinline__ int index_word(const int* p) {
+    return __ldg(p);
+}
+
+// The threads of one tile's barrier: the CTA, or the fused kernel's first THREADS threads.
+__device__ __forceinline__ void tile_sync() {
+    __syncthreads();
+}
+
+// Output tile (bx, by) of a grid of gx x gy tiles. With `done` (the fused kernel), thread 0
+// first waits until done[m-tile] reaches `need` (that m-tile's index CTAs have finished), and
+// the tile's threads are past tile_sync before they read the index.
+__device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx, int gy,
+                                          const int* done, int need)
 {
-    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* As = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* Bs = As + STAGES * A_STAGE;
@@ -573,15 +622,22 @@ pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
     // resident at once share one slab of B' (GN * BN columns over all of K, about 8 MB) that
     // stays in L2 while every m-tile's listed k rows multiply it. Taken m-tile by m-tile, each
     // m-tile re-read its k rows of all of B', from HBM once B' outgrows L2.
-    const int tiles_n = gridDim.x, tiles_m = gridDim.y;
+    const int tiles_n = gx, tiles_m = gy;
     const long long slab = (long long)max(p.K, 1) * BN * (long long)sizeof(elem_t);
     const int GN = (int)max(1LL, min((long long)tiles_n, (8LL << 20) / slab));
-    const int lin = blockIdx.y * tiles_n + blockIdx.x, per_group = GN * tiles_m;
+    const int lin = by * tiles_n + bx, per_group = GN * tiles_m;
     const int g0 = (lin / per_group) * GN, cols = min(GN, tiles_n - g0), r_in = lin % per_group;
     const int n0 = (g0 + r_in % cols) * BN;
     const int mt = r_in / cols;
     const int m0 = mt * BM;
-    const int cnt = p.counts[mt];
+    if (done != nullptr) {
+        if (tid == 0) {
+            while (*reinterpret_cast<const volatile int*>(done + mt) < need) __nanosleep(64);
+            __threadfence();
+        }
+        tile_sync();
+    }
+    const int cnt = index_word(p.counts + mt);
     const int iters = (cnt + BK - 1) / BK;
     const int* kid = p.ids + (size_t)mt * p.K;
     const elem_t* apack = p.a + (size_t)mt * p.K * BM;
@@ -595,7 +651,7 @@ pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
         for (int q = 0; q < B_PER; ++q) {
             const int c = tid + q * THREADS;
             const int s = it * BK + c / (BN / B_VEC);
-            krow[q] = (c < BK * BN / B_VEC && s < cnt) ? kid[s] : -1;
+            krow[q] = (c < BK * BN / B_VEC && s < cnt) ? index_word(kid + s) : -1;
         }
     };
 
@@ -663,7 +719,7 @@ pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
     fetch_rows(STAGES - 1);
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<STAGES - 2>();
-        __syncthreads();
+        tile_sync();
         const int nxt = it + STAGES - 1;
         if (nxt < iters) load_stage(nxt % STAGES, nxt);
         cp_async_commit();
@@ -724,7 +780,17 @@ pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
     }
 }
 
+extern "C" __global__ void __launch_bounds__(THREADS)
+pit_matmul_a_bf16_k32x1_sm80_narrow(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
+           const int* __restrict__ counts, const int* __restrict__ ids,
+           int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
+{
+    const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
+    gemm_tile(p, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, nullptr, 0);
+}
+
 }  // namespace pit_gemm
+
 
 namespace pit_epilogue {
 

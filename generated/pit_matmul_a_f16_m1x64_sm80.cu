@@ -151,13 +151,13 @@ namespace pit_index {
 constexpr int L = 64;
 constexpr int ID_BLOCK = 512;  // ids per list
 
-extern "C" __global__ void __launch_bounds__(256)
-pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
-           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
-           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
-           int* __restrict__ order)
+// Index CTA (bx, by) of the pass: tiles bx * (per CTA) .. of group by.
+__device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_long, int s_id,
+    int n_long, int n_id, int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+    const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+    int bx, int by)
 {
-    const int g = blockIdx.y;
+    const int g = by;
     // TPT threads per tile, one 16-byte vector of VEC elements each; a CTA tests PER_CTA tiles
     // (ids x0 ..) in ROUNDS rounds whose loads are all in flight before a tile's lanes vote.
     // (The warp strategy's one warp per 1 x 64 tile, 2-byte loads, 8 tiles per CTA: 32,768
@@ -167,7 +167,7 @@ pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, in
     constexpr int TPR = 256 / TPT, ROUNDS = PER_CTA / TPR;   // tiles per round, rounds
     static_assert(L % VEC == 0 && 32 % TPT == 0 && PER_CTA % TPR == 0, "tiles of whole vectors within a warp");
     constexpr uint32_t VALUE_BITS = sizeof(elem_t) == 2 ? 0x7fff7fffu : 0x7fffffffu;  // sign bits off
-    const int part = threadIdx.x % TPT, x0 = blockIdx.x * PER_CTA;
+    const int part = threadIdx.x % TPT, x0 = bx * PER_CTA;
     static_assert(ID_BLOCK % PER_CTA == 0, "a CTA's ids share one list");
     const size_t list = (size_t)g * ((n_id + ID_BLOCK - 1) / ID_BLOCK) + x0 / ID_BLOCK;
     int* const counter = counts + list;
@@ -207,6 +207,16 @@ pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, in
         if (slot >= 0) out[slot] = x;
         __syncthreads();   // block_append's shared counts are read before the next round's
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+pit_matmul_a_f16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
+           int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
+           const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
+           int* __restrict__ order)
+{
+    index_cta(src, s_long, s_id, n_long, n_id, counts, ids, pack, mask, m_long, m_id, zero_next,
+              blockIdx.x, blockIdx.y);
 }
 
 }  // namespace pit_index
@@ -480,6 +490,7 @@ pit_matmul_a_f16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __r
 }
 
 }  // namespace pit_gemm
+
 
 namespace pit_epilogue {
 
@@ -874,6 +885,7 @@ pit_matmul_a_f16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* _
 }
 
 }  // namespace pit_gemm
+
 
 namespace pit_epilogue {
 
