@@ -212,3 +212,20 @@ def test_block_with_sparse_attention_compiles_to_one_graph_and_matches_eager():
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         assert_close(p.grad, want[name].double(), "bfloat16", tol=5e-2, what=f"d{name}")
+
+
+def test_clearing_the_caches_keeps_the_ops_registered():
+    """pitgen.cache.clear() drops compiled modules, plans and launch closures, not the torch
+    ops: attention traced afterwards is still one op in one graph (its op registering again
+    during the trace was a graph break, and depended on which test cleared the caches first)."""
+    from pitgen.ops.attention import sparse_attention
+    q = torch.randn(1, 2, 96, 64, device="cuda", dtype=torch.float16)
+    mask = torch.rand(96, 96, device="cuda") < 0.4
+    want = sparse_attention(q, q, q, mask)
+    pitgen.cache.clear()
+    torch._dynamo.reset()
+    fn = lambda x, m: sparse_attention(x, x, x, m) * 2  # noqa: E731
+    report = torch._dynamo.explain(fn)(q, mask)
+    assert report.graph_break_count == 0 and report.graph_count == 1, report.break_reasons
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, mask)
+    assert_close(got, 2 * want.double(), "float16")

@@ -368,10 +368,13 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         x, weight, bias, stride, padding = inputs
         ctx.save_for_backward(x, weight)
         ctx.cfg = (list(stride), list(padding), bias is not None)
+        ctx.set_materialize_grads(False)   # the count's gradient: None, not a zero tensor
 
     def conv_backward(ctx, dy, dcount):
         # dX is a dense transposed convolution (the zero channels get gradients too) and dW's
         # columns of zero channels are exact zeros: both run cuDNN (torch.nn.grad)
+        if dy is None:
+            return None, None, None, None, None
         x, weight = ctx.saved_tensors
         stride, padding, has_bias = ctx.cfg
         dx = dw = db = None
