@@ -108,8 +108,9 @@ class Launcher:
         self.vendor = kind == "dense" and A.is_torch and vendor_dense
         sms = device_sms() if self.spec.gemm.mainloop == "wgmma" else 0
         self.geo = geometry(self.spec, self.layout, sms)
-        #: the one-launch module of a small problem (only pit_gemm_fused), else None
+        #: a small problem's one-launch plan and its module (only pit_gemm_fused), else None
         fused = fuse(self.spec, self.geo) if not self.vendor and M * N * K else self.spec
+        self.fused_spec = fused if fused.fused else None
         self.fused_mod = MATMUL.module(fused.context()) if fused.fused else None
         self._mod = None
         self.smem = self.spec.gemm.smem_bytes(dtype)
@@ -604,9 +605,10 @@ class SparseKernel:
         return call.counts, call.ids
 
     def source(self, *args: Any, **kwargs: Any) -> str:
-        """The CUDA source this kernel runs for these operands."""
+        """The CUDA source this kernel runs for these operands (a small problem's: the
+        one-launch kernel's)."""
         launcher = self.prepare(*args, **kwargs).L
-        return MATMUL.source(launcher.spec.context())
+        return MATMUL.source((launcher.fused_spec or launcher.spec).context())
 
 
 def compile(expr: str | Operator, sparse: str, dtype: str = "float16",
