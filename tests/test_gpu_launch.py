@@ -291,6 +291,7 @@ def test_small_problems_run_in_one_launch_and_agree_with_two(micro_tile, dtype, 
     fused(a0, b)
     assert next(iter(fused._launchers.values())).fused_mod is not None
     assert next(iter(two._launchers.values())).fused_mod is None
+    assert "pit_gemm_fused(" in fused.source(a0, b) and "pit_gemm_fused(" not in two.source(a0, b)
     for mask in masks * 3:
         a = a0 * mask
         got, want = fused(a, b), two(a, b)
