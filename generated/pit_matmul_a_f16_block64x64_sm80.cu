@@ -90,6 +90,47 @@ __device__ __forceinline__ int warp_append(bool want, int* counter) {
     return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
 }
 
+// One-launch grids (an index pass and the work that reads it in one grid: the fused matmul,
+// MoE's small layer, the fused attention): sync[0] hands out tickets in the order the CTAs
+// start, sync[1] counts the CTAs that finished, and the words after them are the grid's own
+// counters. A CTA waits only on CTAs of lower tickets, which are already running, so no order
+// of scheduling can deadlock.
+
+// This CTA's ticket (every thread calls it; a barrier publishes it).
+__device__ __forceinline__ int take_ticket(int* sync) {
+    __shared__ int s_ticket;
+    if (threadIdx.x == 0) s_ticket = atomicAdd(&sync[0], 1);
+    __syncthreads();
+    return s_ticket;
+}
+
+// Counts this CTA in *counter after every thread's writes so far (every thread calls it).
+__device__ __forceinline__ void arrive(int* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1);
+    }
+}
+
+// Run by thread 0: waits until *counter reaches `target`; the CTA's barrier that follows
+// orders its threads' reads after the writes counted there.
+__device__ __forceinline__ void spin_until(const int* counter, int target) {
+    while (*reinterpret_cast<const volatile int*>(counter) < target) __nanosleep(64);
+    __threadfence();
+}
+
+// Every CTA calls this last: the last to finish zeroes sync[0 .. words) for the next launch on
+// the stream.
+__device__ __forceinline__ void finish_launch(int* sync, int words) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&sync[1], 1) == (int)gridDim.x - 1)
+            for (int i = 0; i < words; ++i) sync[i] = 0;
+    }
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -285,10 +326,7 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     const int mt = r_in / cols;
     const int m0 = mt * BM;
     if (done != nullptr) {
-        if (tid == 0) {
-            while (*reinterpret_cast<const volatile int*>(done + mt) < need) __nanosleep(64);
-            __threadfence();
-        }
+        if (tid == 0) spin_until(done + mt, need);
         tile_sync();
     }
     constexpr int KSUB = 1;  // k-iterations per listed block
@@ -504,6 +542,47 @@ __device__ __forceinline__ int warp_append(bool want, int* counter) {
     return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
 }
 
+// One-launch grids (an index pass and the work that reads it in one grid: the fused matmul,
+// MoE's small layer, the fused attention): sync[0] hands out tickets in the order the CTAs
+// start, sync[1] counts the CTAs that finished, and the words after them are the grid's own
+// counters. A CTA waits only on CTAs of lower tickets, which are already running, so no order
+// of scheduling can deadlock.
+
+// This CTA's ticket (every thread calls it; a barrier publishes it).
+__device__ __forceinline__ int take_ticket(int* sync) {
+    __shared__ int s_ticket;
+    if (threadIdx.x == 0) s_ticket = atomicAdd(&sync[0], 1);
+    __syncthreads();
+    return s_ticket;
+}
+
+// Counts this CTA in *counter after every thread's writes so far (every thread calls it).
+__device__ __forceinline__ void arrive(int* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1);
+    }
+}
+
+// Run by thread 0: waits until *counter reaches `target`; the CTA's barrier that follows
+// orders its threads' reads after the writes counted there.
+__device__ __forceinline__ void spin_until(const int* counter, int target) {
+    while (*reinterpret_cast<const volatile int*>(counter) < target) __nanosleep(64);
+    __threadfence();
+}
+
+// Every CTA calls this last: the last to finish zeroes sync[0 .. words) for the next launch on
+// the stream.
+__device__ __forceinline__ void finish_launch(int* sync, int words) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&sync[1], 1) == (int)gridDim.x - 1)
+            for (int i = 0; i < words; ++i) sync[i] = 0;
+    }
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -627,10 +706,7 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     const int mt = r_in / cols;
     const int m0 = mt * BM;
     if (done != nullptr) {
-        if (tid == 0) {
-            while (*reinterpret_cast<const volatile int*>(done + mt) < need) __nanosleep(64);
-            __threadfence();
-        }
+        if (tid == 0) spin_until(done + mt, need);
         tile_sync();
     }
     constexpr int KSUB = 1;  // k-iterations per listed block

@@ -998,11 +998,10 @@ class _EagerForward:
                 mptr, cap, ws = mask.data_ptr(), plan.gather_cap, base + self.ws
             with lock or nullcontext():
                 if self.fused is not None:   # one launch (a mask, a small problem)
-                    self.fused(s, *_index_args(plan, mptr, counters, arrays),
-                               counters + 4 * _counter_words(plan), *self.grids, q.data_ptr(),
-                               k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                               0 if lse is None else lse.data_ptr(), *self.sizes[2:6],
-                               scale * LOG2E, *self.dense[1:], ws, merge)
+                    _, held, mid, tail = self._fused_args(s, base)
+                    self.fused(s, mptr, *mid, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                               *self.sizes[2:6], scale * LOG2E, *tail)
                 else:
                     if mask is not None:
                         self.index(s, *_index_args(plan, mptr, counters, arrays))
