@@ -116,6 +116,20 @@ __device__ __forceinline__ void arrive(int* counter) {
     }
 }
 
+// Counts this CTA in *counter as arrive() does and returns, to every thread, whether it was
+// the last of `total`; the last CTA's threads then see every counted CTA's writes.
+__device__ __forceinline__ bool arrive_last(int* counter, int total) {
+    __shared__ bool s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(counter, 1) == total - 1;
+        if (s_last) __threadfence();
+    }
+    __syncthreads();
+    return s_last;
+}
+
 // Run by thread 0: waits until *counter reaches `target`; the CTA's barrier that follows
 // orders its threads' reads after the writes counted there.
 __device__ __forceinline__ void spin_until(const int* counter, int target) {
@@ -866,6 +880,20 @@ __device__ __forceinline__ void arrive(int* counter) {
         __threadfence();
         atomicAdd(counter, 1);
     }
+}
+
+// Counts this CTA in *counter as arrive() does and returns, to every thread, whether it was
+// the last of `total`; the last CTA's threads then see every counted CTA's writes.
+__device__ __forceinline__ bool arrive_last(int* counter, int total) {
+    __shared__ bool s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(counter, 1) == total - 1;
+        if (s_last) __threadfence();
+    }
+    __syncthreads();
+    return s_last;
 }
 
 // Run by thread 0: waits until *counter reaches `target`; the CTA's barrier that follows
