@@ -95,6 +95,31 @@ __device__ __forceinline__ int warp_append(bool want, int* counter) {
     return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
 }
 
+// Exclusive prefix sum of v over a CTA of NT threads (every thread calls it); *total gets the sum.
+template <int NT>
+__device__ __forceinline__ int block_scan(int v, int* total) {
+    __shared__ int s_warp[NT / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    int before = 0, sum = 0;
+    #pragma unroll
+    for (int w = 0; w < NT / 32; ++w) {
+        const int t = s_warp[w];
+        before += w < warp ? t : 0;
+        sum += t;
+    }
+    __syncthreads();  // s_warp is free again
+    *total = sum;
+    return before + x - v;
+}
+
 // One-launch grids (an index pass and the work that reads it in one grid: the fused matmul,
 // MoE's small layer, the fused attention): sync[0] hands out tickets in the order the CTAs
 // start, sync[1] counts the CTAs that finished, and the words after them are the grid's own
@@ -211,7 +236,7 @@ constexpr int ID_BLOCK = 512;  // ids per list
 __device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_long, int s_id,
     int n_long, int n_id, int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
     const unsigned char* __restrict__ mask, int m_long, int m_id, int* __restrict__ zero_next,
-    int bx, int by)
+    int bx, int by, int* __restrict__ row_table = nullptr)
 {
     const int g = by;
     // TPT threads per tile, one 16-byte vector of VEC elements each; a CTA tests PER_CTA tiles
@@ -260,11 +285,14 @@ __device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_
         for (int o = TPT / 2; o > 0; o >>= 1) any |= __shfl_xor_sync(0xffffffffu, any, o);
         const int x = x0 + r * TPR + (int)threadIdx.x / TPT;
         const int slot = block_append(part == 0 && any && x < n_id, counter);
-        if (slot >= 0) out[slot] = x;
+        if (slot >= 0) {
+            out[slot] = x;
+        }
         __syncthreads();   // block_append's shared counts are read before the next round's
     }
 }
 
+// order: the ordered block index's m-tile order, or the products kernel's row table.
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_bf16_m1x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
@@ -305,30 +333,6 @@ static_assert(NI % 2 == 0, "B fragments are loaded two n8 blocks at a time");
 
 __device__ __forceinline__ elem_t& b_at(elem_t* Bs, int j, int n) {
     return B_NCONTIG ? Bs[j * B_LD + n] : Bs[n * B_LD + j];
-}
-
-// Exclusive prefix sum of v over the CTA (every thread calls it); *total gets the sum.
-__device__ __forceinline__ int block_scan(int v, int* total) {
-    __shared__ int s_warp[THREADS / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
-    #pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-        const int y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-    }
-    if (lane == 31) s_warp[warp] = x;
-    __syncthreads();
-    int before = 0, sum = 0;
-    #pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) {
-        const int t = s_warp[w];
-        before += w < warp ? t : 0;
-        sum += t;
-    }
-    __syncthreads();  // s_warp is free again
-    *total = sum;
-    return before + x - v;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -436,7 +440,7 @@ pit_matmul_a_bf16_m1x64_sm80_wide(const elem_t* __restrict__ a, const elem_t* __
         s_count[tid] = cnt;
         const int nst = (cnt + G - 1) / G;
         int total;
-        const int first = block_scan(nst, &total);
+        const int first = block_scan<THREADS>(nst, &total);
         for (int ch = 0; ch < nst; ++ch) s_step[first + ch] = (unsigned short)(tid * CHUNKS + ch);
         __syncthreads();
         iters = total * SUB_N;
@@ -622,6 +626,31 @@ __device__ __forceinline__ int warp_append(bool want, int* counter) {
     return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
 }
 
+// Exclusive prefix sum of v over a CTA of NT threads (every thread calls it); *total gets the sum.
+template <int NT>
+__device__ __forceinline__ int block_scan(int v, int* total) {
+    __shared__ int s_warp[NT / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    int before = 0, sum = 0;
+    #pragma unroll
+    for (int w = 0; w < NT / 32; ++w) {
+        const int t = s_warp[w];
+        before += w < warp ? t : 0;
+        sum += t;
+    }
+    __syncthreads();  // s_warp is free again
+    *total = sum;
+    return before + x - v;
+}
+
 // One-launch grids (an index pass and the work that reads it in one grid: the fused matmul,
 // MoE's small layer, the fused attention): sync[0] hands out tickets in the order the CTAs
 // start, sync[1] counts the CTAs that finished, and the words after them are the grid's own
@@ -759,30 +788,6 @@ __device__ __forceinline__ elem_t& b_at(elem_t* Bs, int j, int n) {
     return B_NCONTIG ? Bs[j * B_LD + n] : Bs[n * B_LD + j];
 }
 
-// Exclusive prefix sum of v over the CTA (every thread calls it); *total gets the sum.
-__device__ __forceinline__ int block_scan(int v, int* total) {
-    __shared__ int s_warp[THREADS / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
-    #pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-        const int y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-    }
-    if (lane == 31) s_warp[warp] = x;
-    __syncthreads();
-    int before = 0, sum = 0;
-    #pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) {
-        const int t = s_warp[w];
-        before += w < warp ? t : 0;
-        sum += t;
-    }
-    __syncthreads();  // s_warp is free again
-    *total = sum;
-    return before + x - v;
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS)
 pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* __restrict__ b, elem_t* __restrict__ c,
            const int* __restrict__ counts, const int* __restrict__ ids,
@@ -888,7 +893,7 @@ pit_matmul_a_bf16_m1x64_sm80_narrow(const elem_t* __restrict__ a, const elem_t* 
         s_count[tid] = cnt;
         const int nst = (cnt + G - 1) / G;
         int total;
-        const int first = block_scan(nst, &total);
+        const int first = block_scan<THREADS>(nst, &total);
         for (int ch = 0; ch < nst; ++ch) s_step[first + ch] = (unsigned short)(tid * CHUNKS + ch);
         __syncthreads();
         iters = total * SUB_N;

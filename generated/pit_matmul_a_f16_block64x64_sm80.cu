@@ -90,6 +90,31 @@ __device__ __forceinline__ int warp_append(bool want, int* counter) {
     return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
 }
 
+// Exclusive prefix sum of v over a CTA of NT threads (every thread calls it); *total gets the sum.
+template <int NT>
+__device__ __forceinline__ int block_scan(int v, int* total) {
+    __shared__ int s_warp[NT / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    int before = 0, sum = 0;
+    #pragma unroll
+    for (int w = 0; w < NT / 32; ++w) {
+        const int t = s_warp[w];
+        before += w < warp ? t : 0;
+        sum += t;
+    }
+    __syncthreads();  // s_warp is free again
+    *total = sum;
+    return before + x - v;
+}
+
 // One-launch grids (an index pass and the work that reads it in one grid: the fused matmul,
 // MoE's small layer, the fused attention): sync[0] hands out tickets in the order the CTAs
 // start, sync[1] counts the CTAs that finished, and the words after them are the grid's own
@@ -257,6 +282,7 @@ __device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_
     if (threadIdx.x == 0 && nz) ids[(size_t)g * nblk + atomicAdd(&counts[g], 1)] = x;
 }
 
+// order: the ordered block index's m-tile order, or the products kernel's row table.
 extern "C" __global__ void __launch_bounds__(256)
 pit_matmul_a_f16_block64x64_sm80_index(const elem_t* __restrict__ src, int s_long, int s_id, int n_long, int n_id,
            int* __restrict__ counts, int* __restrict__ ids, elem_t* __restrict__ pack,
@@ -554,6 +580,31 @@ __device__ __forceinline__ int warp_append(bool want, int* counter) {
     if (lane == 0 && ballot) base = atomicAdd(counter, __popc(ballot));
     base = __shfl_sync(0xffffffffu, base, 0);
     return want ? base + __popc(ballot & ((1u << lane) - 1u)) : -1;
+}
+
+// Exclusive prefix sum of v over a CTA of NT threads (every thread calls it); *total gets the sum.
+template <int NT>
+__device__ __forceinline__ int block_scan(int v, int* total) {
+    __shared__ int s_warp[NT / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    int before = 0, sum = 0;
+    #pragma unroll
+    for (int w = 0; w < NT / 32; ++w) {
+        const int t = s_warp[w];
+        before += w < warp ? t : 0;
+        sum += t;
+    }
+    __syncthreads();  // s_warp is free again
+    *total = sum;
+    return before + x - v;
 }
 
 // One-launch grids (an index pass and the work that reads it in one grid: the fused matmul,

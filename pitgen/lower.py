@@ -71,12 +71,13 @@ def gemm_form(op: Operator, sparse: str) -> GemmForm:
 @dataclass(frozen=True)
 class GemmSpec:
     name: str
-    a_mode: str  # 'box' | 'packed' | 'rows' (the row-owner kernel, gemm_rows.cu.j2)
+    a_mode: str  # 'box' | 'packed' | 'rows' (the row-owner kernel, gemm_rows.cu.j2) | 'products'
+    # (gemm_products.cu.j2: 1 x tk micro-tiles along m at high sparsity, a CTA per product group)
     block_list: bool  # box mode over the k-blocks listed per m-tile
     ksub: int  # k-iterations per listed block (block width / BK)
     c_pair: bool  # store two adjacent outputs at once (n contiguous, N even, aligned)
     accumulate: bool
-    bm: int  # rows: the output rows one CTA owns
+    bm: int  # rows: the output rows one CTA owns; products: the index's list capacity (M, padded)
     bn: int
     bk: int
     wm: int
@@ -100,6 +101,9 @@ class GemmSpec:
         return self.wm * self.wn * 32
 
     def smem_bytes(self, dtype: str) -> int:
+        if self.a_mode == "products":  # two stages of 64 gathered rows and B's k-tile (padded)
+            b = self.bk * (self.bn + 8) if self.b_smem_ncontig else self.bn * (self.bk + 8)
+            return 2 * (64 * (self.bk + 8) + b) * DTYPES[dtype]
         if self.mainloop == "wgmma" and self.a_mode == "rows":  # 64 gathered rows per stage, and
             # the owned rows' fp32 accumulator (rows padded by 8 words)
             return (self.stages * (self.gather + self.bn) * self.bk * DTYPES[dtype] + 1024
@@ -131,6 +135,7 @@ class IndexSpec:
     vec: int = 1  # block: elements per 16-byte test where the layout allows (checked at run time)
     id_block: int = 0  # micro: ids listed per run of this many (rows: the GEMM's row block)
     ordered: bool = False  # block: the last CTA also sorts the groups by count (wgmma m-tile order)
+    row_table: bool = False  # rows: also each row's k-tile bits and list places (products kernel)
 
     @property
     def per_block(self) -> int:
@@ -159,6 +164,8 @@ class ModuleSpec:
         ctx = asdict(self)
         if self.index is not None:
             ctx["index"]["per_block"] = self.index.per_block
+        if self.gemm.a_mode == "products":
+            ctx["gemm"].update(kt_max=PRODUCTS_KT_MAX, ctas_per_sm=PRODUCTS_CTAS_PER_SM)
         return ctx
 
 
@@ -187,6 +194,9 @@ class Schedule:
     wn: int | None = None
     stages: int | None = None
     bm: int | None = None  # rows mode only: the output rows one CTA owns (a multiple of 64)
+    #: micro-tiles along m: 'products' prefers the products kernel (rows with at most a product
+    #: or two: very sparse masks) where it fits the layout, else (None) the row-owner kernel
+    rows: str | None = None
 
 
 def _vec(dtype: str, extent: int, other_stride: int, align: int) -> int:
@@ -391,6 +401,45 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
                            id_block=gemm.bm)
 
 
+#: The products kernel: k-tiles at most (their prefix sums live in each CTA's shared memory),
+#: persistent CTAs per SM (two of 256 threads: registers), and its tile (BN, warps along m, n).
+PRODUCTS_KT_MAX = 512
+PRODUCTS_CTAS_PER_SM = 2
+PRODUCTS_TILE = (128, 2, 4)
+
+
+def _products(tk: int, dtype: str, layout: Layout, accumulate: bool
+              ) -> tuple[GemmSpec, IndexSpec] | None:
+    """The products kernel of 1 x tk micro-tiles along m (gemm_products.cu.j2) and its index
+    (each k-tile's active rows in one list, plus the row table), or None where it does not fit:
+    fp16/bf16, A' rows gathered in 16-byte copies (k contiguous, rows and base 16-byte aligned,
+    K a multiple of 8), a k-tile the index tests in 16-byte vectors (32 to 256 wide), at most
+    PRODUCTS_KT_MAX k-tiles. Its cost follows the products, not the k-tiles: the plan for masks
+    where most rows of C' hold at most one (the row-owner kernel walks every k-tile of every row
+    block whatever it holds)."""
+    size = DTYPES[dtype]
+    if (dtype == "float32" or tk not in (32, 64, 128, 256) or layout.sa[1] != 1
+            or (layout.sa[0] * size) % 16 or layout.align_a % 16 or layout.K % 8
+            or -(-layout.K // tk) > PRODUCTS_KT_MAX):
+        return None
+    bn, wm, wn = PRODUCTS_TILE
+    if layout.sb[1] == 1:
+        b_nc, b_vec = True, _vec(dtype, layout.N, layout.sb[0], layout.align_b)
+    elif layout.sb[0] == 1:
+        b_nc, b_vec = False, _vec(dtype, math.gcd(layout.K, tk), layout.sb[1], layout.align_b)
+    else:
+        b_nc, b_vec = True, 1
+    c_pair = (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
+              and layout.align_c % (2 * size) == 0)
+    c_vec = (layout.N % 8 == 0 and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
+             and layout.align_c % 16 == 0)
+    ids = -(-layout.M // 64) * 64
+    gemm = GemmSpec("pit_gemm", "products", False, 1, c_pair, accumulate, ids, bn, min(tk, 64),
+                    wm, wn, 2, 16 // size, b_vec, True, b_nc, c_vec=c_vec, tk=tk)
+    return gemm, IndexSpec("pit_build_index", "micro", "vector", tk, False, 0, 0, False,
+                           id_block=ids, row_table=True)
+
+
 def _warps(bm: int, bn: int) -> tuple[int, int]:
     """Warps along m and n when BN is overridden: warp tiles of at most 64 rows, <= 8 warps."""
     wm = max(1, bm // 64)
@@ -437,7 +486,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         strategy = "thread" if layout.sa[1] == 1 else "warp"
         index = IndexSpec("pit_build_index", "micro", strategy, tm, True, 0, 0, False)
     elif kind == "micro" and axis == f.m_axis:
-        gemm, index = _rows(tk, dtype, layout, accumulate, schedule, arch)
+        products = _products(tk, dtype, layout, accumulate) if schedule.rows == "products" else None
+        gemm, index = products or _rows(tk, dtype, layout, accumulate, schedule, arch)
         return ModuleSpec(dtype, op.text, sparse, kind, axis, tuple(shape), gemm, index)
     else:
         raise PlanError(f"plan {kind} along {axis} has no GPU kernel for {op.text!r}")
@@ -513,14 +563,16 @@ class Geometry:
     index_grid: tuple[int, int]
     index_args: tuple[int, int, int, int]
     flat: tuple[int, int]
+    finish: tuple[int, int] = (0, 0)  # products: the finishing pass, a CTA per row of C'
 
 
 def geometry(spec: ModuleSpec, layout: Layout, sms: int = 132) -> Geometry:
     """Grids and index sizes of ``spec`` on ``layout`` (``sms``: the device's multiprocessors,
-    one persistent wgmma CTA each); PlanError past CUDA's grid limits. Rows mode lists each
-    k-tile's rows per row block: list kt * (row blocks) + rb, BM ids each."""
+    one persistent wgmma CTA each, PRODUCTS_CTAS_PER_SM products CTAs); PlanError past CUDA's
+    grid limits. Rows mode lists each k-tile's rows per row block: list kt * (row blocks) + rb,
+    BM ids each (products: one row block of all M)."""
     M, N, K, g, ix = layout.M, layout.N, layout.K, spec.gemm, spec.index
-    rows = g.a_mode == "rows"
+    rows = g.a_mode in ("rows", "products")
     tk = ix.long_extent if rows and ix else 0
     grid_m = (M + g.bm - 1) // g.bm
     groups = cap = 0
@@ -543,10 +595,13 @@ def geometry(spec: ModuleSpec, layout: Layout, sms: int = 132) -> Geometry:
     grid: tuple[int, ...] = ((N + g.bn - 1) // g.bn, grid_m)
     if g.mainloop == "wgmma" and not rows:  # persistent CTAs; rows: a CTA per output tile
         grid = (max(1, min(grid[0] * grid[1], sms)), 1)
+    finish = (0, 0)
+    if g.a_mode == "products":  # persistent CTAs over the products; the finish: a CTA per row
+        grid, finish = (max(1, sms) * PRODUCTS_CTAS_PER_SM, 1), (M, 1)
     if grid_m > GRID_Y_MAX:
         raise PlanError(f"{grid_m} m-tiles exceed the grid limit {GRID_Y_MAX}")
     return Geometry(grid, tk, groups, cap, index_grid, index_args,
-                    (min((M * N + 255) // 256, 65535), 1))
+                    (min((M * N + 255) // 256, 65535), 1), finish)
 
 
 #: the most CTAs (index pass and output tiles together) of a fused launch: one wave on any
@@ -560,7 +615,7 @@ def fuse(spec: ModuleSpec, geo: Geometry) -> ModuleSpec:
     kernel over an index (packed micro-tiles along k, or listed blocks, unordered) whose index
     CTAs and output tiles together fit FUSED_MAX_CTAS."""
     g, ix = spec.gemm, spec.index
-    if ix is None or g.mainloop != "mma_sync" or g.a_mode == "rows" or ix.ordered \
+    if ix is None or g.mainloop != "mma_sync" or g.a_mode in ("rows", "products") or ix.ordered \
             or g.threads > 256:
         return spec
     ctas = geo.index_grid[0] * geo.index_grid[1] + geo.grid[0] * geo.grid[1]

@@ -187,6 +187,67 @@ def test_rows_plans_take_the_wgmma_row_owner_kernel_where_rows_can_be_gathered()
                  schedule=Schedule(bm=256)).gemm.bm == 256
 
 
+#: products-kernel variants (1 x tk micro-tiles along m, Schedule(rows="products")): B' n- and
+#: k-contiguous, one k-tile per stage and two, accumulating or not, N odd (element stores)
+PRODUCTS_VARIANTS = [("float16", "AB", 64, False, 520), ("bfloat16", "ABt", 128, True, 301)]
+
+
+def products_variant(dtype: str, form_name: str, tk: int, accumulate: bool, N: int = 520,
+                     layout: Layout | None = None, arch: str = "sm_80"):
+    expr, sparse = FORMS[form_name]
+    op = pitgen.parse(expr)
+    f = gemm_form(op, sparse)
+    s = [0, 0]
+    s[f.a_dims[0]], s[f.a_dims[1]] = 1, tk
+    return lower(op, sparse, "micro", f.m_axis, tuple(s), dtype,
+                 layout or _layout(op, f, 200, N, 264), accumulate=accumulate, arch=arch,
+                 schedule=Schedule(rows="products"))
+
+
+def test_products_plans_where_rows_can_be_gathered():
+    """Schedule(rows="products"): the products kernel on either arch (mma.sync: its work is
+    bytes, not FLOPs) with persistent CTAs, a finishing CTA per row, an index listing each
+    k-tile's rows in one list with the row table, no one-launch fusion and no atomics in the
+    tile kernels; the row-owner kernel wherever the products kernel does not fit."""
+    for v in PRODUCTS_VARIANTS:
+        for arch in ("sm_80", "sm_90"):
+            spec = products_variant(*v, arch=arch)
+            g, ix = spec.gemm, spec.index
+            assert (g.a_mode, g.mainloop, g.threads, g.bm, g.tk, g.bk) == (
+                "products", "mma_sync", 256, 256, v[2], 64)
+            assert (ix.strategy, ix.id_block, ix.row_table, ix.long_extent) == (
+                "vector", 256, True, v[2])
+            assert g.b_smem_ncontig == (v[1] == "AB") and g.c_vec == (v[4] % 8 == 0)
+            geo = geometry(spec, _layout(pitgen.parse(FORMS[v[1]][0]),
+                                         gemm_form(pitgen.parse(FORMS[v[1]][0]), "A"), 200, v[4], 264),
+                           sms=132)
+            assert geo.grid == (132 * lower_mod.PRODUCTS_CTAS_PER_SM, 1) and geo.finish == (200, 1)
+            assert (geo.groups, geo.cap) == (-(-264 // v[2]), 256)
+            assert not fuse(spec, geo).fused
+            src = render(spec)
+            assert "atomic" not in _tile_kernel(src) and "pit_gemm_finish" in src
+    op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
+    big = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
+    prefer = Schedule(rows="products")
+    owner = {  # where the row-owner kernel runs instead, and why
+        "A' k-major": lower(pitgen.parse(FORMS["AtB"][0]), "A", "micro", "m", (64, 1), "float16",
+                            Layout(256, 256, 256, (1, 256), (256, 1), (256, 1)), schedule=prefer),
+        "k-tiles of 16": lower(op, "A", "micro", "m", (1, 16), "float16", big, schedule=prefer),
+        "float32": lower(op, "A", "micro", "m", (1, 64), "float32", big, schedule=prefer),
+        "K not a multiple of 8": lower(op, "A", "micro", "m", (1, 64), "float16",
+                                       Layout(256, 256, 260, (264, 1), (256, 1), (256, 1)),
+                                       schedule=prefer),
+        "unaligned A'": lower(op, "A", "micro", "m", (1, 64), "float16",
+                              Layout(256, 256, 256, (256, 1), (256, 1), (256, 1), align_a=8),
+                              schedule=prefer),
+        "more k-tiles than a CTA sums": lower(op, "A", "micro", "m", (1, 32), "float16",
+                                              Layout(64, 64, 32 * 513, (32 * 513, 1), (64, 1),
+                                                     (64, 1)), schedule=prefer),
+        "no preference": lower(op, "A", "micro", "m", (1, 64), "float16", big),
+    }
+    assert {why: s.gemm.a_mode for why, s in owner.items()} == dict.fromkeys(owner, "rows")
+
+
 def test_hopper_devices_get_wgmma_where_the_plan_allows():
     specs = [hopper_variant(*v) for v in HOPPER_VARIANTS]
     assert all(s.gemm.mainloop == "wgmma" and s.gemm.threads == 384 for s in specs)
@@ -374,6 +435,8 @@ def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
             for src, for_archs in _compiles().values() for arch in for_archs if arch in archs]
     if "sm_90a" in archs:
         jobs += [pool.submit(compiler.compile_source, src, "sm_90a") for src in _hopper_sources()]
+    jobs += [pool.submit(compiler.compile_source, render(products_variant(*v)), arch)
+             for v in PRODUCTS_VARIANTS for arch in archs]
     return jobs
 
 

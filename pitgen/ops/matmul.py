@@ -29,7 +29,8 @@ from .library import ops as torch_ops
 MATMUL = OpSpec("matmul", "module.cu.j2", {
     "pit_gemm": "PPPPPiiiiiiiiii", "pit_gemm_sm90": "MMPPPPPPPiiiiiiiiii",
     "pit_build_index": "PiiiiPPPPiiPP", "pit_gemm_fused": "PiiiiPPPPiiPPii" + "PPP" + "i" * 10,
-    "pit_gemm_zero": "Piiii"}, dtypes=tuple(DTYPES))
+    "pit_gemm_zero": "Piiii", "pit_gemm_products": "P" * 7 + "i" * 11,
+    "pit_gemm_finish": "P" * 6 + "i" * 11}, dtypes=tuple(DTYPES))
 
 
 #: int32 words after an index's counts: the index pass's done counter (its last CTA orders the
@@ -106,7 +107,8 @@ class Launcher:
         kind = choices[self.choice][0]
         #: a dense plan on torch tensors runs the vendor GEMM (cuBLAS through torch)
         self.vendor = kind == "dense" and A.is_torch and vendor_dense
-        sms = device_sms() if self.spec.gemm.mainloop == "wgmma" else 0
+        g = self.spec.gemm
+        sms = device_sms() if g.mainloop == "wgmma" or g.a_mode == "products" else 0
         self.geo = geometry(self.spec, self.layout, sms)
         #: a small problem's one-launch plan and its module (only pit_gemm_fused), else None
         fused = fuse(self.spec, self.geo) if not self.vendor and M * N * K else self.spec
@@ -117,7 +119,7 @@ class Launcher:
         self.mask_strides = (0, 0)
         if mask is not None:  # the mask's strides along the index's (long, id) dims
             md = (mask.strides[form.a_dims[0]], mask.strides[form.a_dims[1]])
-            self.mask_strides = md[::-1] if self.spec.gemm.a_mode == "rows" else md
+            self.mask_strides = md[::-1] if self.spec.gemm.a_mode in ("rows", "products") else md
         lay, g = self.layout, self.spec.gemm
         #: the tile kernel's size arguments
         self.sizes = (M, N, K, *lay.sa, *lay.sb, *lay.sc, self.geo.tk)
@@ -125,6 +127,13 @@ class Launcher:
         #: kernel's m-tile order
         n = self.geo.groups
         self.index_words = n + COUNTS_TAIL + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
+        #: products: the row table's int32 words (a bit per k-tile per row, zero between
+        #: launches; each row's places in the k-tile lists; the lists' bases) and the fp32
+        #: slots' rows (one per product up to M; the finishing pass forms products past them)
+        kts = n if g.a_mode == "products" else 0
+        self.table_bits = M * ((kts + 31) // 32)
+        self.table_words = self.table_bits + M * kts + (kts + 1 if kts else 0)
+        self.slot_rows = M if kts else 0
         #: per stream handle: index buffers that calls on that stream reuse (stream order
         #: keeps one call's index build behind the previous call's tile kernel)
         self._scratch: dict[tuple[int, str], Any] = {}
@@ -181,6 +190,20 @@ class Launcher:
             entry = self._scratch[key] = (buf, Workspace.ptr(buf))
         return entry[1]
 
+    def products_buffers(self, stream: int | None, fresh: bool = False) -> tuple[Any, Any]:
+        """(row table, slots) of the products kernel: the launcher's for ``stream`` (the table's
+        bits zeroed once; every finishing pass leaves them zero), or with ``fresh`` new ones."""
+        key = (stream or 0, "products")
+        entry = None if fresh else self._scratch.get(key)
+        if entry is None:
+            ws = Workspace(self.is_torch)
+            entry = (ws.alloc((self.table_words,), "int32"),
+                     ws.alloc((self.slot_rows * self.N,), "float32"))
+            memset_d32(Workspace.ptr(entry[0]), 0, self.table_bits, stream or 0)
+            if not fresh:
+                self._scratch[key] = entry
+        return entry
+
     def fused_grid(self) -> tuple[int, int, int]:
         """The fused kernel's grid: the index CTAs, then the output tiles."""
         (ix, iy), (tx, ty) = self.geo.index_grid, self.geo.grid
@@ -199,7 +222,7 @@ class Launcher:
 
     def _make_torch_call(self) -> Callable[[Any, Any, Any, int], Any]:
         g, geo, ix = self.spec.gemm, self.geo, self.spec.index
-        if self.vendor or ix is None or self.M * self.N * self.K == 0:
+        if self.vendor or ix is None or self.M * self.N * self.K == 0 or g.a_mode == "products":
             def general(a: Any, b: Any, out: Any, mask_ptr: int) -> Any:
                 return GemmCall(self, a, b, out, mask_ptr, reuse=True).run()
             return general
@@ -288,6 +311,7 @@ class GemmCall:
         self._ints = self.pack = None
         self._counts: tuple[Any, Any] | None = None  # (buffer, index): the counts are buffer[index]
         self.counts_ptr = self.ids_ptr = self.order_ptr = self.next_ptr = 0
+        self.products: tuple[Any, Any] | None = None  # products: (row table, slots)
 
     @property
     def device(self) -> Any:
@@ -311,7 +335,11 @@ class GemmCall:
 
     def use_index(self, counts: Any, ids: Any) -> None:
         """Compute over an index built elsewhere (device arrays shaped as ``counts``/``ids``;
-        the wgmma kernel then takes its tiles in a static order)."""
+        the wgmma kernel then takes its tiles in a static order). Not for the products kernel,
+        which reads its own index's row table."""
+        if self.L.spec.gemm.a_mode == "products":
+            raise PlanError("the products kernel computes only over the index it builds (its row "
+                            "table is not part of counts and ids)")
         self.counts_ptr, self.ids_ptr = Workspace.ptr(counts), Workspace.ptr(ids)
         self.order_ptr = self.next_ptr = 0
 
@@ -358,6 +386,9 @@ class GemmCall:
         if L.spec.gemm.mainloop == "wgmma":  # the m-tiles longest first, for persistent CTAs
             self.order_ptr = base + 4 * (n + COUNTS_TAIL + cap)
             self.next_ptr = tile_counter(self.counts_ptr, n)
+        if L.spec.gemm.a_mode == "products":   # the index's last argument: the row table
+            self.products = L.products_buffers(stream, fresh=not self.reuse)
+            self.order_ptr = Workspace.ptr(self.products[0])
         return (self.a_ptr, *geo.index_args, self.counts_ptr, self.ids_ptr, pack, self.mask_ptr,
                 *L.mask_strides, zero_ptr)
 
@@ -376,7 +407,17 @@ class GemmCall:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
             return
         a = Workspace.ptr(self.pack) if self.pack is not None else self.a_ptr
-        if g.mainloop == "wgmma":
+        if g.a_mode == "products":
+            if self.products is None:   # an index from use_index: tables of its own
+                self.products = L.products_buffers(stream, fresh=not self.reuse)
+            table, slots = map(Workspace.ptr, self.products)
+            args = (a, self.b_ptr, self.c_ptr, self.counts_ptr, self.ids_ptr, table, slots,
+                    *L.sizes, L.slot_rows)
+            mod.launch("pit_gemm_products", L.geo.grid, (g.threads, 1, 1), stream, *args,
+                       smem=L.smem)
+            mod.launch("pit_gemm_finish", L.geo.finish, (256, 1, 1), stream, *args[:4],
+                       *args[5:])
+        elif g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
                        *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr,
                        self.counts_ptr, self.ids_ptr, self.order_ptr, self.next_ptr, *L.sizes,
