@@ -178,6 +178,11 @@ def _check_profile(prof: Any, src: str) -> None:
         problems += [f"kinds.{k}.shapes.{s}.{f}" for s, v in shapes.items()
                      for f in ("fixed_ns", "ns_per_element", *optional)
                      if f in v and not number(v[f])]
+        if "products" in entry:
+            p = entry["products"]
+            problems += [f"kinds.{k}.products.{f}" for f in ("ns_per_element",
+                                                            "walk_ns_per_element")
+                         if not isinstance(p, dict) or not number(p.get(f))]
     if problems:
         raise PlanError(f"profile {src} lacks or has invalid: {', '.join(problems)}")
 
@@ -316,11 +321,18 @@ def _chunk(spec: Spec, acc: Access, tile: Mapping[str, int], size: Sequence[int]
     return min(tile[axis], size[acc.bare_dim(axis)]) if kind == "micro" else 1
 
 
+#: Micro-tile extents off the micro axis that the products kernel takes (lower._products)
+PRODUCTS_EXTENTS = (32, 64, 128, 256)
+
+
 def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: int,
-            rules: Rules, profile: Mapping) -> Candidate:
+            rules: Rules, profile: Mapping, extent: int = 0) -> Candidate:
     """A candidate from its counts. Work is counted in elements of S computed: dense and block
     tiles clipped at S's edges; a micro candidate's dense tile always counts its full extent
-    (the last chunk of a group is padded with unused slots)."""
+    (the last chunk of a group is padded with unused slots). A spatial micro-tile of at most
+    one per row of S on average (``extent``: S's extent along the micro axis) may run on the
+    products kernel instead of the row-owner one, where the profile prices it (``products``);
+    the cheaper of the two counts."""
     kind, axis, shape = spec
     nonzero, dense_tiles, covered = counts
     total = math.prod(size)
@@ -342,6 +354,11 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
         # (the row-owner kernel walks every k-tile of every row block: optional, default 0)
         index = k.get("index_ns_per_element", profile["index_ns_per_element"])
         cost += total * (index + k.get("walk_ns_per_element", 0.0))
+        p = profile["kinds"][key].get("products")
+        if (p is not None and nonzero <= extent
+                and math.prod(shape) in PRODUCTS_EXTENTS and 1 in shape):
+            cost = min(cost, elements * p["ns_per_element"]
+                       + total * (index + p["walk_ns_per_element"]))
     waste = (covered - nnz) / nnz if nnz else (0.0 if covered == 0 else None)
     return Candidate(kind, axis, shape, nonzero, waste, dense_tiles, float(cost))
 
@@ -526,8 +543,8 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
         stats = _Stats(mask, size)
         nnz = int(np.count_nonzero(mask)) if mask is not None else math.prod(size)
         counts = {s: stats.counts(s, _chunk(s, acc, tile, size), acc) for s in specs}
-    cands = {s: _costed(s, counts[s], nnz, size,
-                        _chunk(s, acc, tile, size), rules, prof) for s in specs}
+    cands = {s: _costed(s, counts[s], nnz, size, _chunk(s, acc, tile, size), rules, prof,
+                        size[acc.bare_dim(s[1])] if s[0] == "micro" else 0) for s in specs}
     ordered = sorted(cands.values(), key=lambda c: (c.cost, KIND_RANK[c.kind]))
     choice = ordered[0] if want == "auto" and measured else cands[chosen]
     return Plan(op, rules, sparse, tile, choice, tuple(ordered), prof, size, measured)

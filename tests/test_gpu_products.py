@@ -116,3 +116,22 @@ def test_products_write_a_transposed_output_and_refuse_a_foreign_index():
     with pytest.raises(PlanError, match="products kernel"):
         call.use_index(torch.zeros(8, dtype=torch.int32, device="cuda"),
                        torch.zeros(8, dtype=torch.int32, device="cuda"))
+
+
+def test_auto_runs_the_products_kernel_on_rows_of_one_product():
+    """`auto` on 1 x 64 micro-tiles at 99% (0.3 per row) plans micro-tiles along m (1 x 64 or
+    1 x 128: the profile prices them alike) and runs the products kernel, steady calls on new
+    masks of the same sparsity included."""
+    rng = np.random.default_rng(34)
+    M, N, K = 2048, 512, 2048
+    kern = pitgen.compile(EXPR["B"], sparse="A", dtype="float16")
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        mask = T.granular_mask(rng, (M, K), "micro", (1, 64), 0.01)
+        a = torch.from_numpy((rng.standard_normal((M, K)) * mask).astype(np.float32)
+                             ).to("cuda", torch.float16)
+        out = kern(a, b)
+        check(out, a.double().cpu().numpy() @ b.double().cpu().numpy(), "float16", a, b)
+    assert (kern.plan.choice.kind, kern.plan.choice.axis) == ("micro", "m"), kern.plan.table()
+    (launcher,) = kern._launchers.values()
+    assert launcher.spec.gemm.a_mode == "products"

@@ -2,11 +2,13 @@
 import importlib
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import pitgen
 from pitgen import parse
 from pitgen import testing as T
 from pitgen.errors import PlanError, RuleError
@@ -218,6 +220,10 @@ def test_statistics_match_brute_force(drawn, tk):
         index = kind.get("index_ns_per_element", prof["index_ns_per_element"])
         want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
             + m * k * (index + kind.get("walk_ns_per_element", 0.0))
+        products = prof["kinds"][key].get("products")
+        if products and c.axis == "m" and nonzero <= m and c.shape[1] in (32, 64, 128, 256):
+            want = min(want, elements * products["ns_per_element"]
+                       + m * k * (index + products["walk_ns_per_element"]))
         assert c.cost == pytest.approx(want)
     costs = [c.cost for c in plan.candidates]
     assert costs == sorted(costs) and plan.choice is plan.candidates[0]
@@ -272,6 +278,33 @@ def test_profile_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_mod.resources, "files", lambda pkg: tmp_path)
     assert load_profile()["device"] == "NVIDIA H100 80GB HBM3"
     assert make_plan(MATMUL, "A").to_json()["profile"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_rows_of_at_most_one_micro_tile_are_priced_on_the_products_kernel():
+    """1 x 64 micro-tiles along m at 99% (0.6 per row of S): the cheaper of the row-owner and the
+    products kernel's fit, and the matmul API then asks lowering for the products kernel; at
+    90% (6 per row) only the row-owner kernel's fit, and the row-owner kernel runs."""
+    prof = load_profile()
+    spatial = prof["kinds"]["micro-spatial"]
+    p, fit = spatial["products"], {**spatial, **spatial["shapes"]["1x64"]}
+    rng = np.random.default_rng(5)
+    kern = pitgen.compile(MATMUL, sparse="A", dtype="float16")
+    for density, products in ((0.01, True), (0.1, False)):
+        mask = np.repeat(rng.random((1024, 16)) < density, 64, axis=1)
+        plan = make_plan(MATMUL, "A", mask=mask, profile=prof)
+        c = next(c for c in plan.candidates if c.label == "micro 1x64 along m")
+        elements, total = c.dense_tiles * 64 * min(64, 1024), mask.size
+        owner = (c.dense_tiles * fit["fixed_ns"] + elements * fit["ns_per_element"]
+                 + total * (fit["index_ns_per_element"] + fit["walk_ns_per_element"]))
+        cheaper = elements * p["ns_per_element"] + total * (fit["index_ns_per_element"]
+                                                            + p["walk_ns_per_element"])
+        assert (c.nonzero <= 1024) == products
+        assert c.cost == pytest.approx(min(owner, cheaper) if products else owner)
+        chosen = replace(plan, choice=c)
+        assert kern._schedule(chosen).rows == ("products" if products else None)
+    with pytest.raises(PlanError, match=r"kinds.micro-spatial.products.ns_per_element"):
+        load_profile({**prof, "kinds": {**prof["kinds"], "micro-spatial": {
+            **spatial, "products": {"walk_ns_per_element": 0.0}}}})
 
 
 def test_a_measured_shape_and_a_kinds_index_override_the_kind_fit():

@@ -525,11 +525,17 @@ class SparseKernel:
         return {n: as_operand(n, bound[n]) for n in names}
 
     def _schedule(self, plan: Plan) -> Schedule:
-        """The tile kernel's BN' and BK from the plan's compute tile where the user gave a tile."""
+        """The tile kernel's BN' and BK from the plan's compute tile where the user gave a tile;
+        the products kernel for micro-tiles along m that the plan counted at most one per row
+        of S (as the planner priced them: planner._costed)."""
+        c, rows = plan.choice, None
+        if plan.masked and c.kind == "micro" and c.axis == self.form.m_axis \
+                and c.nonzero <= plan.shape[self.form.a_dims[0]]:
+            rows = "products"
         if self.tile is None:
-            return Schedule()
+            return Schedule(rows=rows)
         ct = plan.compute_tile
-        return Schedule(bn=ct[self.form.n_axis], bk=ct[self.form.k_axis])
+        return Schedule(bn=ct[self.form.n_axis], bk=ct[self.form.k_axis], rows=rows)
 
     @on_operand_device
     def prepare(self, *args: Any, out: Any = None, accumulate: bool = False, mask: Any = None,
