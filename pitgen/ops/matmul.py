@@ -127,11 +127,11 @@ class Launcher:
         #: kernel's m-tile order
         n = self.geo.groups
         self.index_words = n + COUNTS_TAIL + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
-        #: products: the row table's int32 words (a bit per k-tile per row, zero between
-        #: launches; each row's places in the k-tile lists; the lists' bases) and the fp32
-        #: slots' rows (one per product up to M; the finishing pass forms products past them)
+        #: products: the row table's int32 words (per row a count and a bit per k-tile, zero
+        #: between launches; each row's places in the k-tile lists; the lists' bases) and the
+        #: fp32 slots' rows (one per product up to M; the finishing pass forms products past them)
         kts = n if g.a_mode == "products" else 0
-        self.table_bits = M * ((kts + 31) // 32)
+        self.table_bits = M * (1 + (kts + 31) // 32) if kts else 0
         self.table_words = self.table_bits + M * kts + (kts + 1 if kts else 0)
         self.slot_rows = M if kts else 0
         #: per stream handle: index buffers that calls on that stream reuse (stream order
