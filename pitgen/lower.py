@@ -457,6 +457,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     schedule override asks for the mma.sync one's knobs)."""
     if dtype not in DTYPES:
         raise PlanError(f"dtype {dtype!r} has no GPU kernel (supported: {', '.join(DTYPES)})")
+    if schedule.rows not in (None, "products"):
+        raise PlanError(f"Schedule.rows is {schedule.rows!r}; expected 'products' or None")
     f = gemm_form(op, sparse)
     for what, n in (("M*K", layout.M * layout.K), ("K*N", layout.K * layout.N),
                      ("M*N", layout.M * layout.N)):
