@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pitgen
 from pitgen import testing as T
@@ -71,6 +73,34 @@ def test_products_every_m_to_65_and_past_the_list(dtype):
                     T.term_scale(np.matmul, a, b) ** 2 + base64 ** 2))
                 idle = torch.from_numpy(~mask.any(axis=1)).cuda()
                 assert torch.equal(acc[idle], base[idle]), (M, K, kind)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@settings(max_examples=T.examples(12, share=2), deadline=None,   # 2 dtypes
+          suppress_health_check=list(HealthCheck))
+@given(form=st.sampled_from(sorted(EXPR)), M=st.one_of(st.integers(1, 130), st.sampled_from([300, 700])),
+       N=st.integers(1, 300),
+       K=st.integers(1, 80).map(lambda k: 8 * k), tk=st.sampled_from([32, 64, 128, 256]),
+       density=st.sampled_from([0.0, 0.005, 0.02, 0.3, 1.0]), accumulate=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_products_kernel_matches_float64_reference(dtype, form, M, N, K, tk, density,
+                                                   accumulate, seed):
+    """Drawn shapes (M past the 64-row items, K a multiple of 8 but not of the k-tile, any N),
+    k-tiles of 32 to 256, masks from empty to full (full: more products than slots), B' either
+    way round, accumulating or into a poisoned output."""
+    rng = np.random.default_rng(seed)
+    _, a, b, ref = operands(rng, M, N, K, tk, "micro", dtype, density, form)
+    b_kn = b if form == "B" else b.t()
+    if accumulate:
+        out = torch.randn(M, N, device="cuda").to(a.dtype)
+        base = out.double().cpu().numpy()
+        ref, scale = ref + base, np.sqrt(T.term_scale(np.matmul, a, b_kn) ** 2 + base ** 2)
+    else:
+        out, scale = T.poison(torch.empty((M, N), dtype=a.dtype, device="cuda")), \
+            T.term_scale(np.matmul, a, b_kn)
+    L = launcher(a, b, out, tk, dtype, form, accumulate)
+    assert GemmCall(L, a, b, out, reuse=bool(seed % 2)).run() is out
+    T.assert_close(out, ref, dtype, scale=scale)
 
 
 @pytest.mark.parametrize("form", ["B", "Bt"])
