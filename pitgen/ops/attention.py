@@ -928,12 +928,12 @@ class _EagerForward:
         #: the stream's kept buffer stays at that address (_fused_args)
         self.launches: dict[int, tuple] = {}
 
-    def _fused_args(self, stream: int, base: int) -> tuple:
-        """The ``launches`` entry of ``stream`` over its kept buffer at ``base`` (the arguments
-        depend on its address alone: a buffer the stream keeps later at the same address, of
-        the same size or larger, takes them as they are)."""
+    def _fused_args(self, base: int, counters: tuple[Any, Any]) -> tuple:
+        """The ``launches`` entry of a stream over its kept buffer at ``base`` and its
+        counters (``_counters``; the arguments depend on these addresses alone: a buffer the
+        stream keeps later at the same address, of the same size or larger, takes them as they
+        are)."""
         plan = self.plan
-        counters = self._counters(stream)
         c, merge = counters[0].data_ptr(), counters[1].data_ptr()
         arrays = _arrays(base, self.arrays)
         mid = (*_index_args(plan, 0, c, arrays)[1:], c + 4 * _counter_words(plan), *self.grids)
@@ -973,7 +973,8 @@ class _EagerForward:
                     buf, lock = kept_buffer(s, self.size, q.device)
                     entry = self.launches.get(s)
                     if entry is None or entry[0] != buf.data_ptr():
-                        entry = self.launches[s] = self._fused_args(s, buf.data_ptr())
+                        entry = self.launches[s] = self._fused_args(buf.data_ptr(),
+                                                                    self._counters(s))
                     with lock:
                         self.fused(s, mask.data_ptr(), *entry[2], q.data_ptr(), k.data_ptr(),
                                    v.data_ptr(), out.data_ptr(),
@@ -998,7 +999,7 @@ class _EagerForward:
                 mptr, cap, ws = mask.data_ptr(), plan.gather_cap, base + self.ws
             with lock or nullcontext():
                 if self.fused is not None:   # one launch (a mask, a small problem)
-                    _, held, mid, tail = self._fused_args(s, base)
+                    _, _, mid, tail = self._fused_args(base, held)
                     self.fused(s, mptr, *mid, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                                *self.sizes[2:6], scale * LOG2E, *tail)

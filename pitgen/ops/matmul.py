@@ -407,9 +407,7 @@ class GemmCall:
                 mod.launch("pit_gemm_zero", L.geo.flat, (256, 1, 1), stream, self.c_ptr, M, N, *sc)
             return
         a = Workspace.ptr(self.pack) if self.pack is not None else self.a_ptr
-        if g.a_mode == "products":
-            if self.products is None:   # an index from use_index: tables of its own
-                self.products = L.products_buffers(stream, fresh=not self.reuse)
+        if g.a_mode == "products":   # the row table and slots of this call's build_index
             table, slots = map(Workspace.ptr, self.products)
             args = (a, self.b_ptr, self.c_ptr, self.counts_ptr, self.ids_ptr, table, slots,
                     *L.sizes, L.slot_rows)
