@@ -250,11 +250,34 @@ def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
 PINGPONG = "never"
 
 
+def _c_vec(layout: Layout, size: int) -> bool:
+    """Whether C' rows take 16-byte chunks: n contiguous, rows and base 16-byte aligned, N a
+    multiple of 8."""
+    return (layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0 and layout.N % 8 == 0
+            and layout.align_c % 16 == 0)
+
+
 def _c_rows_vec(layout: Layout, size: int, accumulate: bool) -> bool:
-    """Whether a wgmma kernel writes C' in 16-byte row chunks: n contiguous, rows and base
-    16-byte aligned, N a multiple of 8, nothing to read back."""
-    return (not accumulate and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
-            and layout.N % 8 == 0 and layout.align_c % 16 == 0)
+    """Whether a wgmma kernel writes C' in 16-byte row chunks: _c_vec, nothing to read back."""
+    return not accumulate and _c_vec(layout, size)
+
+
+def _c_pair(layout: Layout, size: int) -> bool:
+    """Whether two adjacent outputs store at once: n contiguous, N and the row stride even, the
+    base aligned to the pair."""
+    return (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
+            and layout.align_c % (2 * size) == 0)
+
+
+def _b_copies(dtype: str, layout: Layout, kext: int | None) -> tuple[bool, int]:
+    """B' in shared memory as [k][n] (else [n][k]) and its elements per copy: vectors along n
+    where n is contiguous, along k where k is (vectors dividing ``kext``; None: not taken
+    along k), else one element at a time."""
+    if layout.sb[1] == 1:
+        return True, _vec(dtype, layout.N, layout.sb[0], layout.align_b)
+    if layout.sb[0] == 1 and kext is not None:
+        return False, _vec(dtype, kext, layout.sb[1], layout.align_b)
+    return True, 1
 
 
 def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
@@ -372,14 +395,8 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
     # k-tile boundaries must not split a copy: vectors along k divide tk as well as K
     kext = layout.K if tk >= layout.K else math.gcd(layout.K, tk)
     a_vec = _vec(dtype, kext, layout.sa[0], layout.align_a) if layout.sa[1] == 1 else 1
-    if layout.sb[1] == 1:
-        b_nc, b_vec = True, _vec(dtype, layout.N, layout.sb[0], layout.align_b)
-    elif layout.sb[0] == 1:
-        b_nc, b_vec = False, _vec(dtype, kext, layout.sb[1], layout.align_b)
-    else:
-        b_nc, b_vec = True, 1
-    c_pair = (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
-              and layout.align_c % (2 * size) == 0)
+    b_nc, b_vec = _b_copies(dtype, layout, kext)
+    c_pair = _c_pair(layout, size)
     gemm = GemmSpec("pit_gemm", "rows", False, 1, c_pair, accumulate, bm, bn, bk, wm, wn, stages,
                     a_vec, b_vec, True, b_nc, gather=gather,
                     c_mfast=not c_pair and layout.sc[0] == 1 and layout.sc[1] != 1, tk=tk)
@@ -426,19 +443,11 @@ def _products(tk: int, dtype: str, layout: Layout, accumulate: bool
             or -(-layout.K // tk) > PRODUCTS_KT_MAX):
         return None
     bn, wm, wn = PRODUCTS_TILE
-    if layout.sb[1] == 1:
-        b_nc, b_vec = True, _vec(dtype, layout.N, layout.sb[0], layout.align_b)
-    elif layout.sb[0] == 1:
-        b_nc, b_vec = False, _vec(dtype, math.gcd(layout.K, tk), layout.sb[1], layout.align_b)
-    else:
-        b_nc, b_vec = True, 1
-    c_pair = (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
-              and layout.align_c % (2 * size) == 0)
-    c_vec = (layout.N % 8 == 0 and layout.sc[1] == 1 and (layout.sc[0] * size) % 16 == 0
-             and layout.align_c % 16 == 0)
+    b_nc, b_vec = _b_copies(dtype, layout, math.gcd(layout.K, tk))
     ids = -(-layout.M // 64) * 64
-    gemm = GemmSpec("pit_gemm", "products", False, 1, c_pair, accumulate, ids, bn, min(tk, 64),
-                    wm, wn, PRODUCTS_STAGES, 16 // size, b_vec, True, b_nc, c_vec=c_vec, tk=tk)
+    gemm = GemmSpec("pit_gemm", "products", False, 1, _c_pair(layout, size), accumulate, ids, bn,
+                    min(tk, 64), wm, wn, PRODUCTS_STAGES, 16 // size, b_vec, True, b_nc,
+                    c_vec=_c_vec(layout, size), tk=tk)
     return gemm, IndexSpec("pit_build_index", "micro", "vector", tk, False, 0, 0, False,
                            id_block=ids, row_table=True)
 
@@ -518,18 +527,11 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         a_kc, a_vec = False, _vec(dtype, layout.M, layout.sa[1], layout.align_a)
     else:
         a_kc, a_vec = True, 1
-    if layout.sb[1] == 1:
-        b_nc, b_vec = True, _vec(dtype, layout.N, layout.sb[0], layout.align_b)
-    elif layout.sb[0] == 1 and a_mode != "packed":
-        b_nc, b_vec = False, _vec(dtype, layout.K, layout.sb[1], layout.align_b)
-    else:
-        b_nc, b_vec = True, 1
+    b_nc, b_vec = _b_copies(dtype, layout, None if a_mode == "packed" else layout.K)
     if schedule == Schedule() and b_vec == 1:   # scalar copies of B': see SCALAR_CHUNKS
         while bn > 64 and bk * bn // (32 * wm * wn) > SCALAR_CHUNKS:
             bn //= 2
-    pair = 2 * DTYPES[dtype]
-    c_pair = (layout.N % 2 == 0 and layout.sc[1] == 1 and layout.sc[0] % 2 == 0
-              and layout.align_c % pair == 0)
+    c_pair = _c_pair(layout, DTYPES[dtype])
     gemm = GemmSpec("pit_gemm", a_mode, block_list, tk // bk if block_list else 1,
                     c_pair, accumulate, bm, bn, bk, wm, wn, stages, a_vec, b_vec, a_kc, b_nc)
     if schedule == Schedule():

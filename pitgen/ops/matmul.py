@@ -115,12 +115,12 @@ class Launcher:
         self.fused_spec = fused if fused.fused else None
         self.fused_mod = MATMUL.module(fused.context()) if fused.fused else None
         self._mod = None
-        self.smem = self.spec.gemm.smem_bytes(dtype)
+        self.smem = g.smem_bytes(dtype)
         self.mask_strides = (0, 0)
         if mask is not None:  # the mask's strides along the index's (long, id) dims
             md = (mask.strides[form.a_dims[0]], mask.strides[form.a_dims[1]])
-            self.mask_strides = md[::-1] if self.spec.gemm.a_mode in ("rows", "products") else md
-        lay, g = self.layout, self.spec.gemm
+            self.mask_strides = md[::-1] if g.a_mode in ("rows", "products") else md
+        lay = self.layout
         #: the tile kernel's size arguments
         self.sizes = (M, N, K, *lay.sa, *lay.sb, *lay.sc, self.geo.tk)
         #: int32 words of the index: counts and their tail (COUNTS_TAIL), ids, and the wgmma
