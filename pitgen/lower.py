@@ -419,13 +419,18 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
 
 
 #: The products kernel: k-tiles at most (their prefix sums live in each CTA's shared memory),
-#: persistent CTAs per SM (two of 256 threads: registers), and its tile (BN, warps along m, n).
+#: persistent CTAs per SM (three of 256 threads: 85 registers each), its tile (BN, warps along
+#: m, n) and cp.async stages. H200, 4096^3 at 99%, products kernel alone: BN 128 with three CTAs
+#: an SM 29.5 us, with two 30.9 (H100 33.9, 34.5), BN 256 with two 31.2 (three stages 38.2 on
+#: the H100), BN 128 with four CTAs (64 registers) 38.2 on the H100.
 PRODUCTS_KT_MAX = 512
-PRODUCTS_CTAS_PER_SM = 2
-PRODUCTS_TILE = (256, 2, 4)
-#: cp.async stages per products CTA (H200, 4096^3 at 99%, products kernel alone: BN 128 with 2
-#: or 4 stages 0.043 ms, BN 256 with 2 stages 0.038 ms)
+PRODUCTS_CTAS_PER_SM = 3
+PRODUCTS_TILE = (128, 2, 4)
 PRODUCTS_STAGES = 2
+#: fp32 slot rows per row of C' (N columns each): a product whose place in the k-tile-major list
+#: of all products is past them is formed by the finishing pass itself, correct but slow, so
+#: the planner offers the products kernel up to this many micro-tiles per row of S on average
+PRODUCTS_SLOTS_PER_ROW = 2
 
 
 def _products(tk: int, dtype: str, layout: Layout, accumulate: bool
@@ -435,8 +440,8 @@ def _products(tk: int, dtype: str, layout: Layout, accumulate: bool
     fp16/bf16, A' rows gathered in 16-byte copies (k contiguous, rows and base 16-byte aligned,
     K a multiple of 8), a k-tile the index tests in 16-byte vectors (32 to 256 wide), at most
     PRODUCTS_KT_MAX k-tiles. Its cost follows the products, not the k-tiles: the plan for masks
-    where most rows of C' hold at most one (the row-owner kernel walks every k-tile of every row
-    block whatever it holds)."""
+    where rows of C' hold one or two on average (the row-owner kernel walks every k-tile of
+    every row block whatever it holds)."""
     size = DTYPES[dtype]
     if (dtype == "float32" or tk not in (32, 64, 128, 256) or layout.sa[1] != 1
             or (layout.sa[0] * size) % 16 or layout.align_a % 16 or layout.K % 8

@@ -27,6 +27,7 @@ from . import checks
 from .errors import PlanError, RuleError
 from .expr import Access, Operator, as_operator
 from .limits import INT32_MAX
+from .lower import PRODUCTS_SLOTS_PER_ROW
 from .index import as_mask, sparse_access, tile_extents, tile_grid
 from .rules import Rules, analyse
 
@@ -330,9 +331,10 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
     """A candidate from its counts. Work is counted in elements of S computed: dense and block
     tiles clipped at S's edges; a micro candidate's dense tile always counts its full extent
     (the last chunk of a group is padded with unused slots). A spatial micro-tile of at most
-    one per row of S on average (``extent``: S's extent along the micro axis) may run on the
-    products kernel instead of the row-owner one, where the profile prices it (``products``);
-    the cheaper of the two counts."""
+    PRODUCTS_SLOTS_PER_ROW per row of S on average (``extent``: S's extent along the micro
+    axis; past that the products kernel runs out of slots) may run on the products kernel
+    instead of the row-owner one, where the profile prices it (``products``); the cheaper of the
+    two counts."""
     kind, axis, shape = spec
     nonzero, dense_tiles, covered = counts
     total = math.prod(size)
@@ -355,7 +357,7 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
         index = k.get("index_ns_per_element", profile["index_ns_per_element"])
         cost += total * (index + k.get("walk_ns_per_element", 0.0))
         p = profile["kinds"][key].get("products")
-        if (p is not None and nonzero <= extent
+        if (p is not None and nonzero <= extent * PRODUCTS_SLOTS_PER_ROW
                 and math.prod(shape) in PRODUCTS_EXTENTS and 1 in shape):
             cost = min(cost, elements * p["ns_per_element"]
                        + total * (index + p["walk_ns_per_element"]))

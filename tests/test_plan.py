@@ -12,6 +12,7 @@ import pitgen
 from pitgen import parse
 from pitgen import testing as T
 from pitgen.errors import PlanError, RuleError
+from pitgen.lower import PRODUCTS_SLOTS_PER_ROW
 from pitgen.planner import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
                             load_profile, make_plan, parse_tile)
 
@@ -221,7 +222,8 @@ def test_statistics_match_brute_force(drawn, tk):
         want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
             + m * k * (index + kind.get("walk_ns_per_element", 0.0))
         products = prof["kinds"][key].get("products")
-        if products and c.axis == "m" and nonzero <= m and c.shape[1] in (32, 64, 128, 256):
+        if products and c.axis == "m" and nonzero <= m * PRODUCTS_SLOTS_PER_ROW \
+                and c.shape[1] in (32, 64, 128, 256):
             want = min(want, elements * products["ns_per_element"]
                        + m * k * (index + products["walk_ns_per_element"]))
         assert c.cost == pytest.approx(want)
@@ -281,15 +283,16 @@ def test_profile_loading(tmp_path, monkeypatch):
 
 
 def test_rows_of_at_most_one_micro_tile_are_priced_on_the_products_kernel():
-    """1 x 64 micro-tiles along m at 99% (0.6 per row of S): the cheaper of the row-owner and the
-    products kernel's fit, and the matmul API then asks lowering for the products kernel; at
-    90% (6 per row) only the row-owner kernel's fit, and the row-owner kernel runs."""
+    """1 x 64 micro-tiles along m at 99% and 90% (0.16 and 1.6 per row of S, 16 k-tiles): the
+    cheaper of the row-owner and the products kernel's fit, and the matmul API then asks
+    lowering for the products kernel; at 70% (4.8 per row, more products than the kernel has
+    slots) only the row-owner kernel's fit, and the row-owner kernel runs."""
     prof = load_profile()
     spatial = prof["kinds"]["micro-spatial"]
     p, fit = spatial["products"], {**spatial, **spatial["shapes"]["1x64"]}
     rng = np.random.default_rng(5)
     kern = pitgen.compile(MATMUL, sparse="A", dtype="float16")
-    for density, products in ((0.01, True), (0.1, False)):
+    for density, products in ((0.01, True), (0.1, True), (0.3, False)):
         mask = np.repeat(rng.random((1024, 16)) < density, 64, axis=1)
         plan = make_plan(MATMUL, "A", mask=mask, profile=prof)
         c = next(c for c in plan.candidates if c.label == "micro 1x64 along m")
@@ -298,7 +301,7 @@ def test_rows_of_at_most_one_micro_tile_are_priced_on_the_products_kernel():
                  + total * (fit["index_ns_per_element"] + fit["walk_ns_per_element"]))
         cheaper = elements * p["ns_per_element"] + total * (fit["index_ns_per_element"]
                                                             + p["walk_ns_per_element"])
-        assert (c.nonzero <= 1024) == products
+        assert (c.nonzero <= 1024 * PRODUCTS_SLOTS_PER_ROW) == products
         assert c.cost == pytest.approx(min(owner, cheaper) if products else owner)
         chosen = replace(plan, choice=c)
         assert kern._schedule(chosen).rows == ("products" if products else None)

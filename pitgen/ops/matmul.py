@@ -13,7 +13,8 @@ from ..coverage import plan_on_device
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
-from ..lower import DTYPES, GemmForm, Layout, Schedule, fuse, gemm_form, geometry, lower_first
+from ..lower import (DTYPES, PRODUCTS_SLOTS_PER_ROW, GemmForm, Layout, Schedule, fuse, gemm_form,
+                     geometry, lower_first)
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
                         distinct_strides, on_operand_device, raw_key, signature)
 from ..opspec import OpSpec
@@ -129,11 +130,12 @@ class Launcher:
         self.index_words = n + COUNTS_TAIL + n * self.geo.cap + (n if g.mainloop == "wgmma" else 0)
         #: products: the row table's int32 words (per row a count and a bit per k-tile, zero
         #: between launches; each row's places in the k-tile lists; the lists' bases) and the
-        #: fp32 slots' rows (one per product up to M; the finishing pass forms products past them)
+        #: fp32 slots' rows (one per product up to PRODUCTS_SLOTS_PER_ROW * M; the finishing pass
+        #: forms products past them)
         kts = n if g.a_mode == "products" else 0
         self.table_bits = M * (1 + (kts + 31) // 32) if kts else 0
         self.table_words = self.table_bits + M * kts + (kts + 1 if kts else 0)
-        self.slot_rows = M if kts else 0
+        self.slot_rows = M * PRODUCTS_SLOTS_PER_ROW if kts else 0
         #: per stream handle: index buffers that calls on that stream reuse (stream order
         #: keeps one call's index build behind the previous call's tile kernel)
         self._scratch: dict[tuple[int, str], Any] = {}
@@ -524,11 +526,11 @@ class SparseKernel:
 
     def _schedule(self, plan: Plan) -> Schedule:
         """The tile kernel's BN' and BK from the plan's compute tile where the user gave a tile;
-        the products kernel for micro-tiles along m that the plan counted at most one per row
-        of S (as the planner priced them: planner._costed)."""
+        the products kernel for micro-tiles along m that the plan counted at most
+        PRODUCTS_SLOTS_PER_ROW per row of S (as the planner priced them: planner._costed)."""
         c, rows = plan.choice, None
         if plan.masked and c.kind == "micro" and c.axis == self.form.m_axis \
-                and c.nonzero <= plan.shape[self.form.a_dims[0]]:
+                and c.nonzero <= plan.shape[self.form.a_dims[0]] * PRODUCTS_SLOTS_PER_ROW:
             rows = "products"
         if self.tile is None:
             return Schedule(rows=rows)
