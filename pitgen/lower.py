@@ -165,7 +165,8 @@ class ModuleSpec:
         if self.index is not None:
             ctx["index"]["per_block"] = self.index.per_block
         if self.gemm.a_mode == "products":
-            ctx["gemm"].update(kt_max=PRODUCTS_KT_MAX, ctas_per_sm=PRODUCTS_CTAS_PER_SM)
+            ctx["gemm"].update(kt_max=PRODUCTS_KT_MAX, ctas_per_sm=PRODUCTS_CTAS_PER_SM,
+                              finish_threads=PRODUCTS_FINISH_THREADS)
         return ctx
 
 
@@ -427,6 +428,8 @@ PRODUCTS_KT_MAX = 512
 PRODUCTS_CTAS_PER_SM = 3
 PRODUCTS_TILE = (128, 2, 4)
 PRODUCTS_STAGES = 2
+#: threads of the finishing pass's CTA (a row of C' each; 64-1024 measured, 256 the fastest)
+PRODUCTS_FINISH_THREADS = 256
 #: fp32 slot rows per row of C' (N columns each): a product whose place in the k-tile-major list
 #: of all products is past them is formed by the finishing pass itself, correct but slow, so
 #: the planner offers the products kernel up to this many micro-tiles per row of S on average

@@ -13,8 +13,8 @@ from ..coverage import plan_on_device
 from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
-from ..lower import (DTYPES, PRODUCTS_SLOTS_PER_ROW, GemmForm, Layout, Schedule, fuse, gemm_form,
-                     geometry, lower_first)
+from ..lower import (DTYPES, PRODUCTS_FINISH_THREADS, PRODUCTS_SLOTS_PER_ROW, GemmForm, Layout,
+                     Schedule, fuse, gemm_form, geometry, lower_first)
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
                         distinct_strides, on_operand_device, raw_key, signature)
 from ..opspec import OpSpec
@@ -415,8 +415,8 @@ class GemmCall:
                     *L.sizes, L.slot_rows)
             mod.launch("pit_gemm_products", L.geo.grid, (g.threads, 1, 1), stream, *args,
                        smem=L.smem)
-            mod.launch("pit_gemm_finish", L.geo.finish, (256, 1, 1), stream, *args[:4],
-                       *args[5:])
+            mod.launch("pit_gemm_finish", L.geo.finish, (PRODUCTS_FINISH_THREADS, 1, 1), stream,
+                       *args[:4], *args[5:])
         elif g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
                        *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr,
