@@ -4,6 +4,7 @@ that both archs meet every pair of dtype, kind and layout, and arch-dependent on
 wgmma variants for sm_90a; the compile cache behaves."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 import re
@@ -189,21 +190,29 @@ def test_rows_plans_take_the_wgmma_row_owner_kernel_where_rows_can_be_gathered()
 
 #: products-kernel variants (1 x tk micro-tiles along m, Schedule(rows="products")): B' n- and
 #: k-contiguous, one k-tile per stage and two, accumulating or not, N odd (element stores);
-#: each compiled for one arch (the kernel is the same mma.sync code on both)
+#: each compiled for one arch (the kernel is the same mma.sync code on both), the first with a
+#: tile of another warp count than the default's (BN, warps along m, n: 128 threads, while the
+#: finishing pass keeps its own 256), so that lower.PRODUCTS_TILE stays free to tune
 PRODUCTS_VARIANTS = [("float16", "AB", 64, False, 520), ("bfloat16", "ABt", 128, True, 301)]
 PRODUCTS_ARCHS = ("sm_80", "sm_90a")
+PRODUCTS_TILES = ((64, 1, 4), None)
 
 
 def products_variant(dtype: str, form_name: str, tk: int, accumulate: bool, N: int = 520,
-                     layout: Layout | None = None, arch: str = "sm_80"):
+                     layout: Layout | None = None, arch: str = "sm_80",
+                     tile: tuple[int, int, int] | None = None):
     expr, sparse = FORMS[form_name]
     op = pitgen.parse(expr)
     f = gemm_form(op, sparse)
     s = [0, 0]
     s[f.a_dims[0]], s[f.a_dims[1]] = 1, tk
-    return lower(op, sparse, "micro", f.m_axis, tuple(s), dtype,
+    spec = lower(op, sparse, "micro", f.m_axis, tuple(s), dtype,
                  layout or _layout(op, f, 200, N, 264), accumulate=accumulate, arch=arch,
                  schedule=Schedule(rows="products"))
+    if tile is None:
+        return spec
+    bn, wm, wn = tile
+    return dataclasses.replace(spec, gemm=dataclasses.replace(spec.gemm, bn=bn, wm=wm, wn=wn))
 
 
 def test_products_plans_where_rows_can_be_gathered():
@@ -228,6 +237,10 @@ def test_products_plans_where_rows_can_be_gathered():
             assert not fuse(spec, geo).fused
             src = render(spec)
             assert "atomic" not in _tile_kernel(src) and "pit_gemm_finish" in src
+    # a tile of 128 threads: the finishing pass keeps its own CTA (the launcher's block)
+    src = render(products_variant(*PRODUCTS_VARIANTS[0], tile=PRODUCTS_TILES[0]))
+    assert "THREADS = 128," in src
+    assert f"FINISH_THREADS = {lower_mod.PRODUCTS_FINISH_THREADS};" in src
     op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
     big = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
     prefer = Schedule(rows="products")
@@ -439,8 +452,9 @@ def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
             for src, for_archs in _compiles().values() for arch in for_archs if arch in archs]
     if "sm_90a" in archs:
         jobs += [pool.submit(compiler.compile_source, src, "sm_90a") for src in _hopper_sources()]
-    jobs += [pool.submit(compiler.compile_source, render(products_variant(*v)), arch)
-             for v, arch in zip(PRODUCTS_VARIANTS, PRODUCTS_ARCHS) if arch in archs]
+    jobs += [pool.submit(compiler.compile_source, render(products_variant(*v, tile=t)), arch)
+             for v, arch, t in zip(PRODUCTS_VARIANTS, PRODUCTS_ARCHS, PRODUCTS_TILES)
+             if arch in archs]
     return jobs
 
 
