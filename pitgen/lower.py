@@ -431,9 +431,17 @@ PRODUCTS_STAGES = 2
 #: threads of the finishing pass's CTA (a row of C' each; 64-1024 measured, 256 the fastest)
 PRODUCTS_FINISH_THREADS = 256
 #: fp32 slot rows per row of C' (N columns each): a product whose place in the k-tile-major list
-#: of all products is past them is formed by the finishing pass itself, correct but slow, so
-#: the planner offers the products kernel up to this many micro-tiles per row of S on average
+#: of all products is past them is formed by the finishing pass itself, correct but slow
 PRODUCTS_SLOTS_PER_ROW = 2
+#: micro-tile extents along k that the products kernel takes (its index tests 16-byte vectors)
+PRODUCTS_EXTENTS = (32, 64, 128, 256)
+
+
+def products_fit(products: int, rows: int) -> bool:
+    """Whether a mask of ``products`` micro-tiles over ``rows`` rows of C' is the products
+    kernel's to run: at most PRODUCTS_SLOTS_PER_ROW per row on average, so that its slots hold
+    them (the planner prices it there, and the matmul API then asks lowering for it)."""
+    return products <= rows * PRODUCTS_SLOTS_PER_ROW
 
 
 def _products(tk: int, dtype: str, layout: Layout, accumulate: bool
@@ -446,7 +454,7 @@ def _products(tk: int, dtype: str, layout: Layout, accumulate: bool
     where rows of C' hold one or two on average (the row-owner kernel walks every k-tile of
     every row block whatever it holds)."""
     size = DTYPES[dtype]
-    if (dtype == "float32" or tk not in (32, 64, 128, 256) or layout.sa[1] != 1
+    if (dtype == "float32" or tk not in PRODUCTS_EXTENTS or layout.sa[1] != 1
             or (layout.sa[0] * size) % 16 or layout.align_a % 16 or layout.K % 8
             or -(-layout.K // tk) > PRODUCTS_KT_MAX):
         return None

@@ -27,7 +27,7 @@ from . import checks
 from .errors import PlanError, RuleError
 from .expr import Access, Operator, as_operator
 from .limits import INT32_MAX
-from .lower import PRODUCTS_SLOTS_PER_ROW
+from .lower import PRODUCTS_EXTENTS, products_fit
 from .index import as_mask, sparse_access, tile_extents, tile_grid
 from .rules import Rules, analyse
 
@@ -322,19 +322,14 @@ def _chunk(spec: Spec, acc: Access, tile: Mapping[str, int], size: Sequence[int]
     return min(tile[axis], size[acc.bare_dim(axis)]) if kind == "micro" else 1
 
 
-#: Micro-tile extents off the micro axis that the products kernel takes (lower._products)
-PRODUCTS_EXTENTS = (32, 64, 128, 256)
-
-
 def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: int,
             rules: Rules, profile: Mapping, extent: int = 0) -> Candidate:
     """A candidate from its counts. Work is counted in elements of S computed: dense and block
     tiles clipped at S's edges; a micro candidate's dense tile always counts its full extent
-    (the last chunk of a group is padded with unused slots). A spatial micro-tile of at most
-    PRODUCTS_SLOTS_PER_ROW per row of S on average (``extent``: S's extent along the micro
-    axis; past that the products kernel runs out of slots) may run on the products kernel
-    instead of the row-owner one, where the profile prices it (``products``); the cheaper of the
-    two counts."""
+    (the last chunk of a group is padded with unused slots). A spatial micro-tile that fits the
+    products kernel (``lower.products_fit`` over ``extent``, S's extent along the micro axis)
+    may run on it instead of the row-owner one, where the profile prices it (``products``); the
+    cheaper of the two counts."""
     kind, axis, shape = spec
     nonzero, dense_tiles, covered = counts
     total = math.prod(size)
@@ -357,7 +352,7 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
         index = k.get("index_ns_per_element", profile["index_ns_per_element"])
         cost += total * (index + k.get("walk_ns_per_element", 0.0))
         p = profile["kinds"][key].get("products")
-        if (p is not None and nonzero <= extent * PRODUCTS_SLOTS_PER_ROW
+        if (p is not None and products_fit(nonzero, extent)
                 and math.prod(shape) in PRODUCTS_EXTENTS and 1 in shape):
             cost = min(cost, elements * p["ns_per_element"]
                        + total * (index + p["walk_ns_per_element"]))

@@ -14,7 +14,7 @@ from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
 from ..lower import (DTYPES, PRODUCTS_FINISH_THREADS, PRODUCTS_SLOTS_PER_ROW, GemmForm, Layout,
-                     Schedule, fuse, gemm_form, geometry, lower_first)
+                     Schedule, fuse, gemm_form, geometry, lower_first, products_fit)
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
                         distinct_strides, on_operand_device, raw_key, signature)
 from ..opspec import OpSpec
@@ -526,11 +526,11 @@ class SparseKernel:
 
     def _schedule(self, plan: Plan) -> Schedule:
         """The tile kernel's BN' and BK from the plan's compute tile where the user gave a tile;
-        the products kernel for micro-tiles along m that the plan counted at most
-        PRODUCTS_SLOTS_PER_ROW per row of S (as the planner priced them: planner._costed)."""
+        the products kernel for micro-tiles along m that fit it (``products_fit``, as the
+        planner priced them: planner._costed)."""
         c, rows = plan.choice, None
         if plan.masked and c.kind == "micro" and c.axis == self.form.m_axis \
-                and c.nonzero <= plan.shape[self.form.a_dims[0]] * PRODUCTS_SLOTS_PER_ROW:
+                and products_fit(c.nonzero, plan.shape[self.form.a_dims[0]]):
             rows = "products"
         if self.tile is None:
             return Schedule(rows=rows)
