@@ -166,7 +166,7 @@ class ModuleSpec:
             ctx["index"]["per_block"] = self.index.per_block
         if self.gemm.a_mode == "products":
             ctx["gemm"].update(kt_max=PRODUCTS_KT_MAX, ctas_per_sm=PRODUCTS_CTAS_PER_SM,
-                              finish_threads=PRODUCTS_FINISH_THREADS)
+                              finish_threads=PRODUCTS_FINISH_THREADS, l2_keep=PRODUCTS_L2_KEEP)
         return ctx
 
 
@@ -430,6 +430,9 @@ PRODUCTS_TILE = (128, 2, 4)
 PRODUCTS_STAGES = 2
 #: threads of the finishing pass's CTA (a row of C' each; 64-1024 measured, 256 the fastest)
 PRODUCTS_FINISH_THREADS = 256
+#: bytes of slots the products kernel stores evict_last, so that the finishing pass reads them
+#: from L2 and discards them unwritten: a share of the smallest L2 it runs on (A100 40 MB)
+PRODUCTS_L2_KEEP = 24 << 20
 #: fp32 slot rows per row of C' (N columns each): a product whose place in the k-tile-major list
 #: of all products is past them is formed by the finishing pass itself, correct but slow
 PRODUCTS_SLOTS_PER_ROW = 2
