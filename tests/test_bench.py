@@ -382,27 +382,34 @@ def test_no_sys_path_edits_in_scripts_or_tests():
 # -- GPU ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_timer_times_a_small_op():
+def test_timer_times_a_small_op(monkeypatch):
+    import statistics
+
     import torch
 
-    from pitgen.bench import Timer
+    from pitgen.bench import Timer, timing
 
     timer = Timer(repeats=5)
     a = torch.randn(1024, 1024, device="cuda")
     ms = timer(lambda: a @ a)
     assert 0 < ms < 100
-    n = [0]
+    rounds = []   # (calls, ms per call) of each host_ms round that both() asked for
 
-    def op():
-        n[0] += 1
-        return a @ a
+    def recorded(fn, calls, **kw):
+        rounds.append((calls, host_ms(fn, calls, **kw)))
+        return rounds[-1][1]
 
-    t = timer.both(op, calls=5)
+    host_ms = timing.host_ms
+    monkeypatch.setattr(timing, "host_ms", recorded)
+    t = timer.both(lambda: a @ a, calls=5)
     assert t.gpu_ms > 0 and t.wall_ms > 0
-    # five calls take far less than WALL_MIN_MS: the wall time came from longer rounds (sized
-    # by the five calls' pace, which a lent host's noise may put at a few times the median's)
-    from pitgen.bench.timing import WALL_MIN_MS, WALL_ROUNDS
-    assert n[0] >= 1 + 5 + WALL_ROUNDS * min(WALL_MIN_MS / t.wall_ms, 2000) / 4
+    # five calls take far less than WALL_MIN_MS: the wall time is the median of WALL_ROUNDS
+    # longer rounds, sized by the five calls' pace (whatever a lent host's noise made it)
+    (five, pace), *longer = rounds
+    assert five == 5 and 5 * pace < timing.WALL_MIN_MS
+    want = min(timing.MAX_WALL_CALLS, max(5, math.ceil(timing.WALL_MIN_MS / max(pace, 1e-4))))
+    assert [c for c, _ in longer] == [want] * timing.WALL_ROUNDS
+    assert t.wall_ms == statistics.median(w for _, w in longer)
     seen = []
     timer(lambda x: seen.append(x), inputs=[(1,), (2,), (3,)], repeats=4, warmup=0)
     assert seen == [1, 2, 3, 1]  # rotation among the input sets
