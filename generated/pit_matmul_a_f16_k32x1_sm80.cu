@@ -191,6 +191,34 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
                      :: "r"(smem_addr(dst)), "l"(src), "n"(BYTES), "r"(src_bytes));
     }
 }
+// L2 eviction priorities (sm_80+). A scratch buffer that the next launch reads back is stored
+// evict_last (for a fraction of its lines: the share of L2 it may hold) and its lines are
+// discarded once read, so that they are not written back; operands read once are loaded
+// evict_first, so that they do not push it out.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_last(float fraction) {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, %1;\n"
+                 : "=l"(p) : "f"(fraction));
+    return p;
+}
+__device__ __forceinline__ void store_float2(float* p, float x, float y, uint64_t policy) {
+    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;\n"
+                 :: "l"(p), "f"(x), "f"(y), "l"(policy) : "memory");
+}
+// Drops the 128-byte L2 line at p (aligned) without writing it back: its data is dead.
+__device__ __forceinline__ void discard_line(const void* p) {
+    asm volatile("discard.global.L2 [%0], 128;\n" :: "l"(p) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
@@ -205,6 +233,16 @@ __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool 
         cp_async<BYTES>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
+    }
+}
+// The same with an L2 eviction policy (16-byte chunks; narrower ones copy as above).
+template <int VEC>
+__device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid, uint64_t policy) {
+    if constexpr (VEC * sizeof(elem_t) == 16) {
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                     :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0), "l"(policy));
+    } else {
+        copy_chunk<VEC>(dst, src, valid);
     }
 }
 
@@ -681,6 +719,34 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
                      :: "r"(smem_addr(dst)), "l"(src), "n"(BYTES), "r"(src_bytes));
     }
 }
+// L2 eviction priorities (sm_80+). A scratch buffer that the next launch reads back is stored
+// evict_last (for a fraction of its lines: the share of L2 it may hold) and its lines are
+// discarded once read, so that they are not written back; operands read once are loaded
+// evict_first, so that they do not push it out.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_last(float fraction) {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, %1;\n"
+                 : "=l"(p) : "f"(fraction));
+    return p;
+}
+__device__ __forceinline__ void store_float2(float* p, float x, float y, uint64_t policy) {
+    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;\n"
+                 :: "l"(p), "f"(x), "f"(y), "l"(policy) : "memory");
+}
+// Drops the 128-byte L2 line at p (aligned) without writing it back: its data is dead.
+__device__ __forceinline__ void discard_line(const void* p) {
+    asm volatile("discard.global.L2 [%0], 128;\n" :: "l"(p) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
@@ -695,6 +761,16 @@ __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool 
         cp_async<BYTES>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
+    }
+}
+// The same with an L2 eviction policy (16-byte chunks; narrower ones copy as above).
+template <int VEC>
+__device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid, uint64_t policy) {
+    if constexpr (VEC * sizeof(elem_t) == 16) {
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                     :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0), "l"(policy));
+    } else {
+        copy_chunk<VEC>(dst, src, valid);
     }
 }
 
