@@ -431,9 +431,10 @@ PRODUCTS_STAGES = 2
 #: threads of the finishing pass's CTA (a row of C' each; 64-1024 measured, 256 the fastest)
 PRODUCTS_FINISH_THREADS = 256
 #: bytes of slots the products kernel stores evict_last (the finishing pass discards every slot
-#: line it reads, so that none is written back): a share of the smallest L2 it runs on (A100
-#: 40 MB). H100, 4096^3 at 99%, whole call: 0 / 12 / 24 / 40 MB 75.8-76.4 / 75.7-76.0 /
-#: 74.8-75.8 / 75.8-76.1 us, 77.4-78.5 before (docs/performance.md, session 30)
+#: line it reads, so that none is written back): about half the L2 of the A100 and Hopper parts
+#: (40-50 MB; a part with a smaller L2 gets the same share, not measured there). H100, 4096^3 at
+#: 99%, whole call: 0 / 12 / 24 / 40 MB 75.8-76.4 / 75.7-76.0 / 74.8-75.8 / 75.8-76.1 us,
+#: 77.4-78.5 before (docs/performance.md, session 30)
 PRODUCTS_L2_KEEP = 24 << 20
 #: fp32 slot rows per row of C' (N columns each): a product whose place in the k-tile-major list
 #: of all products is past them is formed by the finishing pass itself, correct but slow
