@@ -196,11 +196,6 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
     return p;
 }
-__device__ __forceinline__ uint64_t l2_evict_normal() {
-    uint64_t p;
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
-    return p;
-}
 __device__ __forceinline__ uint64_t l2_evict_last(float fraction) {
     uint64_t p;
     asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, %1;\n"
@@ -268,13 +263,16 @@ constexpr int BL = 64, BKC = 64;
 // thread. One CTA per block: all 256 threads' loads of a round are in flight before the CTA
 // votes (__syncthreads_or), and the first non-zero round ends the scan. (With one warp per
 // block a 4096^2 scan in 128 x 128 blocks ran 16 dependent rounds per warp: latency bound,
-// 0.028 ms on an H100 for 32 MB that a copy reads in 0.013 ms.)
+// 0.028 ms on an H100 for 32 MB that a copy reads in 0.013 ms.) A round is UNROLL vectors per
+// thread, 8 KB of the block at 16-byte vectors: a block with a non-zero in its first rows is
+// read no further (a quarter of a dense 128 x 128 fp16 block), and the CTAs of one wave keep
+// megabytes in flight, so that an all-zero block's further rounds stay at the copy rate.
 __device__ __forceinline__ bool block_nonzero(const elem_t* __restrict__ src, int s_long, int s_id,
                                               int n_long, int n_id, const unsigned char* __restrict__ mask,
                                               int m_long, int m_id, int g, int x)
 {
     const int tid = threadIdx.x;
-    constexpr int VEC = 8, ROWV = BKC / VEC, UNROLL = 8;  // 16-byte vectors per block row
+    constexpr int VEC = 8, ROWV = BKC / VEC, UNROLL = 2;  // 16-byte vectors per block row
     constexpr uint32_t VALUE_BITS = sizeof(elem_t) == 2 ? 0x7fff7fffu : 0x7fffffffu;  // sign bits off
     static_assert(BKC % VEC == 0, "block rows are whole vectors");
     const bool wide = mask == nullptr && s_id == 1 && s_long % VEC == 0 && n_id % VEC == 0
@@ -724,11 +722,6 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
 __device__ __forceinline__ uint64_t l2_evict_first() {
     uint64_t p;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ uint64_t l2_evict_normal() {
-    uint64_t p;
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
     return p;
 }
 __device__ __forceinline__ uint64_t l2_evict_last(float fraction) {
