@@ -12,7 +12,7 @@ from pitgen import reference as R
 from pitgen import testing as T
 from pitgen import DeviceError, PlanError, ShapeError
 from pitgen.graph import formats as fm
-from pitgen.graph.device import DeviceCOO, DeviceCSR, _to_hyb, to_format
+from pitgen.graph.device import DeviceCOO, DeviceCSR, to_format
 from pitgen.graph.kernels import default_schedule, schedule_space, sddmm, spmm, spmm_coo
 
 pytestmark = pytest.mark.gpu
@@ -134,8 +134,7 @@ def test_hyb_of_many_row_blocks_matches_numpy(c, k):
 def test_hyb_sized_by_bounds_computes_the_same(csr, dtype, ck, cut, seed):
     """sync=False: buffers sized by bounds, no host sync; SpMM (either cut schedule) and
     SDDMM agree with the references, new values refill it, and exact() reads the same layout
-    and write plan as the conversion sized before its last passes (what to_format's sync runs
-    from HYB_SIZE_FIRST_NNZ entries; below, it is this exact())."""
+    and write plan as the exactly sized conversion."""
     c, k = ck
     rng = np.random.default_rng(seed)
     d = DeviceCSR.from_host(csr, dtype)
@@ -150,10 +149,9 @@ def test_hyb_sized_by_bounds_computes_the_same(csr, dtype, ck, cut, seed):
     vals = torch.from_numpy(rng.standard_normal(csr.nnz)).to("cuda", getattr(torch, dtype))
     new = fm.CSR(csr.shape, csr.indptr, csr.indices, vals.double().cpu().numpy())
     check(spmm(m.with_values(vals), x), spmm_want(new, x64), dtype)
-    e, first = m.exact(), _to_hyb(d, c, k)
-    assert e.info == first.info == to_format(d, "hyb", c=c, k=k).info and e.info["exact"]
-    for layout in (e, first):
-        assert_same_layout(layout.to_host(), reference_layout(ref, "hyb", {"c": c, "k": k}), "hyb")
+    e = m.exact()
+    assert e.info == to_format(d, "hyb", c=c, k=k).info
+    assert_same_layout(e.to_host(), reference_layout(ref, "hyb", {"c": c, "k": k}), "hyb")
     assert_same_hyb_plan(e, ref, {"c": c, "k": k})
 
 

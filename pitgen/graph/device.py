@@ -34,14 +34,6 @@ __all__ = ["DeviceCOO", "DeviceCSR", "DeviceMatrix", "DeviceTranspose", "to_form
 VALUE_DTYPES = ("float32", "float16")
 THREADS = 256
 HYB_THREADS = 256   # rows per CTA of the hyb passes (HYB_THREADS in convert.cu.j2)
-#: Entries from which a synchronising hyb conversion sizes its buffers before its last two
-#: passes (pass 1, the sync, passes 2 and 3). Below it the three passes go into buffers sized
-#: by bounds and the sync reads the exact numbers after them (``DeviceMatrix.exact``), so the
-#: GPU never idles while the host sizes and allocates between passes: on an H100 at F = 64
-#: that wait made the conversion 0.19-0.45 ms against 0.02-0.10 ms unsized on graphs of 9k to
-#: 1.2M entries (docs/bench/dynamic.md); at 114M entries (reddit) the bounds' padding writes
-#: cost more than the wait (6.5 against 5.9 ms), at 39M (ogbn-proteins) less (2.4 against 2.7).
-HYB_SIZE_FIRST_NNZ = 1 << 26
 MAX_GRID = 1 << 20  # conversion kernels are grid-stride loops
 
 #: CSR -> ELL / BSR / hyb on the device. The layouts reorder a matrix's rows (hyb's buckets)
@@ -544,10 +536,9 @@ def _check_params(fmt: str, params: dict[str, Any], allowed: tuple[str, ...]) ->
 def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> DeviceMatrix:
     """Convert ``csr`` on the GPU: "csr" (a view, no sync), "ell" (width=None: the longest
     row), "bsr" (block in 8/16/32), "hyb" (c in 1..8 column parts, k in 0..6: bucket widths
-    1..2^k). One host sync per conversion, which sizes the layout (hyb below
-    HYB_SIZE_FIRST_NNZ entries: after its passes, which ran in buffers sized by bounds, now
-    views trimmed to the layout); hyb with ``sync=False`` sizes it by bounds and never waits
-    (``DeviceMatrix.exact`` reads its numbers later). A conversion is found again on ``csr`` by (fmt, params, sync) while something holds
+    1..2^k). One host sync per conversion, which sizes the layout; hyb with ``sync=False``
+    sizes it by bounds instead and never waits (``DeviceMatrix.exact`` reads its numbers
+    later). A conversion is found again on ``csr`` by (fmt, params, sync) while something holds
     it (the cache is weak, so a graph that changes every call frees each layout when dropped,
     without waiting for the garbage collector)."""
     if not isinstance(csr, DeviceCSR):
@@ -585,12 +576,7 @@ def to_format(csr: DeviceCSR, fmt: str, *, sync: bool = True, **params: Any) -> 
             raise PlanError(f"hyb with c={c} column parts needs each row's columns in order; "
                             "this CSR has them in any order (from_coo(sort=False)): use c=1 "
                             "or build it with sort=True")
-        if sync and csr.nnz >= HYB_SIZE_FIRST_NNZ:
-            m = _to_hyb(csr, c, k)
-        else:
-            m = hyb_layout(csr, c, k, hyb_counts(csr, c, k), None)
-            if sync:
-                m = m.exact()
+        m = _to_hyb(csr, c, k) if sync else hyb_layout(csr, c, k, hyb_counts(csr, c, k), None)
     csr._formats[key] = m
     return m
 
@@ -652,8 +638,7 @@ def hyb_atomic(c: int, k: int, width: int, any_cut: bool) -> bool:
 
 
 def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
-    """hyb sized before its last two passes (graphs of HYB_SIZE_FIRST_NNZ entries or more).
-    Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's
+    """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's
     order), in three launches: per-CTA counts of bucket rows and of the write plan's row kinds,
     torch's cumsum of them over CTAs, the one sync (the totals size every buffer), a pass that
     ranks every row within its CTA (table, write plan, padding), and one that places each
