@@ -12,7 +12,7 @@ import pitgen
 from pitgen import parse
 from pitgen import testing as T
 from pitgen.errors import PlanError, RuleError
-from pitgen.lower import PRODUCTS_SLOTS_PER_ROW
+from pitgen.lower import PRODUCTS_EXTENTS, PRODUCTS_SLOTS_PER_ROW
 from pitgen.planner import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
                             load_profile, make_plan, parse_tile)
 
@@ -223,7 +223,7 @@ def test_statistics_match_brute_force(drawn, tk):
             + m * k * (index + kind.get("walk_ns_per_element", 0.0))
         products = prof["kinds"][key].get("products")
         if products and c.axis == "m" and nonzero <= m * PRODUCTS_SLOTS_PER_ROW \
-                and c.shape[1] in (32, 64, 128, 256):
+                and c.shape[1] in PRODUCTS_EXTENTS:
             want = min(want, elements * products["ns_per_element"]
                        + m * k * (index + products["walk_ns_per_element"]))
         assert c.cost == pytest.approx(want)
