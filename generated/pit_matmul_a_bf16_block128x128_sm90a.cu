@@ -603,7 +603,7 @@ pit_matmul_a_bf16_block128x128_sm90a_index(const elem_t* __restrict__ src, int s
 {
     index_cta(src, s_long, s_id, n_long, n_id, counts, ids, pack, mask, m_long, m_id, zero_next,
               blockIdx.x, blockIdx.y);
-    order_groups(counts, order);
+    if (gridDim.y > 256) order_groups(counts, order);  // fewer: the wgmma kernel orders them
 }
 
 }  // namespace pit_index
@@ -633,6 +633,7 @@ static_assert(!PINGPONG || (WGN == 1 && HALVES * WTN / 2 <= 128), "ping-pong acc
 static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
 using Ring = sm90::Ring<STAGES, STAGE_BYTES>;
 constexpr int WORK_SLOTS = 8;  // tiles the producer may hand over ahead of the consumers
+constexpr int DRAW_AHEAD = 2;  // copies of a tile issued after the next tile is drawn
 
 __device__ __forceinline__ void mma_k16(float (&d)[128], uint64_t da, uint64_t db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -705,9 +706,15 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
     constexpr int KSUB = 2;  // k-iterations per listed block
     const int nkb = (K + BK * KSUB - 1) / (BK * KSUB);
     const int GN = max(1, min(tiles_n, (int)gridDim.x / tiles_m));
+    // Up to ORDER_LOCAL m-tiles, the producer warpgroup orders them itself (s_order, from their
+    // counts in s_count) instead of the index pass's last CTA, whose chain after the scan (a
+    // fence, the done counter, a fence, the sort) took 3 us of a 4096^3 call's 19 us index.
+    constexpr int ORDER_LOCAL = 256;
+    __shared__ int s_order[ORDER_LOCAL > 0 ? ORDER_LOCAL : 1], s_count[ORDER_LOCAL > 0 ? ORDER_LOCAL : 1];
+    const bool local = order != nullptr && tiles_m <= ORDER_LOCAL;
     // Nothing read from the index is trusted: an m-tile out of range is skipped and a count is
     // clamped to the list's capacity.
-    auto iters_of = [&](int mt) { return min(max(counts[mt], 0), nkb) * KSUB; };
+    auto iters_of = [&](int mt) { return (local ? s_count[mt] : min(max(counts[mt], 0), nkb)) * KSUB; };
     auto draw = [&](int j) {   // the sequence number of this CTA's j-th tile
         if (next_tile == nullptr)
             return j * (int)gridDim.x + ((j & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
@@ -718,7 +725,7 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
     auto tile_at = [&](int t, int& mt, int& nt) {
         const int per_group = GN * tiles_m, g0 = (t / per_group) * GN;
         const int cols = min(GN, tiles_n - g0), r = t % per_group;
-        mt = order != nullptr ? order[r / cols] : r / cols;
+        mt = order == nullptr ? r / cols : local ? s_order[r / cols] : order[r / cols];
         nt = g0 + r % cols;
         return (unsigned)mt < (unsigned)tiles_m;
     };
@@ -726,24 +733,41 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
     if (wg == 0) {
         // Producer: hand over each tile (m-tile, n-tile, k-iterations; an m-tile of -1 is
         // skipped; w = 0 ends the work), then fill its stages, each once its consumers have
-        // released it. The next tile is drawn one ahead, so that the draw's latency hides
-        // behind this one's copies.
+        // released it. The next tile is drawn DRAW_AHEAD copies before this one's last, so that
+        // a CTA does not claim a tile a whole tile ahead of its consumers (drawn at a tile's
+        // start, CTAs ended up to a tile apart: 28 us at 50% of 128 x 128 blocks, 4096^3);
+        // after a short tile, at the tile's start, so that the draw's latency hides behind
+        // this tile's loads (a run of empty tiles would otherwise wait for each draw in turn).
         sm90::regs_dec<PRODUCER_REGS>();
+        if (local) {   // the m-tiles by count, most first, ties by index (the index's order)
+            for (int i = tid; i < tiles_m; i += 128) s_count[i] = min(max(counts[i], 0), nkb);
+            sm90::named_sync(3, 128);
+            for (int i = tid; i < tiles_m; i += 128) {
+                const int c = s_count[i];
+                int rank = 0;
+                for (int p = 0; p < tiles_m; ++p) rank += s_count[p] > c || (s_count[p] == c && p < i);
+                s_order[rank] = i;
+            }
+            sm90::named_sync(3, 128);
+        }
         if (tid != 0) return;  // one thread schedules and issues every TMA copy
         int pos = 0;
+        bool early = false;
         for (int j = 0, t = draw(0);; ++j) {
             if (t >= tiles) {
                 work.put(j, make_int4(-1, 0, 0, 0));
                 break;
             }
-            const int t_next = draw(j + 1);
+            int t_next = early ? draw(j + 1) : -1;   // draws are never negative
             int mt, nt;
             const bool ok = tile_at(t, mt, nt);
             const int iters = ok ? iters_of(mt) : 0;
             work.put(j, make_int4(ok ? mt : -1, nt, iters, 1));
+            const int draw_at = early ? -1 : max(0, iters - DRAW_AHEAD);
             const int m0 = mt * BM, n0 = nt * BN;
             const int* kblk = ids + (size_t)mt * nkb;
             for (int it = 0; it < iters; ++it) {
+                if (it == draw_at) t_next = draw(j + 1);
                 const int k0 = kblk[it / KSUB] * (BK * KSUB) + (it % KSUB) * BK;
                 ring.fill(pos++, [&](unsigned char* sa, uint64_t* full) {
                     unsigned char* sb = sa + A_BYTES;
@@ -764,7 +788,8 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
                     }
                 });
             }
-            t = t_next;
+            t = t_next >= 0 ? t_next : draw(j + 1);
+            early = iters <= DRAW_AHEAD;
         }
     } else {
         // Consumers: split, warpgroup (wg_m, wg_n) owns a 64 x WTN accumulator of every tile;

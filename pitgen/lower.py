@@ -93,6 +93,7 @@ class GemmSpec:
     c_mfast: bool = False  # rows: C written with adjacent threads on adjacent m (m contiguous)
     tk: int = 0  # rows: the k-tile, the micro-tile's extent along k (a compile-time constant)
     pingpong: bool = False  # wgmma: two consumers take alternate tiles whole (wm x 64 rows, wn 1)
+    order_local: int = 0  # wgmma block plans: up to this many m-tiles, ordered by the kernel itself
 
     @property
     def threads(self) -> int:
@@ -251,6 +252,13 @@ def _tma_dim(strides: tuple[int, int], extents: tuple[int, int], size: int,
 PINGPONG = "never"
 
 
+#: Block plans on wgmma with at most this many m-tiles have the tile kernel's producer warpgroup
+#: order the m-tiles by count (a rank each, from the counts, in shared memory), not the index
+#: pass's last CTA: its fences, atomic and sort took 3 us after the scan of a 4096^3 operand
+#: (H100, a per-CTA %globaltimer trace). 256 m-tiles are 512 comparisons per producer thread.
+ORDER_LOCAL = 256
+
+
 def _c_vec(layout: Layout, size: int) -> bool:
     """Whether C' rows take 16-byte chunks: n contiguous, rows and base 16-byte aligned, N a
     multiple of 8."""
@@ -298,11 +306,13 @@ def _hopper(block_list: bool, tk: int, bm: int, dtype: str, layout: Layout, accu
     # a ping-pong consumer holds a whole tile's accumulators: at most 128 x 128
     bn = 256 if layout.N > 128 and not (pingpong and bm == 128) else 128
     wn = 1 if pingpong else 2 // wm
-    stages = min(8, (WGMMA_SMEM - 2048) // ((bm + bn) * 64 * size))
+    order_local = ORDER_LOCAL if block_list else 0   # two int arrays of static shared memory
+    stages = min(8, (WGMMA_SMEM - 2048 - 8 * order_local) // ((bm + bn) * 64 * size))
     c_vec = _c_rows_vec(layout, size, accumulate)
     return GemmSpec("pit_gemm", "box", block_list, tk // 64 if block_list else 1,
                     c_pair, accumulate, bm, bn, 64, wm, wn, stages, 16 // size, 16 // size,
-                    da == 1, db == 1, "wgmma", c_vec, pingpong=pingpong)
+                    da == 1, db == 1, "wgmma", c_vec, pingpong=pingpong,
+                    order_local=order_local)
 
 
 #: The row-owner kernel's defaults (rows mode): BN, BK (at most), rows gathered per step, warps

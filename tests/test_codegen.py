@@ -301,11 +301,15 @@ def test_block_plans_take_the_split_wgmma_tile_of_dense_plans():
 @pytest.mark.parametrize("pingpong", [True, False])
 def test_either_consumer_schedule_fits_every_wgmma_plan(pingpong):
     """lower.PINGPONG forces a schedule (the GPU tests run both): ping-pong keeps each consumer's
-    accumulators within 128 x 128, a split tile is shared by wm x wn consumers."""
+    accumulators within 128 x 128, a split tile is shared by wm x wn consumers. The stages leave
+    room for the static shared memory (block plans: the m-tile order, two ints per m-tile up to
+    order_local; ptxas counts 2,304 bytes for 256 and 256 bytes without)."""
     for v in HOPPER_VARIANTS:
         g = hopper_variant(*v, pingpong=pingpong).gemm
         assert g.mainloop == "wgmma" and g.pingpong == pingpong and g.threads == 384
         assert g.bm * g.bn <= 128 * 128 * 2 ** (not g.pingpong) and g.bm == 64 * g.wm
+        assert g.order_local == (lower_mod.ORDER_LOCAL if g.block_list else 0)
+        assert g.smem_bytes(v[0]) + 8 * g.order_local + 256 <= lower_mod.WGMMA_SMEM
 
 
 def test_wgmma_grid_is_persistent():

@@ -115,6 +115,26 @@ def test_tile_counter_is_left_zero_for_the_next_launch():
         T.assert_close(kern(**arrays), ref, "float16", scale=scale)
 
 
+@pytest.mark.parametrize("order_local", [0, 2, 256])
+def test_block_plans_order_their_m_tiles_in_either_kernel(monkeypatch, order_local):
+    """Up to lower.ORDER_LOCAL m-tiles the tile kernel orders them itself, beyond it the index
+    pass's last CTA does (0: always the index; 2: the index past two m-tiles, here 8 of them
+    with counts from 0 to all k-blocks). Repeated calls take the counts pair in turn."""
+    monkeypatch.setattr(lower, "ORDER_LOCAL", order_local)
+    rng = np.random.default_rng(order_local)
+    M, N, K = 1000, 264, 1024
+    op, arrays, ref, scale = _operands(
+        rng, "A", M, N, K, "float16", lambda shp: T.tile_mask(rng, shp[0], shp[1], (128, 128), 0.4))
+    kern = pitgen.compile(op, sparse="A", dtype="float16", micro_tile=(128, 128), vendor_dense=False)
+    out = T.poison(torch.empty(M, N, dtype=torch.float16, device="cuda"))
+    call = kern.prepare(**arrays, out=out)
+    assert call.L.spec.gemm.order_local == order_local and call.L.spec.index.ordered
+    assert call.run() is out
+    T.assert_close(out, ref, "float16", scale=scale)
+    for _ in range(3):
+        T.assert_close(kern(**arrays), ref, "float16", scale=scale)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @settings(max_examples=T.examples(16, share=2), deadline=None,   # 2 dtypes
           suppress_health_check=list(HealthCheck))
