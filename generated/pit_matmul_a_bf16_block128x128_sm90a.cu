@@ -733,11 +733,10 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
     if (wg == 0) {
         // Producer: hand over each tile (m-tile, n-tile, k-iterations; an m-tile of -1 is
         // skipped; w = 0 ends the work), then fill its stages, each once its consumers have
-        // released it. The next tile is drawn DRAW_AHEAD copies before this one's last, so that
-        // a CTA does not claim a tile a whole tile ahead of its consumers (drawn at a tile's
-        // start, CTAs ended up to a tile apart: 28 us at 50% of 128 x 128 blocks, 4096^3);
-        // after a short tile, at the tile's start, so that the draw's latency hides behind
-        // this tile's loads (a run of empty tiles would otherwise wait for each draw in turn).
+        // released it. The next tile is drawn DRAW_AHEAD copies before this one's last (after
+        // an empty one), so that a CTA does not claim a tile a whole tile ahead of its consumers:
+        // drawn at a tile's start, CTAs ended up to a tile apart (28 us at 50% of 128 x 128
+        // blocks, 4096^3). Drawing at the start after short tiles only measured slower.
         sm90::regs_dec<PRODUCER_REGS>();
         if (local) {   // the m-tiles by count, most first, ties by index (the index's order)
             for (int i = tid; i < tiles_m; i += 128) s_count[i] = min(max(counts[i], 0), nkb);
@@ -752,18 +751,17 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
         }
         if (tid != 0) return;  // one thread schedules and issues every TMA copy
         int pos = 0;
-        bool early = false;
         for (int j = 0, t = draw(0);; ++j) {
             if (t >= tiles) {
                 work.put(j, make_int4(-1, 0, 0, 0));
                 break;
             }
-            int t_next = early ? draw(j + 1) : -1;   // draws are never negative
             int mt, nt;
             const bool ok = tile_at(t, mt, nt);
             const int iters = ok ? iters_of(mt) : 0;
             work.put(j, make_int4(ok ? mt : -1, nt, iters, 1));
-            const int draw_at = early ? -1 : max(0, iters - DRAW_AHEAD);
+            const int draw_at = max(0, iters - DRAW_AHEAD);
+            int t_next = -1;   // draws are never negative
             const int m0 = mt * BM, n0 = nt * BN;
             const int* kblk = ids + (size_t)mt * nkb;
             for (int it = 0; it < iters; ++it) {
@@ -789,7 +787,6 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
                 });
             }
             t = t_next >= 0 ? t_next : draw(j + 1);
-            early = iters <= DRAW_AHEAD;
         }
     } else {
         // Consumers: split, warpgroup (wg_m, wg_n) owns a 64 x WTN accumulator of every tile;
