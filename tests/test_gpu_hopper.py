@@ -93,10 +93,14 @@ def test_hopper_kernel_matches_float64_reference(monkeypatch, mainloop, dtype, f
     T.assert_close(out, ref, dtype, scale=scale)
 
 
-def test_tile_counter_is_left_zero_for_the_next_launch():
-    """Block plans draw their tiles from a counter that the CTA drawing the last number resets:
+@pytest.mark.parametrize("order_local", [0, 2, 256])
+def test_tile_counter_and_m_tile_order(monkeypatch, order_local):
+    """Block plans draw their tiles from a counter that the CTA drawing the last number resets,
+    in an m-tile order the tile kernel forms itself up to lower.ORDER_LOCAL m-tiles and the
+    index pass's last CTA beyond (0: always the index; 2: the index, for the 8 m-tiles here):
     one index build, then the tile kernel twice on it (the output poisoned in between), then
     steady-state calls (which take the two halves of the counts pair in turn) all match."""
+    monkeypatch.setattr(lower, "ORDER_LOCAL", order_local)
     rng = np.random.default_rng(7)
     M, N, K = 1000, 512, 768
     op, arrays, ref, scale = _operands(
@@ -104,33 +108,14 @@ def test_tile_counter_is_left_zero_for_the_next_launch():
     kern = pitgen.compile(op, sparse="A", dtype="float16", micro_tile=(128, 128), vendor_dense=False)
     out = T.poison(torch.empty(M, N, dtype=torch.float16, device="cuda"))
     call = kern.prepare(**arrays, out=out)
-    assert call.L.spec.gemm.mainloop == "wgmma" and call.L.spec.index.ordered
+    g = call.L.spec.gemm
+    assert g.mainloop == "wgmma" and g.order_local == order_local and call.L.spec.index.ordered
     call.build_index(None)
     for _ in range(2):
         T.poison(out)
         call.compute(None)
         torch.cuda.synchronize()
         T.assert_close(out, ref, "float16", scale=scale)
-    for _ in range(3):
-        T.assert_close(kern(**arrays), ref, "float16", scale=scale)
-
-
-@pytest.mark.parametrize("order_local", [0, 2, 256])
-def test_block_plans_order_their_m_tiles_in_either_kernel(monkeypatch, order_local):
-    """Up to lower.ORDER_LOCAL m-tiles the tile kernel orders them itself, beyond it the index
-    pass's last CTA does (0: always the index; 2: the index past two m-tiles, here 8 of them
-    with counts from 0 to all k-blocks). Repeated calls take the counts pair in turn."""
-    monkeypatch.setattr(lower, "ORDER_LOCAL", order_local)
-    rng = np.random.default_rng(order_local)
-    M, N, K = 1000, 264, 1024
-    op, arrays, ref, scale = _operands(
-        rng, "A", M, N, K, "float16", lambda shp: T.tile_mask(rng, shp[0], shp[1], (128, 128), 0.4))
-    kern = pitgen.compile(op, sparse="A", dtype="float16", micro_tile=(128, 128), vendor_dense=False)
-    out = T.poison(torch.empty(M, N, dtype=torch.float16, device="cuda"))
-    call = kern.prepare(**arrays, out=out)
-    assert call.L.spec.gemm.order_local == order_local and call.L.spec.index.ordered
-    assert call.run() is out
-    T.assert_close(out, ref, "float16", scale=scale)
     for _ in range(3):
         T.assert_close(kern(**arrays), ref, "float16", scale=scale)
 
