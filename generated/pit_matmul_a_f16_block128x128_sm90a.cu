@@ -696,12 +696,12 @@ pit_matmul_a_f16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorMa
     // reads one slab of B' (GN * BN columns, every k-block) that stays in L2 while all the
     // m-tiles multiply it, instead of each m-tile's listed k-block rows of all of B' (which
     // re-read B' from HBM once per m-tile when it outgrows L2: 8192^3 at 90%, 0.32 ms against a
-    // 0.14 ms tensor floor). Within a group the m-tiles go longest first (``order``, built on the
-    // GPU by the index pass; null: in index order). With ``next_tile`` (a counter that starts at
-    // zero) a CTA takes the next tile of that sequence whenever its producer is ready for one, so
-    // every CTA ends about together whatever the lengths (snake order of waves, the static
-    // schedule without it, left CTAs 13-30% apart at 90% sparsity); the CTA that draws the last
-    // number sets the counter back to zero for the next launch.
+    // 0.14 ms tensor floor). Within a group the m-tiles go longest first (formed from the counts
+    // below, or ``order`` as the index pass built it; null: in index order). With ``next_tile``
+    // (a counter that starts at zero) a CTA takes the next tile of that sequence whenever its
+    // producer is ready for one, so every CTA ends about together whatever the lengths (snake
+    // order of waves, the static schedule without it, left CTAs 13-30% apart at 90% sparsity);
+    // the CTA that draws the last number sets the counter back to zero for the next launch.
     constexpr int KSUB = 2;  // k-iterations per listed block
     const int nkb = (K + BK * KSUB - 1) / (BK * KSUB);
     const int GN = max(1, min(tiles_n, (int)gridDim.x / tiles_m));
@@ -1444,7 +1444,8 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     cudaError_t e = cudaMemsetAsync(counts, 0, (size_t)(w.groups + 2) * sizeof(int), stream);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((w.cap + INDEX_PER_BLOCK - 1) / INDEX_PER_BLOCK), (unsigned)w.groups);
-    // Its last CTA also sorts the m-tiles longest first (the wgmma kernel's order).
+    // Past the wgmma kernel's ORDER_LOCAL m-tiles, its last CTA also sorts them longest first
+    // (fewer, the wgmma kernel orders them itself from the counts).
     pit_matmul_a_f16_block128x128_sm90a_wide_module::pit_index::pit_matmul_a_f16_block128x128_sm90a_index<<<grid, 256, 0, stream>>>(
         a, p.sa_m, p.sa_k, p.M, p.K, counts, reinterpret_cast<int*>(ws + w.ids),
         nullptr, nullptr, 0, 0, nullptr,
