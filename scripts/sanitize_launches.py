@@ -123,12 +123,17 @@ for d in (64, 128):
 torch.cuda.synchronize()
 print("attention d 64/128, byte and vector mask, gathered keys, dense rows: ok")
 
-q = torch.randn(150, 64, device="cuda", dtype=torch.float16)
-k = torch.randn(170, 64, device="cuda", dtype=torch.float16)
-mask = torch.rand(150, 170, device="cuda") < 0.1
-for tile in ((32, 1), (1, 32), (16, 16)):
-    sddmm(q, k, mask, tile)
-    sddmm(q, k, mask, tile, out=torch.empty(150, 170, device="cuda", dtype=torch.float16))
+# D = 200: four 64-deep steps on Hopper's wgmma tiles (the last ragged); a Q view strided in
+# d runs the mma.sync tiles there
+for dt in (torch.float16, torch.bfloat16):
+    q = torch.randn(150, 200, device="cuda", dtype=dt)
+    k = torch.randn(170, 200, device="cuda", dtype=dt)
+    mask = torch.rand(150, 170, device="cuda") < 0.1
+    for tile in ((32, 1), (1, 32), (16, 16), (64, 8)):
+        sddmm(q, k, mask, tile)
+        sddmm(q, k, mask, tile, out=torch.empty(150, 170, device="cuda", dtype=dt))
+sddmm(torch.randn(200, 150, device="cuda", dtype=torch.float16).t(),
+      torch.randn(170, 200, device="cuda", dtype=torch.float16), mask, (32, 1))
 torch.cuda.synchronize()
 print("sddmm tiles/dense out: ok")
 

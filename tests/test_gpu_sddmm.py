@@ -2,6 +2,8 @@
 NumPy references, for every tile kind and dtype, odd shapes, empty/full masks and rows/columns."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pitgen
+from pitgen import lower
+from pitgen.ops import sddmm as S
 from pitgen.ops.sddmm import sddmm
+from pitgen.runtime import device_arch
 from pitgen.reference import sddmm_index_reference, sddmm_reference, sddmm_tiles_reference
 from pitgen.testing import assert_close, poison, term_scale
 
@@ -156,6 +161,53 @@ def test_sixteen_byte_loads_with_odd_rows_and_columns(dtype, tile):
     assert torch.all(out[~mask] == 0)
     dense = sddmm(q, k, mask, tile=tile).to_dense()
     assert torch.equal(dense, out)
+
+
+@contextlib.contextmanager
+def mainloop(name: str):
+    """The calls inside run the tiles on ``name`` ("mma_sync": Hopper's wgmma turned off, so
+    both kernels run on a Hopper GPU); yields whether a 16-bit plan with 16-byte operands
+    multiplies on wgmma."""
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "mma_sync":
+            mp.setattr(lower, "WGMMA_ARCHS", ())
+        S.plan_sddmm.cache_clear()
+        try:
+            yield device_arch() in lower.WGMMA_ARCHS
+        finally:
+            S.plan_sddmm.cache_clear()
+
+
+@pytest.mark.parametrize("loop", ["wgmma", "mma_sync"])
+@settings(max_examples=T.examples(12), deadline=None)
+@given(tile=st.sampled_from(TILES + [(1, 16), (64, 1)]), dtype=st.sampled_from(DTYPES[:2]),
+       M=st.integers(1, 200), N=st.integers(1, 200), D8=st.integers(1, 40),
+       pattern=st.sampled_from(PATTERNS), compact=st.booleans(), seed=st.integers(0, 2**31))
+def test_both_mainloops_on_16_byte_operands(loop, tile, dtype, M, N, D8, pattern, compact, seed):
+    """Contiguous 16-bit operands with D % 8 == 0 (up to 320: several 64-deep steps, a ragged
+    last one): the wgmma tiles on Hopper, mma.sync elsewhere and with wgmma turned off."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    D = 8 * D8
+    q, k = operands(rng, M, N, D, dtype, False)
+    mask_np = make_mask(rng, M, N, pattern, tile)
+    mask = torch.from_numpy(mask_np).cuda()
+    qn, kn = q.double().cpu().numpy(), k.double().cpu().numpy()
+    want = sddmm_reference(qn, kn, mask_np, 0.25)
+    with mainloop(loop) as wgmma:
+        vecs = (S.vector_width(dtype, D, q.stride(), q.data_ptr()),
+                S.vector_width(dtype, D, k.stride(), k.data_ptr()))
+        cfg = S.plan_sddmm(dtype, tile, tuple(q.stride()), tuple(k.stride()),
+                           tuple(mask.stride()), vecs, device_arch())
+        assert cfg.wgmma == wgmma
+        if compact:
+            got = sddmm(q, k, mask, tile=tile, scale=0.25).to_dense()
+        else:
+            got = poison(torch.empty((M, N), device="cuda", dtype=q.dtype))
+            sddmm(q, k, mask, tile=tile, out=got, scale=0.25)
+    got = got.double().cpu().numpy()
+    assert np.all(got[~mask_np] == 0), "an element outside the mask is not exactly 0"
+    check(got, want, dtype, qn, kn, mask_np, 0.25)
 
 
 def test_no_host_sync_in_the_call():

@@ -137,6 +137,10 @@ VARIANTS = [("float16", (32, 1), (256, 1), (256, 1), (8, 8)),     # thread index
             ("bfloat16", (1, 32), (1, 512), (1, 384), (1, 1)),  # transposed, row-contiguous loads
             ("float32", (64, 64), (256, 1), (1, 512), (4, 1)),  # blocks, tf32
             ("float16", (16, 8), (1, 512), (256, 1), (1, 1))]   # one warp row, narrow tiles
+#: the tiles on wgmma (sm_90a only): each accumulator width TH (16, 32, 64) once
+WGMMA_VARIANTS = [("float16", (32, 1), (256, 1), (256, 1), (8, 8)),
+                  ("bfloat16", (1, 16), (384, 1), (256, 1), (8, 8)),
+                  ("float16", (64, 8), (256, 1), (512, 1), (8, 8))]
 
 
 def test_vector_loads_only_where_the_layout_allows():
@@ -150,12 +154,27 @@ def test_vector_loads_only_where_the_layout_allows():
     assert (cfg.q_vec, cfg.k_vec) == (1, 8)                        # swapped with the operands
 
 
-def _sources() -> list[str]:
+def _sources(variants=VARIANTS, arch: str = "sm_80") -> list[str]:
     out = []
-    for dtype, tile, qs, ks, vecs in VARIANTS:
-        cfg = sddmm.plan_sddmm(dtype, tile, qs, ks, (384, 1), vecs)
+    for dtype, tile, qs, ks, vecs in variants:
+        cfg = sddmm.plan_sddmm(dtype, tile, qs, ks, (384, 1), vecs, arch)
         out.append(render_template("sddmm.cu.j2", **cfg.context()))
     return out
+
+
+def test_hopper_plans_multiply_on_wgmma_where_both_operands_load_16_bytes():
+    for dtype, tile, qs, ks, vecs in WGMMA_VARIANTS:
+        cfg = sddmm.plan_sddmm(dtype, tile, qs, ks, (384, 1), vecs, "sm_90")
+        assert cfg.wgmma and cfg.smem == sddmm.WGMMA_STAGES * (64 + cfg.th) * 128 + 1024
+        assert not sddmm.plan_sddmm(dtype, tile, qs, ks, (384, 1), vecs, "sm_80").wgmma
+    assert not sddmm.plan_sddmm("float32", (32, 1), (256, 1), (256, 1), (384, 1), (4, 4),
+                                "sm_90").wgmma                   # tf32 stays on mma.sync
+    assert not sddmm.plan_sddmm("float16", (32, 1), (1, 512), (256, 1), (384, 1), (1, 8),
+                                "sm_90").wgmma                   # a strided Q view too
+    srcs = _sources(WGMMA_VARIANTS, "sm_90")
+    assert len(set(srcs)) == len(srcs)
+    for s, n in zip(srcs, (32, 16, 64)):
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32" in s and "mma_tile(acc" not in s
 
 
 def test_render_names_both_kernels_and_differs_per_variant():
@@ -170,8 +189,12 @@ def test_render_names_both_kernels_and_differs_per_variant():
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
     """Each variant's compile, alternately for each arch, for both where the code depends on the
     arch (submitted at collection by conftest)."""
-    return [pool.submit(compiler.compile_source, src, arch) for i, src in enumerate(_sources())
+    jobs = [pool.submit(compiler.compile_source, src, arch) for i, src in enumerate(_sources())
             for arch in (ARCHS if "__CUDA_ARCH__" in src else ARCHS[i % 2:][:1]) if arch in archs]
+    if "sm_90" in archs:
+        jobs += [pool.submit(compiler.compile_source, src, "sm_90a")
+                 for src in _sources(WGMMA_VARIANTS, "sm_90")]
+    return jobs
 
 
 @pytest.mark.nvcc

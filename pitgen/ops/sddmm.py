@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import cache
+from .. import cache, lower
 from ..errors import PlanError, ShapeError
 from ..limits import GRID_Y_MAX, INDEX_THREADS
 from ..operands import check_tensor, on_operand_device
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch
+from ..runtime import TorchLaunch, device_arch
 from .library import no_backward, ops
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ EXPR = "S[i,j] += Q[i,d] * K[j,d]"
 EXTENTS = (16, 32, 64)           # tile extents along the dense-row side (mma's m16 multiple)
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # tile extents along the gathered side (divide BN = 64)
 BN = 64
+#: The wgmma kernel's k-steps in flight (4 x (8 KB of K rows + TH x 128 B of Q rows): three to
+#: five CTAs per SM).
+WGMMA_STAGES = 4
 SDDMM = OpSpec(
     "sddmm", "sddmm.cu.j2",
     {"pit_sddmm_index": "PiiiiiPP", "pit_sddmm_tiles": "PiiPiiPiiiiiifPPPiiPPPP"},
@@ -57,11 +60,19 @@ class SddmmConfig:
     k_dfast: bool
     q_vec: int = 1           # elements per 16-byte load of Q along d (1: element loads)
     k_vec: int = 1
+    wgmma: bool = False      # the tiles on wgmma (sm_90a): S^T = K' Q^T, cp.async stages
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory of the tile kernel: the wgmma kernel's stages (64 gathered K
+        rows and TH Q rows of 128 bytes each) and 1 KB of slack to align them; 0 for mma.sync."""
+        return WGMMA_STAGES * (BN + self.th) * 128 + 1024 if self.wgmma else 0
 
     def context(self) -> dict[str, Any]:
         """Template context: tile, CTA shape and load orders."""
         return {"dtype": self.dtype, "th": self.th, "tw": self.tw, "bn": BN,
-                "bk": 16 if self.dtype == "float32" else 32, "wm": 1 if self.th == 16 else 2,
+                "bk": 64 if self.wgmma else 16 if self.dtype == "float32" else 32,
+                "wm": 1 if self.th == 16 else 2, "wgmma": self.wgmma, "stages": WGMMA_STAGES,
                 "strategy": self.strategy, "lanes_along_cols": self.lanes_along_cols,
                 "q_dfast": self.q_dfast, "k_dfast": self.k_dfast, "q_vec": self.q_vec,
                 "k_vec": self.k_vec}
@@ -89,11 +100,15 @@ def vector_width(dtype: str, D: int, strides: tuple[int, int], ptr: int) -> int:
 
 @cache.lru("sddmm.plans", maxsize=1024)
 def plan_sddmm(dtype: str, tile: Any, q_strides: tuple[int, int], k_strides: tuple[int, int],
-               mask_strides: tuple[int, int], vecs: tuple[int, int] = (1, 1)) -> SddmmConfig:
+               mask_strides: tuple[int, int], vecs: tuple[int, int] = (1, 1),
+               arch: str = "sm_80") -> SddmmConfig:
     """Choose the kernel variant: (1, L) tiles run transposed; loads walk each operand's
     contiguous axis (16 bytes at a time where ``vecs``, from :func:`vector_width` of q and k,
     allow); the index uses one thread per tile where the mask's tile columns are adjacent in
-    memory, else one warp per tile with lanes along the contiguous axis."""
+    memory, else one warp per tile with lanes along the contiguous axis. On an ``arch`` in
+    ``lower.WGMMA_ARCHS`` the tiles multiply on wgmma where both operands load in 16-byte
+    pieces and the dtype is 16-bit (wgmma's tf32 and transposed 16-bit operands are not
+    used: fp32 and strided views keep mma.sync)."""
     SDDMM.check_dtype(dtype)
     th, tw = normalise_tile(tile)
     SDDMM.derive()
@@ -105,9 +120,10 @@ def plan_sddmm(dtype: str, tile: Any, q_strides: tuple[int, int], k_strides: tup
         vecs = vecs[::-1]
     sm_m, sm_n = mask_strides
     thread = tw == 1 and abs(sm_n) <= abs(sm_m)
+    wgmma = arch in lower.WGMMA_ARCHS and dtype != "float32" and vecs == (8, 8)
     return SddmmConfig(dtype, th, tw, transposed, "thread" if thread else "warp",
                        abs(sm_n) <= abs(sm_m), abs(q_strides[1]) <= abs(q_strides[0]),
-                       abs(k_strides[1]) <= abs(k_strides[0]), vecs[0], vecs[1])
+                       abs(k_strides[1]) <= abs(k_strides[0]), vecs[0], vecs[1], wgmma)
 
 
 def grid_of(cfg: SddmmConfig, M: int, N: int) -> dict[str, tuple[int, int, int]]:
@@ -248,7 +264,7 @@ def launch(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int], out: Tenso
     vecs = (vector_width(dtype, D, q.stride(), q.data_ptr()),
             vector_width(dtype, D, k.stride(), k.data_ptr()))
     cfg = plan_sddmm(dtype, normalise_tile(tile), tuple(q.stride()), tuple(k.stride()),
-                     tuple(mask.stride()), vecs)  # cached: the rules run once per layout
+                     tuple(mask.stride()), vecs, device_arch())  # cached: once per layout
     th, tw = normalise_tile(tile)
     qa, ka, m_str = (k, q, mask.stride()[::-1]) if cfg.transposed else (q, k, mask.stride())
     Mv, Nv = qa.shape[0], ka.shape[0]
@@ -282,7 +298,7 @@ def launch(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int], out: Tenso
                     qa.data_ptr(), qa.stride(0), qa.stride(1), ka.data_ptr(), ka.stride(0),
                     ka.stride(1), m8.data_ptr(), m_str[0], m_str[1], Mv, Nv, D, items,
                     np.float32(scale), counts.data_ptr(), ids.data_ptr(), optr, o_str[0],
-                    o_str[1], vptr, rptr, cptr, tptr)
+                    o_str[1], vptr, rptr, cptr, tptr, smem=cfg.smem)
         if out is not None:
             return out
     return SparseTiles(values, tile_rows, tile_cols, total, (M, N), (th, tw))
