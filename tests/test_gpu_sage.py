@@ -265,9 +265,10 @@ def test_gradcheck_and_gradgradcheck():
 
 # -- SAGEConv ----------------------------------------------------------------------------------
 
-def dense_sage(a64: np.ndarray, x64: np.ndarray, conv, dy64: np.ndarray):
+def dense_sage(a64: np.ndarray, x64: np.ndarray, conv, dy64: np.ndarray, keep=None):
     """The layer in float64 torch on the CPU with a dense adjacency: output and gradients of
-    sum(y * dy) for x and every parameter (by name)."""
+    sum(y * dy) for x and every parameter (by name). ``keep``: ReLU's mask (the kernel's, so
+    that an output within rounding of 0 takes the same branch), applied to the output."""
     a = torch.from_numpy(a64)
     x = torch.from_numpy(x64).requires_grad_()
     params = {k: p.detach().double().cpu().requires_grad_() for k, p in conv.named_parameters()}
@@ -276,6 +277,8 @@ def dense_sage(a64: np.ndarray, x64: np.ndarray, conv, dy64: np.ndarray):
         y = y + params["lin_l.bias"]
     if "lin_r.weight" in params:
         y = y + x @ params["lin_r.weight"].T
+    if keep is not None:
+        y = y * torch.from_numpy(keep)
     (y * torch.from_numpy(dy64)).sum().backward()
     return y.detach().numpy(), x.grad.numpy(), {k: p.grad.numpy() for k, p in params.items()}
 
@@ -283,8 +286,11 @@ def dense_sage(a64: np.ndarray, x64: np.ndarray, conv, dy64: np.ndarray):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("aggr", S.AGGREGATORS)
 @pytest.mark.parametrize("sizes", [(24, 8), (8, 40), (33, 33)])   # in > out: weight first
-@pytest.mark.parametrize("root_bias", [(True, True), (False, False)])
-def test_sageconv_training_step_matches_dense_float64(dtype, aggr, sizes, root_bias):
+@pytest.mark.parametrize("root_bias,relu", [((True, True), False), ((False, False), False),
+                                           ((True, True), True), ((True, False), True),
+                                           ((False, True), True)])
+def test_sageconv_training_step_matches_dense_float64(dtype, aggr, sizes, root_bias, relu):
+    """The fused layer (sage_conv: one autograd node, ReLU in place) against float64."""
     from pitgen.nn import SAGEConv
 
     torch.manual_seed(0)
@@ -298,10 +304,11 @@ def test_sageconv_training_step_matches_dense_float64(dtype, aggr, sizes, root_b
     deg = np.maximum(np.diff(csr.indptr), 1).astype(np.float64)
     w = np.ones(csr.nnz) if aggr == "sum" else 1.0 / deg[csr.row_ids()]
     a64 = rounded(csr, dtype, w).to_dense()
-    want_y, want_dx, want_dp = dense_sage(a64, x64, conv, dy64)
     before = {k: p.detach().clone() for k, p in conv.named_parameters()}
     opt = torch.optim.SGD(conv.parameters(), lr=0.1)
-    y = conv(d, x)
+    y = conv(d, x, relu=relu)
+    keep = (y.detach() > 0).double().cpu().numpy() if relu else None
+    want_y, want_dx, want_dp = dense_sage(a64, x64, conv, dy64, keep)
     (y * dy).sum().backward()
     tol = "tf32" if dtype == "float32" else dtype   # torch's matmuls, not only pitgen's SpMM
     T.assert_close(y, want_y, tol)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["AGGREGATORS", "SAGE_FORMATS", "DEFAULT_FORMAT", "GraphPlan", "aggregation_values",
-           "graph_plan", "graph_spmm", "aggregate", "sage_reference"]
+           "graph_plan", "graph_spmm", "aggregate", "sage_conv", "sage_reference"]
 
 AGGREGATORS = ("mean", "sum")
 #: The layouts the SpMMs of training may run: a format of pitgen.graph (converted on the GPU
@@ -252,21 +252,27 @@ def _ops() -> Any:
         ctx.plan = plan
 
     def backward(ctx, dy):
-        x, values, indptr, indices, rows, t_indptr, t_indices, t_rows, t_perm, inverse = \
-            ctx.saved_tensors
+        x, values, *graph = ctx.saved_tensors
         dx = dv = None
         if ctx.needs_input_grad[0]:   # dX = Aᵀ dY: the same operator on the transpose
-            p = _plan(ctx.plan)   # an aggregator's plan holds Aᵀ's values: no gather
-            vt = (p.bwd if ctx.plan > 0 else p.fwd).source.values if p is not None and \
-                p.owned else values.index_select(0, t_perm)
-            dx = graph_spmm_op(dy, vt, t_indptr, t_indices, t_rows, indptr, indices, rows,
-                               inverse, t_perm, -ctx.plan)
+            dx = _spmm_transposed(dy, values, graph, ctx.plan)
         if ctx.needs_input_grad[1]:   # dA = dY Xᵀ sampled on A's pattern
-            dv = graph_sddmm_op(dy, x, indptr, indices, rows)
+            dv = graph_sddmm_op(dy, x, *graph[:3])
         return (dx, dv) + (None,) * (len(_GRAPH_ARGS) + 1)
 
     graph_spmm_op.register_autograd(backward, setup_context=setup_context)
     return graph_spmm_op
+
+
+def _spmm_transposed(dy: Any, values: Any, graph: Any, plan: int) -> Any:
+    """Aᵀ dY: ``pitgen::graph_spmm`` on the transpose, whose values an aggregator's plan holds
+    (no gather); learnt values are gathered into Aᵀ's order."""
+    indptr, indices, rows, t_indptr, t_indices, t_rows, t_perm, inverse = graph
+    p = _plan(plan)
+    vt = (p.bwd if plan > 0 else p.fwd).source.values if p is not None and p.owned \
+        else values.index_select(0, t_perm)
+    return _ops()(dy.contiguous(), vt, t_indptr, t_indices, t_rows, indptr, indices, rows,
+                  inverse, t_perm, -plan)
 
 
 def _graph_tensors(graph: DeviceCSR) -> tuple:
@@ -325,6 +331,125 @@ def aggregate(graph: DeviceCSR, x: Tensor, aggr: str = "mean",
     check_tensor("x", x, VALUE_DTYPES, 2, (graph.shape[1], None), contiguous=False)
     vals = aggregation_values(graph, aggr, str(x.dtype).replace("torch.", ""))
     return _graph_spmm(graph, x, vals, format, owned=True, tune=tune)
+
+
+#: (device, dtype) -> a ones vector at least as long as any column sum's rows so far
+_ONES: dict = {}
+
+
+def _column_sum(dy: Any) -> Any:
+    """dY summed over its rows (a bias gradient) as one matrix-vector product: torch's
+    reduction over dim 0 of a tall [nodes, F] matrix read it at ~1 TB/s (ogbn-arxiv,
+    docs/sage.md); cuBLAS accumulates in float32 for float16 too."""
+    import torch
+    key = (dy.device, dy.dtype)
+    ones = _ONES.get(key)
+    if ones is None or ones.shape[0] < dy.shape[0]:
+        ones = _ONES[key] = torch.ones(max(dy.shape[0], 1024), dtype=dy.dtype, device=dy.device)
+    return torch.mv(dy.t(), ones[:dy.shape[0]])
+
+
+@functools.lru_cache(maxsize=1)
+def _sage_function() -> type:
+    """``SageConvFn``: one SAGEConv layer as one autograd node (built on first use)."""
+    import torch
+    from torch.autograd.function import once_differentiable
+
+    class SageConvFn(torch.autograd.Function):
+        """``act(aggr(x) W_lᵀ + b + x W_rᵀ)`` with the dense work around the aggregation fused:
+        the root term and the neighbour term meet in cuBLAS's accumulating product (β = 1)
+        instead of an add over [nodes, out], the bias rides in the first product, ReLU is
+        applied in place, dX's two terms meet the same way, and the bias gradient is one
+        matrix-vector product. Weight first when in > out (the narrower side is aggregated).
+        Graph args: ``pitgen::graph_spmm``'s (values, A's and Aᵀ's tensors, plan)."""
+
+        @staticmethod
+        def forward(ctx, x, w_l, b, w_r, relu, values, plan, *graph):
+            first = w_l.shape[0] < w_l.shape[1]
+            agg = None
+            if first:
+                y = _ops()(torch.mm(x, w_l.t()), values, *graph, plan)
+                if w_r is not None:
+                    y.addmm_(x, w_r.t())
+                if b is not None:
+                    y.add_(b)
+            else:
+                agg = _ops()(x, values, *graph, plan)
+                if w_r is None:
+                    y = torch.mm(agg, w_l.t()) if b is None else torch.addmm(b, agg, w_l.t())
+                else:
+                    y = torch.mm(x, w_r.t()) if b is None else torch.addmm(b, x, w_r.t())
+                    y.addmm_(agg, w_l.t())
+            if relu:
+                y.relu_()
+            ctx.first, ctx.plan, ctx.relu = first, plan, relu
+            ctx.save_for_backward(x, w_l, w_r, agg, y if relu else None, values, *graph)
+            return y
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, dy):
+            x, w_l, w_r, agg, y, values, *graph = ctx.saved_tensors
+            need_x, need_wl, need_b, need_wr = ctx.needs_input_grad[:4]
+            dy = dy.contiguous()
+            if ctx.relu:
+                dy = torch.ops.aten.threshold_backward(dy, y, 0)
+            dx = dwl = db = dwr = None
+            if need_b:
+                db = _column_sum(dy)
+            if need_wr:
+                dwr = torch.mm(dy.t(), x)
+            if ctx.first:   # y = A (x W_lᵀ) + ...: dP = Aᵀ dY
+                if need_wl or need_x:
+                    dp = _spmm_transposed(dy, values, graph, ctx.plan)
+                    if need_wl:
+                        dwl = torch.mm(dp.t(), x)
+                    if need_x:
+                        dx = torch.mm(dp, w_l)
+            else:           # y = (A x) W_lᵀ + ...: dX = Aᵀ (dY W_l)
+                if need_wl:
+                    dwl = torch.mm(dy.t(), agg)
+                if need_x:
+                    dx = _spmm_transposed(torch.mm(dy, w_l), values, graph, ctx.plan)
+            if need_x and w_r is not None:
+                dx.addmm_(dy, w_r)
+            return (dx, dwl, db, dwr) + (None,) * (3 + len(_GRAPH_ARGS))
+
+    return SageConvFn
+
+
+@on_operand_device
+def sage_conv(graph: DeviceCSR, x: Tensor, w_l: Tensor, b: Tensor | None = None,
+              w_r: Tensor | None = None, aggr: str = "mean", relu: bool = False,
+              format: str = DEFAULT_FORMAT, tune: bool = False) -> Tensor:
+    """One GraphSAGE layer, ``aggr_{j in N(i)} x_j W_lᵀ + b + x_i W_rᵀ`` (then ReLU with
+    ``relu``), as one autograd node: gradients to x, the weights and the bias (the aggregation's
+    values are the aggregator's: no gradient). W_l, W_r [out, in]; b [out]; all of x's dtype
+    and device. A and Aᵀ in ``format`` as for :func:`aggregate`."""
+    _check_graph(graph)
+    _check_aggr(aggr)
+    check_tensor("x", x, VALUE_DTYPES, 2, (graph.shape[1], None), contiguous=False)
+    dtype = str(x.dtype).replace("torch.", "")
+    f_in = int(x.shape[1])
+    check_tensor("w_l", w_l, (dtype,), 2, (None, f_in), contiguous=False)
+    f_out = int(w_l.shape[0])
+    if w_r is not None:
+        check_tensor("w_r", w_r, (dtype,), 2, (f_out, f_in), contiguous=False)
+    if b is not None:
+        check_tensor("b", b, (dtype,), 1, (f_out,), contiguous=False)
+    if graph.shape[0] != graph.shape[1] and w_r is not None:
+        raise ShapeError(f"a root weight needs a square graph (one row per node), got "
+                         f"{graph.shape}")
+    vals = aggregation_values(graph, aggr, dtype)
+    feat = min(f_in, f_out)
+    _check_format(format)
+    _check_tune(format, tune)
+    plan = graph_plan(graph, vals, feat, format, True, tune).ident \
+        if format != "csr" and feat > 0 else 0
+    if plan == 0 and feat > 0 and graph.nnz > 0:
+        _check_csr(graph, feat, dtype)
+    return _sage_function().apply(x.contiguous(), w_l, b, w_r, relu, vals, plan,
+                                  *_graph_tensors(graph))
 
 
 def sage_reference(indptr: Any, indices: Any, x: Any, w_neigh: Any, w_root: Any, bias: Any,
@@ -387,9 +512,15 @@ def _build_module_classes() -> dict[str, type]:
             """The neighbour aggregation (pitgen's SpMM; the benchmark's peer overrides it)."""
             return aggregate(graph, x, self.aggr, self.format, self.tune)
 
-        def forward(self, graph: Any, x: Any) -> Any:
+        def forward(self, graph: Any, x: Any, relu: bool = False) -> Any:
+            """The layer's output for ``x`` [nodes, in] (``relu``: then ReLU, fused)."""
             if x.dim() != 2 or x.shape[1] != self.in_channels:
                 raise ShapeError(f"x must be [nodes, {self.in_channels}], got {tuple(x.shape)}")
+            if type(self).propagate is SAGEConv.propagate:   # pitgen's aggregation: fused
+                return sage_conv(graph, x, self.lin_l.weight, self.lin_l.bias,
+                                 None if self.lin_r is None else self.lin_r.weight, self.aggr,
+                                 relu, self.format, self.tune)
+            # another aggregation (the benchmark's peers): PyG's order of operations
             if self.in_channels > self.out_channels:
                 y = self.propagate(graph, torch.nn.functional.linear(x, self.lin_l.weight))
                 if self.lin_l.bias is not None:
@@ -398,7 +529,7 @@ def _build_module_classes() -> dict[str, type]:
                 y = self.lin_l(self.propagate(graph, x))
             if self.lin_r is not None:
                 y = y + self.lin_r(x)
-            return y
+            return torch.relu(y) if relu else y
 
         def extra_repr(self) -> str:
             return (f"{self.in_channels}, {self.out_channels}, aggr={self.aggr!r}, "
@@ -422,9 +553,7 @@ def _build_module_classes() -> dict[str, type]:
 
         def forward(self, graph: Any, x: Any) -> Any:
             for i, conv in enumerate(self.convs):
-                x = conv(graph, x)
-                if i + 1 < len(self.convs):
-                    x = torch.relu(x)
+                x = conv(graph, x, relu=i + 1 < len(self.convs))
             return x
 
     return {"SAGEConv": SAGEConv, "GraphSAGE": GraphSAGE}
