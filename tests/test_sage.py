@@ -158,7 +158,7 @@ def test_sageconv_validation():
         GraphSAGE(4, 4, 4, layers=0)
     with pytest.raises(PlanError, match="unknown format 'coo'"):
         GraphSAGE(4, 4, 4, format="coo")
-    assert SAGEConv(4, 4, format="auto").format == "auto" and SAGEConv(4, 4).format == "hyb"
+    assert SAGEConv(4, 4, format="hyb").format == "hyb" and SAGEConv(4, 4).format == "auto"
     with pytest.raises(ShapeError, match=r"x must be \[nodes, 4\], got \(3, 5\)"):
         SAGEConv(4, 2)(None, torch.zeros(3, 5))
     with pytest.raises(ShapeError, match="graph must be a pitgen DeviceCSR"):

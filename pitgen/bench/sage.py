@@ -8,11 +8,12 @@ bias; F_in = hidden = FEAT, CLASSES outputs, ReLU between), cross-entropy on eve
 labels a random linear teacher assigns, SGD with momentum (the same optimizer for every system:
 plain fp16 Adam would underflow). Systems:
 - ``pitgen``: SAGEConv's fused layer (:func:`pitgen.ops.sage.sage_conv`: one autograd node per
-  layer around ``pitgen::graph_spmm``; Aᵀ built on the GPU once per graph, A and Aᵀ in hyb,
-  dX = Aᵀ dY by the same SpMM), and ``pitgen auto`` (the formats tuned: ``format="auto"``;
-  not in --quick); the speed-up is ``pitgen``'s;
-- ``pitgen unfused`` (not a peer: the split of the speed-up): pitgen's SpMM (hyb) in PyG's order
-  of operations with torch's autograd, as the peers run it;
+  layer around ``pitgen::graph_spmm``; Aᵀ built on the GPU once per graph, A and Aᵀ in the
+  default format, "auto": the cost model's choice, dX = Aᵀ dY by the same SpMM), and ``pitgen
+  hyb`` (hyb with default parameters, the default before session 34; not in --quick); the
+  speed-up is ``pitgen``'s;
+- ``pitgen unfused`` (not a peer: the split of the speed-up): pitgen's SpMM (default format) in
+  PyG's order of operations with torch's autograd, as the peers run it;
 - ``torch.sparse.mm``: ``torch.sparse.mm(A, X)`` on a sparse CSR tensor with torch's autograd
   (its backward multiplies by A's transpose view, cuSPARSE's transposed SpMM);
 - ``cuSPARSE cached Aᵀ``: ``torch.sparse.mm`` forward and, in backward, ``torch.sparse.mm``
@@ -47,11 +48,10 @@ LAYERS = 2
 EPOCHS = 5
 LR = 0.1
 QUICK_GRAPHS = ("cora", "pubmed", "ogbn-arxiv")
-#: pitgen's systems and their formats (docs/sage.md): hyb with default parameters, and the
-#: tuned choice ("auto": the tune cache, else a search of pitgen.ops.sage.AUTO_BUDGET_S per
-#: direction and width, counted in its preparation time, not in the step)
-SYSTEMS = {"pitgen": "hyb", "pitgen auto": "auto"}
-QUICK_SYSTEMS = {"pitgen": "hyb"}
+#: pitgen's systems and their formats (docs/sage.md): the default ("auto": the tune cache, else
+#: the cost model; no search), and hyb with default parameters
+SYSTEMS = {"pitgen": "auto", "pitgen hyb": "hyb"}
+QUICK_SYSTEMS = {"pitgen": "auto"}
 PEERS = ("torch.sparse.mm", "cuSPARSE cached Aᵀ")
 #: pitgen's SpMM in the peers' (PyG's) order of operations: how much of the speed-up is the
 #: aggregation and how much the fused layer

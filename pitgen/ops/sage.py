@@ -10,9 +10,9 @@ autograd through one custom operator, ``pitgen::graph_spmm``:
 * ``dA`` (edge values, when they require grad) ``= SDDMM(dY, X)`` on A's pattern, in A's CSR
   order (``pitgen::graph_sddmm``, pitgen's graph SDDMM kernel).
 
-A and Aᵀ run in a format of pitgen.graph (hyb by default: CSR's one group per row is slow on
-power-law rows; "auto": a tuned result of the tune cache, else the cost model of
-pitgen.graph.model, or with ``tune=True`` a measured search), each converted on the GPU once
+A and Aᵀ run in a format of pitgen.graph ("auto" by default: a tuned result of the tune cache,
+else the cost model of pitgen.graph.model, or with ``tune=True`` a measured search; or one named,
+e.g. hyb: CSR's one group per row is slow on power-law rows), each converted on the GPU once
 per graph and feature width (:class:`GraphPlan`, one host sync per conversion); "csr" runs
 straight from the CSR tensors. An explicit format is checked against the cost model once per
 graph, feature width and dtype (one host sync for the row statistics; a FormatWarning when it is
@@ -52,8 +52,10 @@ AGGREGATORS = ("mean", "sum")
 #: once per graph), or "auto" (the tune cache, else the cost model; with ``tune=True`` a search
 #: of AUTO_BUDGET_S per direction).
 SAGE_FORMATS = (*FORMATS, "auto")
-#: hyb(c=1, k from the mean row) balances power-law rows; CSR's one group per row does not.
-DEFAULT_FORMAT = "hyb"
+#: The cost model's choice per graph, width and dtype (tune cache first): in the sage benchmark
+#: (H200, session 34) never more than 0.4% slower than hyb(c=1, k from the mean row), the
+#: default before, and up to 1.41x faster (reddit, float32).
+DEFAULT_FORMAT = "auto"
 AUTO_BUDGET_S = 2.0
 #: DeviceCSR -> {(format, feature width, dtype)} already checked against the cost model.
 _CHECKED: "weakref.WeakKeyDictionary[DeviceCSR, set]" = weakref.WeakKeyDictionary()
@@ -489,8 +491,8 @@ def _build_module_classes() -> dict[str, type]:
         takes a DeviceCSR (row i: the nodes node i aggregates from) and x [nodes, in]; trains
         (gradients to x and every parameter). With ``in > out`` the neighbour weight is applied
         before the aggregation (fewer features to gather; the same result: it is linear).
-        ``format``: the layout of A and Aᵀ (SAGE_FORMATS; hyb by default; "auto": the tune
-        cache or the cost model, and with ``tune=True`` a measured search)."""
+        ``format``: the layout of A and Aᵀ (SAGE_FORMATS; "auto" by default: the tune cache
+        or the cost model, and with ``tune=True`` a measured search)."""
 
         def __init__(self, in_channels: int, out_channels: int, aggr: str = "mean",
                      root_weight: bool = True, bias: bool = True, device: Any = None,
