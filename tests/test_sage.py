@@ -208,10 +208,11 @@ def test_bench_report(tmp_path):
     ok = {"gpu_ms": 1.0, "wall_ms": 1.5, "losses": [2.8, 2.7, 2.6, 2.5, 2.4], "loss_err": 1e-6,
           "ok": True}
     row = {"graph": "cora", "nodes": 2708, "edges": 10556, "dtype": "float16", "feat": 128,
-           "layers": 2, "classes": 16, "flop": 1, "prep_ms": {"pitgen": 0.5, "pitgen auto": 9.0},
+           "layers": 2, "classes": 16, "flop": 1, "prep_ms": {"pitgen": 0.5, "pitgen hyb": 9.0},
            "ref_loss": 2.8, "ok": True, "best_peer_ms": 2.0, "speedup": 2.0,
            "wall_speedup": 1.0,
-           "systems": {"pitgen": ok, "pitgen auto": {**ok, "gpu_ms": 0.9},
+           "systems": {"pitgen": ok, "pitgen hyb": {**ok, "gpu_ms": 0.9},
+                       "pitgen unfused": {**ok, "gpu_ms": 1.6},
                        "torch.sparse.mm": {**ok, "gpu_ms": 2.0},
                        "cuSPARSE cached Aᵀ": {"note": "not run: half refused"}}}
     bad = {**row, "graph": "reddit", "speedup": 0.5, "ok": False,
@@ -222,6 +223,7 @@ def test_bench_report(tmp_path):
     md = (tmp_path / "sage.md").read_text()
     assert "| float16 | 2 | 1.00x | 1.00x | >= 1.5x | **missed** | NO |" in md
     assert "not run: half refused" in md and "**WRONG**" in md
-    assert "| 2.800 -> 2.400 | 0.50 | 9.00 |" in md and "pitgen auto ms (wall)" in md
+    assert "| 2.00x | 1.25x | 2.800 -> 2.400 | 0.50 | 9.00 |" in md   # unfused: 2.0 / 1.6
+    assert "pitgen hyb ms (wall)" in md and "pitgen unfused ms (wall)" in md
     doc = json.loads((tmp_path / "sage.json").read_text())
     assert doc["summary"][0]["all_correct"] is False and len(doc["rows"]) == 2
