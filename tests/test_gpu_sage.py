@@ -430,3 +430,14 @@ def test_bad_input_raises_pitgen_errors():
     conv = SAGEConv(4, 3, device="cuda")
     with pytest.raises(ShapeError, match=r"x must be \[nodes, 4\]"):
         conv(d, torch.randn(csr.shape[1], 5, device="cuda"))
+    # the fused layer: a call signature that passed once is memoised, a new one checked again
+    w, b = torch.randn(3, 4, device="cuda"), torch.randn(3, device="cuda")
+    assert S.sage_conv(d, x, w, b, w).shape == (csr.shape[0], 3)
+    with pytest.raises(ShapeError, match="w_l has dtype float16"):
+        S.sage_conv(d, x, w.half(), b, w)
+    with pytest.raises(ShapeError, match="b has shape"):
+        S.sage_conv(d, x, w, torch.randn(4, device="cuda"), w)
+    with pytest.raises(ShapeError, match="w_r has shape"):
+        S.sage_conv(d, x, w, b, w[:2])
+    with pytest.raises(PlanError, match="unknown aggregator"):
+        S.sage_conv(d, x, w, b, w, aggr="max")

@@ -38,7 +38,7 @@ from ..graph.kernels import SPMM, default_schedule, sddmm, spmm
 from ..graph.jit import search_settings
 from ..graph.model import plan as auto_plan, warn_if_slow
 from ..graph.tune import GraphStats, default_params
-from ..operands import check_tensor, on_operand_device
+from ..operands import check_tensor, on_operand_device, raw_key, validated
 from . import lazy_torch_classes
 
 if TYPE_CHECKING:
@@ -346,6 +346,9 @@ def aggregate(graph: DeviceCSR, x: Tensor, aggr: str = "mean",
     return _graph_spmm(graph, x, vals, format, owned=True, tune=tune)
 
 
+#: DeviceCSR -> {(raw_key of x and the parameters, aggr, format, tune): sage_conv's launch
+#: arguments (edge values, plan, graph tensors)}; dropped with the graph.
+_LAYERS: "weakref.WeakKeyDictionary[DeviceCSR, dict]" = weakref.WeakKeyDictionary()
 #: (device, dtype) -> a ones vector at least as long as any column sum's rows so far
 _ONES: dict = {}
 
@@ -441,6 +444,20 @@ def sage_conv(graph: DeviceCSR, x: Tensor, w_l: Tensor, b: Tensor | None = None,
     and device. A and Aᵀ in ``format`` as for :func:`aggregate`."""
     _check_graph(graph)
     _check_aggr(aggr)
+    _check_format(format)
+    _check_tune(format, tune)
+    key = raw_key(x, w_l, b, w_r)
+    vals, plan, tensors = validated(
+        _LAYERS.setdefault(graph, {}), None if key is None else (key, aggr, format, tune),
+        lambda: _layer_args(graph, x, w_l, b, w_r, aggr, format, tune))
+    return _sage_function().apply(x.contiguous(), w_l, b, w_r, bool(relu), vals, plan, *tensors)
+
+
+def _layer_args(graph: DeviceCSR, x: Any, w_l: Any, b: Any, w_r: Any, aggr: str, fmt: str,
+                tune: bool) -> tuple:
+    """sage_conv's checks, and its SpMM's arguments: the aggregator's edge values, the plan
+    of A and Aᵀ at the narrower width (0: CSR), the graph's tensors. Memoised per call
+    signature: a steady-state call repeats none of it."""
     check_tensor("x", x, VALUE_DTYPES, 2, (graph.shape[1], None), contiguous=False)
     dtype = str(x.dtype).replace("torch.", "")
     f_in = int(x.shape[1])
@@ -455,14 +472,11 @@ def sage_conv(graph: DeviceCSR, x: Tensor, w_l: Tensor, b: Tensor | None = None,
                          f"{graph.shape}")
     vals = aggregation_values(graph, aggr, dtype)
     feat = min(f_in, f_out)
-    _check_format(format)
-    _check_tune(format, tune)
-    plan = graph_plan(graph, vals, feat, format, True, tune).ident \
-        if format != "csr" and feat > 0 else 0
+    plan = graph_plan(graph, vals, feat, fmt, True, tune).ident if fmt != "csr" and feat > 0 \
+        else 0
     if plan == 0 and feat > 0 and graph.nnz > 0:
         _check_csr(graph, feat, dtype)
-    return _sage_function().apply(x.contiguous(), w_l, b, w_r, relu, vals, plan,
-                                  *_graph_tensors(graph))
+    return vals, plan, _graph_tensors(graph)
 
 
 def sage_reference(indptr: Any, indices: Any, x: Any, w_neigh: Any, w_root: Any, bias: Any,
