@@ -512,10 +512,12 @@ def _build_module_classes() -> dict[str, type]:
         ``Y = lin_l(aggr_{j in N(i)} x_j) + lin_r(x_i)``, ``aggr`` "mean" or "sum".
 
         state_dict: ``lin_l.weight [out, in]``, ``lin_l.bias [out]`` (``bias=True``),
-        ``lin_r.weight [out, in]`` (``root_weight=True``), PyG's names. ``forward(graph, x)``
-        takes a DeviceCSR (row i: the nodes node i aggregates from) and x [nodes, in]; trains
-        (gradients to x and every parameter). With ``in > out`` the neighbour weight is applied
-        before the aggregation (fewer features to gather; the same result: it is linear).
+        ``lin_r.weight [out, in]`` (``root_weight=True``), PyG's names. ``forward(graph, x,
+        relu=False)`` takes a DeviceCSR (row i: the nodes node i aggregates from) and x [nodes,
+        in]; trains (gradients to x and every parameter) through one fused autograd node
+        (:func:`sage_conv`; a subclass with another ``propagate`` runs PyG's order instead).
+        With ``in > out`` the neighbour weight is applied before the aggregation (fewer
+        features to gather; the same result: it is linear).
         ``format``: the layout of A and Aᵀ (SAGE_FORMATS; "auto" by default: the tune cache
         or the cost model, and with ``tune=True`` a measured search)."""
 
