@@ -354,10 +354,13 @@ _ONES: dict = {}
 
 
 def _column_sum(dy: Any) -> Any:
-    """dY summed over its rows (a bias gradient) as one matrix-vector product: torch's
-    reduction over dim 0 of a tall [nodes, F] matrix read it at ~1 TB/s (ogbn-arxiv,
-    docs/sage.md); cuBLAS accumulates in float32 for float16 too."""
+    """dY summed over its rows (a bias gradient), for 64 columns or more as one matrix-vector
+    product: torch's reduction over dim 0 of a tall [nodes, 128] matrix read it at ~1 TB/s
+    (ogbn-arxiv, docs/sage.md); cuBLAS accumulates in float32 for float16 too. Narrower, cuBLAS
+    runs two kernels (dot, then a reduce) where torch's reduction is one and as fast."""
     import torch
+    if dy.shape[1] < 64:
+        return dy.sum(0)
     key = (dy.device, dy.dtype)
     ones = _ONES.get(key)
     if ones is None or ones.shape[0] < dy.shape[0]:
@@ -413,6 +416,18 @@ def _sage_function() -> type:
             dx = dwl = db = dwr = None
             if need_b:
                 db = _column_sum(dy)
+            if ctx.first and w_r is not None and (need_wl or need_x):
+                # y = A (x W_lᵀ) + x W_rᵀ + b, out < in: with G = [dY | Aᵀ dY] (narrow), one
+                # product gives both weight gradients ([W_r; W_l]' = Gᵀ x) and one dX = G [W_r; W_l]
+                # (each reads x or writes dX once, not twice)
+                f_out = dy.shape[1]
+                g = torch.cat((dy, _spmm_direct(dy, *_transposed(values, graph, ctx.plan))), 1)
+                if need_wl or need_wr:
+                    dw = torch.mm(g.t(), x)
+                    dwr, dwl = (dw[:f_out] if need_wr else None), (dw[f_out:] if need_wl else None)
+                if need_x:
+                    dx = torch.mm(g, torch.cat((w_r, w_l)))
+                return (dx, dwl, db, dwr) + (None,) * (3 + len(_GRAPH_ARGS))
             if need_wr:
                 dwr = torch.mm(dy.t(), x)
             if ctx.first:   # y = A (x W_lᵀ) + ...: dP = Aᵀ dY
