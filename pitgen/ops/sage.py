@@ -53,8 +53,8 @@ AGGREGATORS = ("mean", "sum")
 #: of AUTO_BUDGET_S per direction).
 SAGE_FORMATS = (*FORMATS, "auto")
 #: The cost model's choice per graph, width and dtype (tune cache first): in the sage benchmark
-#: (H200, session 34) never more than 0.4% slower than hyb(c=1, k from the mean row), the
-#: default before, and up to 1.41x faster (reddit, float32).
+#: (H200, session 34) within 1% of hyb(c=1, k from the mean row), the default before, on the
+#: five smaller graphs and up to 1.41x faster on the two largest (reddit, float32).
 DEFAULT_FORMAT = "auto"
 AUTO_BUDGET_S = 2.0
 #: DeviceCSR -> {(format, feature width, dtype)} already checked against the cost model.
