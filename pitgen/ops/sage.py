@@ -277,15 +277,16 @@ def _transposed(values: Any, graph: Any, plan: int) -> tuple:
     return (vt, t_indptr, t_indices, t_rows, indptr, indices, rows, inverse, t_perm, -plan)
 
 
-def _spmm_direct(x: Any, values: Any, *graph_plan: Any) -> Any:
-    """``pitgen::graph_spmm`` without autograd (inside an autograd node): its implementation
+def _spmm_direct(x: Any, values: Any, *rest: Any) -> Any:
+    """``pitgen::graph_spmm`` without autograd (inside an autograd node; ``rest``: the op's
+    arguments after values, the graph tensors and the plan): its implementation
     called directly on plain CUDA tensors outside tracing (the dispatcher's Python wrapper of a
     custom op cost ~0.2 ms of host time per call on the lent H200's host, session 34), the
     registered op otherwise (torch.compile, fake tensors)."""
     import torch
     if type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
-        return _run_spmm(x.contiguous(), values, *graph_plan[:3], graph_plan[-1])
-    return _ops()(x.contiguous(), values, *graph_plan)
+        return _run_spmm(x.contiguous(), values, *rest[:3], rest[-1])   # A's tensors, plan
+    return _ops()(x.contiguous(), values, *rest)
 
 
 def _graph_tensors(graph: DeviceCSR) -> tuple:
