@@ -213,9 +213,12 @@ def run_graph(r: Run, name: str, path: str, feat: int, mine: dict[str, str]) -> 
             if system in refused:
                 case["systems"][system] = {"note": refused[system]}
                 continue
-            kw = {"format": mine[system]} if system in mine else \
-                {"conv": _peer()["UnfusedSAGEConv"], "format": mine["pitgen"]} \
-                if system == UNFUSED else {"conv": peer_conv}
+            if system in mine:
+                kw = {"format": mine[system]}
+            elif system == UNFUSED:
+                kw = {"conv": _peer()["UnfusedSAGEConv"], "format": mine["pitgen"]}
+            else:
+                kw = {"conv": peer_conv}
             model = GraphSAGE(feat, feat, CLASSES, LAYERS, device="cuda", dtype=tdt, **kw)
             model.load_state_dict(copy.deepcopy(base.state_dict()))
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
