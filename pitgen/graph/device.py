@@ -2,10 +2,10 @@
 SparseTIR's hyb(c, k), so that a changing graph or mask never falls back to the CPU.
 
 Each conversion runs the kernels of templates/convert.cu.j2 (BSR with torch's scan between its
-passes, hyb's scan in its first pass); each needs one host synchronisation to size its buffers (ELL: the longest row; BSR: the number
-of blocks; hyb: the rows per bucket), except hyb sized by bounds (``sync=False``), which needs
-none: a graph that changes every call (``DeviceCSR.from_coo``, no sync either) converts
-without waiting. ``to_format`` keeps a layout on its DeviceCSR while it is in use, and
+passes, hyb's scan in its first pass); each needs one host synchronisation to size its buffers
+(ELL: the longest row; BSR: the number of blocks; hyb: the rows per bucket), except hyb sized
+by bounds (``sync=False``), which needs none: a graph that changes every call
+(``DeviceCSR.from_coo``, no sync either) converts without waiting. ``to_format`` keeps a layout on its DeviceCSR while it is in use, and
 ``DeviceMatrix.with_values`` refills a layout from new CSR-order values on the GPU. Every layout
 keeps ``perm`` (slot -> CSR position, -1 for padding), so SDDMM results come back in CSR order.
 The NumPy references of every layout are in pitgen/formats.py; ``DeviceMatrix.to_host`` returns
@@ -25,7 +25,7 @@ from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INT32_MAX
 from ..operands import check_tensor, on_operand_device
 from ..opspec import OpSpec, Permutation
-from ..runtime import TorchLaunch, current_stream, device_sms, stream_counters
+from ..runtime import TorchLaunch, current_stream, stream_counters
 from .formats import BSR, BSR_BLOCKS, CSR, ELL, FORMATS, SPMM_EXPR, Hyb, HybBucket
 
 __all__ = ["DeviceCOO", "DeviceCSR", "DeviceMatrix", "DeviceTranspose", "to_format", "FORMATS",
@@ -50,7 +50,8 @@ CONVERT = OpSpec("convert", "convert.cu.j2", {
         "pit_bsr_mark": "PPiiiiiP",
         "pit_bsr_fill": "PPPiiiiiiPiPPPPP",
         "pit_hyb_count": "PPiiiiiiPP",
-        "pit_hyb_fill": "PPPiiiiiiPiiiiii" + "P" * 13,
+        "pit_hyb_fill": "PPiiiiiiPiiiiii" + "P" * 12,
+        "pit_hyb_place": "PPPiiiiiiPPiiPPPPP",
     },
     (Permutation("rows", SPMM_EXPR, "spatial", "A"),), VALUE_DTYPES)
 
@@ -638,10 +639,10 @@ def hyb_atomic(c: int, k: int, width: int, any_cut: bool) -> bool:
 
 def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's
-    order), in two launches: per-CTA counts of bucket rows and of the write plan's row kinds,
-    scanned over CTAs by pass 1's last CTA, the one sync (the totals size every buffer), then
-    a pass that ranks every row within its CTA (table, write plan, padding) and places each
-    entry.
+    order), in three launches: per-CTA counts of bucket rows and of the write plan's row kinds,
+    scanned over CTAs by the same pass's last CTA, the one sync (the totals size every
+    buffer), a pass that ranks every row within its CTA (table, write plan, padding), and one
+    that places each entry.
 
     How SpMM may write each row (Hyb.write_plan states it in NumPy; SpMM's "cut" schedule picks
     for c == 1): shared rows, those of buckets whose writes collide (every non-empty row when
@@ -655,22 +656,15 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     return hyb_layout(csr, c, k, scan, totals)
 
 
-#: device index -> runtime.stream_counters cache of the hyb passes' counters (pass 1: its done
-#: counter; pass 2: tickets, ranked CTAs, finished placing CTAs)
-_HYB_COUNTERS: dict[Any, dict[int, Any]] = {}
-#: placing CTAs of hyb pass 2 per multiprocessor (a full one: 8 x 256 threads), grid-stride
-HYB_PLACERS_PER_SM = 8
-
-
-def _hyb_counters(dev: Any) -> Any:
-    """int32 [4] on torch's current stream, zero between launches: pass 2's three, pass 1's."""
-    return stream_counters(_HYB_COUNTERS.setdefault(dev.index, {}), current_stream(), 4, dev)
+#: device index -> runtime.stream_counters cache of hyb pass 1's done counter
+_HYB_DONE: dict[Any, dict[int, Any]] = {}
 
 
 def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
     """hyb pass 1 with its scan: per CTA of HYB_THREADS rows, its bucket rows per bucket and
     its four row counts, as an inclusive scan over CTAs [c * (k + 1) + 4, CTAs] (None without
-    rows). Its last column holds the totals that size the layout. No sync."""
+    rows), formed by the pass's last CTA (torch's cumsum was a launch of its own). Its last
+    column holds the totals that size the layout. No sync."""
     torch = _torch()
     n_rows, n_cols = csr.shape
     n_counters = c * (k + 1) + 4
@@ -681,9 +675,10 @@ def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
         return None
     dev = csr.indices.device
     hist = torch.empty(n_counters, n_ctas, dtype=torch.int32, device=dev)
+    done = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 1, dev)
     _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr,
                  csr.indices, n_rows, n_cols, csr.nnz, c, k, max(1, -(-n_cols // c)), hist,
-                 _hyb_counters(dev)[3:])
+                 done)
     return hist
 
 
@@ -694,8 +689,8 @@ HYB_TABLE_COUNTS = 6
 
 def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
                totals: list[int] | None) -> DeviceMatrix:
-    """hyb pass 2: the buffers, then one launch whose CTAs rank the rows and write the table,
-    the write plan and the padding, and then place every entry; no sync. ``totals`` (the
+    """hyb passes 2 and 3: the buffers, the pass that ranks the rows and writes the table, the
+    write plan and the padding, and the pass that places every entry; no sync. ``totals`` (the
     host copy of ``scan``'s last column) sizes them exactly; None sizes them by bounds instead
     (a bucket row holds an entry, so rows <= nnz; a group of n entries pads to < 2n slots):
     the padding past the live slots reads as padding, SpMM takes the live counts from the
@@ -729,13 +724,14 @@ def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
     b["cut_info"] = b["cut_info"].view(n_cut, 3)
     if n_ctas:
         kern, part = _convert_kernels(csr.dtype), max(1, -(-n_cols // c))
-        placers = max(1, min(-(-nnz // HYB_THREADS), HYB_PLACERS_PER_SM * device_sms()))
-        _launch_ctas(kern, "pit_hyb_fill", n_ctas + placers, HYB_THREADS, csr.indptr,
-                     csr.indices, csr.values, n_rows, n_cols, nnz, c, k, part, scan, n_ctas,
-                     n_brows, n_slots, n_fix, n_cut, n_empty, b["table"], b["brow_row"],
-                     b["cols"], b["vals"], b["perm"], b["slot_row"], b["ws_index"],
-                     b["fix_rows"], b["cut_index"], b["cut_info"], b["empty_rows"], meta,
-                     _hyb_counters(dev))
+        _launch_ctas(kern, "pit_hyb_fill", n_ctas, HYB_THREADS, csr.indptr, csr.indices,
+                     n_rows, n_cols, nnz, c, k, part, scan, n_ctas, n_brows, n_slots, n_fix,
+                     n_cut, n_empty, b["table"], b["brow_row"], b["cols"], b["vals"], b["perm"],
+                     b["slot_row"], b["ws_index"], b["fix_rows"], b["cut_index"],
+                     b["cut_info"], b["empty_rows"], meta)
+        _launch(kern, "pit_hyb_place", nnz, csr.indptr, csr.indices, csr.values, n_rows,
+                n_cols, nnz, c, k, part, meta, b["table"], n_brows, n_slots, b["brow_row"],
+                b["cols"], b["vals"], b["perm"], b["slot_row"])
     else:
         b["table"].zero_()
     return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, nnz, csr.dtype, b, csr, info)
