@@ -5,8 +5,9 @@ Each conversion runs the kernels of templates/convert.cu.j2 (BSR with torch's sc
 passes, hyb's scan in its first pass); each needs one host synchronisation to size its buffers
 (ELL: the longest row; BSR: the number of blocks; hyb: the rows per bucket), except hyb sized
 by bounds (``sync=False``), which needs none: a graph that changes every call
-(``DeviceCSR.from_coo``, no sync either) converts without waiting. ``to_format`` keeps a layout on its DeviceCSR while it is in use, and
-``DeviceMatrix.with_values`` refills a layout from new CSR-order values on the GPU. Every layout
+(``DeviceCSR.from_coo``, no sync either) converts without waiting. ``to_format`` keeps a
+layout on its DeviceCSR while it is in use, and ``DeviceMatrix.with_values`` refills a layout
+from new CSR-order values on the GPU. Every layout
 keeps ``perm`` (slot -> CSR position, -1 for padding), so SDDMM results come back in CSR order.
 The NumPy references of every layout are in pitgen/formats.py; ``DeviceMatrix.to_host`` returns
 the same objects, equal slot for slot. ``DeviceCSR.transpose`` builds Aᵀ on the GPU (no host
