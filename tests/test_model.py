@@ -18,7 +18,7 @@ from pitgen.errors import FormatWarning, PitgenWarning
 from pitgen import graphs as G
 from pitgen.graph import model as M
 from pitgen.graph.formats import FORMATS
-from pitgen.graph.kernels import default_schedule
+from pitgen.graph.kernels import SPMM_UNROLL, default_schedule
 from pitgen.graph.tune import GraphStats, default_params, infeasible
 
 BENCH = Path(__file__).resolve().parent / "graphs_h100_tuned.json"
@@ -40,11 +40,13 @@ STATS = {name: synthetic(name) for name in G.GNN_GRAPHS}
 def test_decisions_on_the_synthetic_graphs(name, dtype, feat):
     """Power-law graphs: SpMM always hyb (CSR's longest row, ELL's and BSR's padding), with
     c > 1 only on the dense-row graphs; SDDMM CSR unless rows are dense and V outgrows L2.
-    Never a format infeasible() refuses; the schedule is the format's default."""
+    Never a format infeasible() refuses; the schedule is the format's default (hyb's unroll
+    by hyb_schedule)."""
     s = STATS[name]
     spmm = M.decide(s, "spmm", feat, dtype)
     assert spmm.fmt == "hyb" and infeasible(spmm.fmt, spmm.params, s) is None
-    assert spmm.schedule == default_schedule("spmm", "hyb", feat, dtype)
+    assert spmm.schedule == M.hyb_schedule(spmm.params, default_schedule("spmm", "hyb", feat,
+                                                                         dtype), s)
     dense_rows = name in ("ogbn-proteins", "reddit")
     assert (spmm.params["c"] > 1) == dense_rows
     assert spmm.us == min(spmm.modelled.values())
@@ -53,6 +55,21 @@ def test_decisions_on_the_synthetic_graphs(name, dtype, feat):
     assert infeasible(sddmm.fmt, sddmm.params, s) is None
     big_v = s.cols * feat * (4 if dtype == "float32" else 2) >= M.SDDMM_SPLIT_BYTES
     assert sddmm.fmt == ("hyb" if dense_rows and big_v else "csr")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_hyb_unroll_follows_the_group_the_rows_and_the_split(dtype):
+    """4 neighbours in flight on unsplit rows with groups of 4 lanes, or up to 16 lanes on a
+    graph of fewer than MANY_ROWS rows; the default 2 on split rows (c > 1) and wider groups."""
+    for name, feat, unroll in (("ppi", 16, 4), ("ogbn-arxiv", 16, 4), ("reddit", 16, 2),
+                               ("ppi", 64, 4), ("ogbn-arxiv", 64, 2), ("reddit", 64, 2)):
+        d = M.decide(STATS[name], "spmm", feat, dtype)
+        assert (STATS[name].rows < M.MANY_ROWS) == (name == "ppi")
+        assert d.schedule["unroll"] == unroll, (name, feat)
+        assert {**d.schedule, "unroll": SPMM_UNROLL} == default_schedule("spmm", "hyb", feat,
+                                                                         dtype)
+    wide = M.decide(STATS["ppi"], "spmm", 128, "float32")   # 32 lanes
+    assert wide.params["c"] == 1 and wide.schedule["unroll"] == SPMM_UNROLL
 
 
 def tuned_rows() -> list[dict]:

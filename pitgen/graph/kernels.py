@@ -33,6 +33,9 @@ HYB_WIDTHS = 7  # hyb "groups": one lane count per bucket width 1, 2, 4, ..., 64
 #: SpMM neighbours gathered at once per lane (loads in flight); SPMM_UNROLL is the default.
 UNROLLS = (1, 2, 4, 8)
 SPMM_UNROLL = 2
+#: hyb SpMM's other unroll, searched for groups of up to 16 lanes (pitgen.graph.model's rule
+#: runs it where there are few warps to hide latency)
+HYB_SMALL_UNROLL = 4
 #: SpMM vectors per lane per pass, at most (``packs``): a row's features in fewer passes.
 PACKS = (1, 2, 4)
 SPMM_PACKS = 4
@@ -96,8 +99,9 @@ def _useful_groups(feat: int, vec: int) -> list[int]:
 def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
     """Tunable schedules: ``group`` lanes per row (SpMM) or per edge (SDDMM), ``vec`` features
     per lane per load, ``threads`` per block; hyb SpMM has ``groups`` (lanes per bucket row,
-    by log2 of the bucket width) instead of ``group``: uniform, or growing with the width.
-    CSR SpMM's unroll follows its group (``csr_unroll``)."""
+    by log2 of the bucket width) instead of ``group``: uniform, or growing with the width, and
+    with groups of up to 16 lanes two unrolls. CSR SpMM's unroll follows its group
+    (``csr_unroll``)."""
     _check(op, fmt, feat, dtype)
     out = []
     for vec in _vecs(feat, dtype):
@@ -108,8 +112,10 @@ def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
                 ramp = [max(groups[0], min(groups[-1], 1 << e)) for e in range(HYB_WIDTHS)]
                 if ramp not in choices:
                     choices.append(ramp)
-                out += [{"groups": g, "vec": vec, "threads": threads, "unroll": SPMM_UNROLL,
-                         "packs": SPMM_PACKS, "cut": SPMM_CUT} for g in choices]
+                out += [{"groups": g, "vec": vec, "threads": threads, "unroll": u,
+                         "packs": SPMM_PACKS, "cut": SPMM_CUT} for g in choices
+                        for u in ((SPMM_UNROLL, HYB_SMALL_UNROLL) if max(g) <= 16
+                                  else (SPMM_UNROLL,))]
             elif op == "spmm":
                 out += [{"group": g, "vec": vec, "threads": threads,
                          "unroll": _unroll(fmt, g, vec, feat), "packs": SPMM_PACKS}

@@ -60,6 +60,16 @@ SDDMM_SPLIT_BYTES = 96 << 20
 #: From this many rows hyb takes one more doubling of its widest bucket (ogbn-arxiv: k = 5 on
 #: all ten tuned cases, where the mean row alone gives 4).
 MANY_ROWS = 1 << 16
+#: hyb SpMM gathers HYB_SMALL_UNROLL neighbours at once per lane (``unroll``) on unsplit rows
+#: (c == 1) where its bucket rows have at most HYB_SMALL_GROUP lanes, or at most
+#: HYB_FEW_ROWS_GROUP on graphs of fewer than MANY_ROWS rows: there too few warps hide the
+#: gathers' latency, so each lane keeps more in flight (H200, session 36, ms from unroll 2 to
+#: 4: F = 16 fp32 ppi 0.0278 -> 0.0206, pubmed 0.0216 -> 0.0188, ogbn-arxiv 0.0433 -> 0.0387;
+#: F = 64 fp32 (16 lanes) cora 0.0127 -> 0.0111, ppi 0.0249 -> 0.0223 but ogbn-arxiv 0.0818 ->
+#: 0.0898; with c = 4, ogbn-proteins and reddit at F = 16, 3-4 % slower; 32 lanes mixed).
+HYB_SMALL_UNROLL = graph_ops.HYB_SMALL_UNROLL
+HYB_SMALL_GROUP = 4
+HYB_FEW_ROWS_GROUP = 16
 #: An explicit format modelled this many times slower than the model's choice is warned about.
 WARN_RATIO = 10.0
 
@@ -104,6 +114,17 @@ def hyb_params(s: GraphStats, op: str, feat: int, dtype: str) -> dict[str, int]:
     if s.mean >= DENSE_ROWS:
         c = 4 if s.cols * feat * _elem(dtype) <= SPLIT_BYTES else 8
     return {"c": c, "k": k}
+
+
+def hyb_schedule(params: Mapping[str, Any], schedule: Mapping[str, Any],
+                 s: GraphStats) -> dict[str, Any]:
+    """hyb SpMM's schedule with the model's unroll (HYB_SMALL_UNROLL where the groups are
+    small for the graph's rows and rows are not split), the schedule's own otherwise."""
+    out = dict(schedule)
+    small = HYB_FEW_ROWS_GROUP if s.rows < MANY_ROWS else HYB_SMALL_GROUP
+    if int(params["c"]) == 1 and max(out["groups"]) <= small:
+        out["unroll"] = HYB_SMALL_UNROLL
+    return out
 
 
 def _bsr_blocks(s: GraphStats, b: int) -> tuple[float, float]:
@@ -225,8 +246,10 @@ def decide(s: GraphStats, op: str, feat: int, dtype: str,
             excluded[f] = why
             continue
         sched = graph_ops.default_schedule(op, f, feat, dtype)
-        chosen[f] = (params, sched)
+        # modelled at the default schedule (the fitted one); hyb then runs with its unroll rule
         modelled[f] = modelled_us(op, f, params, sched, s, feat, dtype)
+        chosen[f] = (params, hyb_schedule(params, sched, s) if op == "spmm" and f == "hyb"
+                     else sched)
     if not chosen:
         raise PlanError(f"no allowed format can hold this matrix: {'; '.join(excluded.values())}")
     if s.nnz == 0:
