@@ -33,9 +33,10 @@ HYB_WIDTHS = 7  # hyb "groups": one lane count per bucket width 1, 2, 4, ..., 64
 #: SpMM neighbours gathered at once per lane (loads in flight); SPMM_UNROLL is the default.
 UNROLLS = (1, 2, 4, 8)
 SPMM_UNROLL = 2
-#: hyb SpMM's other unroll, searched for groups of up to 16 lanes (pitgen.graph.model's rule
-#: runs it where there are few warps to hide latency)
+#: hyb SpMM's other unroll, searched for groups of up to HYB_SMALL_UNROLL_GROUP lanes
+#: (pitgen.graph.model's rule runs it where there are few warps to hide latency)
 HYB_SMALL_UNROLL = 4
+HYB_SMALL_UNROLL_GROUP = 16
 #: SpMM vectors per lane per pass, at most (``packs``): a row's features in fewer passes.
 PACKS = (1, 2, 4)
 SPMM_PACKS = 4
@@ -114,8 +115,8 @@ def schedule_space(op: str, fmt: str, feat: int, dtype: str) -> list[dict]:
                     choices.append(ramp)
                 out += [{"groups": g, "vec": vec, "threads": threads, "unroll": u,
                          "packs": SPMM_PACKS, "cut": SPMM_CUT} for g in choices
-                        for u in ((SPMM_UNROLL, HYB_SMALL_UNROLL) if max(g) <= 16
-                                  else (SPMM_UNROLL,))]
+                        for u in ((SPMM_UNROLL, HYB_SMALL_UNROLL)
+                                  if max(g) <= HYB_SMALL_UNROLL_GROUP else (SPMM_UNROLL,))]
             elif op == "spmm":
                 out += [{"group": g, "vec": vec, "threads": threads,
                          "unroll": _unroll(fmt, g, vec, feat), "packs": SPMM_PACKS}

@@ -69,7 +69,7 @@ MANY_ROWS = 1 << 16
 #: 0.0898; with c = 4, ogbn-proteins and reddit at F = 16, 3-4 % slower; 32 lanes mixed).
 HYB_SMALL_UNROLL = graph_ops.HYB_SMALL_UNROLL
 HYB_SMALL_GROUP = 4
-HYB_FEW_ROWS_GROUP = 16
+HYB_FEW_ROWS_GROUP = graph_ops.HYB_SMALL_UNROLL_GROUP
 #: An explicit format modelled this many times slower than the model's choice is warned about.
 WARN_RATIO = 10.0
 
