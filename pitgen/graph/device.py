@@ -9,8 +9,9 @@ by bounds (``sync=False``), which needs none: a graph that changes every call
 layout on its DeviceCSR while it is in use, and ``DeviceMatrix.with_values`` refills a layout
 from new CSR-order values on the GPU. Every layout keeps ``perm`` (slot -> CSR position, -1 for
 padding), so SDDMM results come back in CSR order. The NumPy references of every layout are in
-pitgen/formats.py; ``DeviceMatrix.to_host`` returns the same objects, equal slot for slot. ``DeviceCSR.transpose`` builds Aᵀ on the GPU (no host
-sync) for SpMM's backward, kept with the matrix.
+pitgen/formats.py; ``DeviceMatrix.to_host`` returns the same objects, equal slot for slot.
+``DeviceCSR.transpose`` builds Aᵀ on the GPU (no host sync) for SpMM's backward, kept with the
+matrix.
 """
 from __future__ import annotations
 

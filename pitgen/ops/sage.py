@@ -6,7 +6,8 @@ autograd through one custom operator, ``pitgen::graph_spmm``:
 
 * ``dX = Aᵀ dY``: the same SpMM over Aᵀ, which :meth:`DeviceCSR.transpose` builds on the GPU
   once per graph (count per column, scan, stable sort by column, place;
-  templates/graph_transpose.cu.j2; no host sync) and keeps with it. Aᵀ's values are gathered from A's (an aggregator's once, learnt ones every call).
+  templates/graph_transpose.cu.j2; no host sync) and keeps with it. Aᵀ's values are gathered
+  from A's (an aggregator's once, learnt ones every call).
 * ``dA`` (edge values, when they require grad) ``= SDDMM(dY, X)`` on A's pattern, in A's CSR
   order (``pitgen::graph_sddmm``, pitgen's graph SDDMM kernel).
 
@@ -326,12 +327,19 @@ def _graph_spmm(graph: DeviceCSR, x: Any, values: Any, fmt: str, owned: bool,
         raise ShapeError(f"graph_spmm operands of {max(graph.shape)} x {feat} exceed int32 "
                          f"indexing")
     values = values.contiguous()
-    plan = 0
-    if fmt != "csr" and feat > 0:
-        plan = graph_plan(graph, values, feat, fmt, owned, tune).ident
-    elif feat > 0 and graph.nnz > 0:
-        _check_csr(graph, feat, dtype)
+    plan = _plan_ident(graph, values, feat, fmt, owned, tune, dtype)
     return _ops()(x, values, *_graph_tensors(graph), plan)
+
+
+def _plan_ident(graph: DeviceCSR, values: Any, feat: int, fmt: str, owned: bool, tune: bool,
+                dtype: str) -> int:
+    """The SpMM plan of A and Aᵀ at ``feat`` features in ``fmt`` (its ident; 0: CSR, run from
+    the graph's tensors after the cost model's check of it)."""
+    if fmt != "csr" and feat > 0:
+        return graph_plan(graph, values, feat, fmt, owned, tune).ident
+    if feat > 0 and graph.nnz > 0:
+        _check_csr(graph, feat, dtype)
+    return 0
 
 
 @on_operand_device
@@ -419,8 +427,8 @@ def _sage_function() -> type:
                 db = _column_sum(dy)
             if ctx.first and w_r is not None and (need_wl or need_x):
                 # y = A (x W_lᵀ) + x W_rᵀ + b, out < in: with G = [dY | Aᵀ dY] (narrow), one
-                # product gives both weight gradients ([W_r; W_l]' = Gᵀ x) and one dX = G [W_r; W_l]
-                # (each reads x or writes dX once, not twice)
+                # product gives both weight gradients ([W_r; W_l]' = Gᵀ x) and one
+                # dX = G [W_r; W_l] (each reads x or writes dX once, not twice)
                 f_out = dy.shape[1]
                 g = torch.cat((dy, _spmm_direct(dy, *_transposed(values, graph, ctx.plan))), 1)
                 if need_wl or need_wr:
@@ -487,11 +495,7 @@ def _layer_args(graph: DeviceCSR, x: Any, w_l: Any, b: Any, w_r: Any, aggr: str,
         raise ShapeError(f"a root weight needs a square graph (one row per node), got "
                          f"{graph.shape}")
     vals = aggregation_values(graph, aggr, dtype)
-    feat = min(f_in, f_out)
-    plan = graph_plan(graph, vals, feat, fmt, True, tune).ident if fmt != "csr" and feat > 0 \
-        else 0
-    if plan == 0 and feat > 0 and graph.nnz > 0:
-        _check_csr(graph, feat, dtype)
+    plan = _plan_ident(graph, vals, min(f_in, f_out), fmt, True, tune, dtype)
     return vals, plan, _graph_tensors(graph)
 
 
