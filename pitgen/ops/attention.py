@@ -223,6 +223,12 @@ class AttentionPlan:
             + 4 * self.n_kb + (1024 if self.wgmma else 0)   # slack to align the stages
 
     @property
+    def static_smem(self) -> int:
+        """Static shared memory of the attention kernel, at most: the gathered ids' ring
+        (``IDS_RING`` tiles of BN ids: 2 * stages - 2, at least 2) and a few words."""
+        return 4 * self.bn * max(2, 2 * self.stages - 2) + 64
+
+    @property
     def mask_strides(self) -> tuple[int, int]:
         """Slice index = b * sb + h * sh (0 along a broadcast dim)."""
         return (self.mask_heads if self.mask_batch > 1 else 0, 1 if self.mask_heads > 1 else 0)
@@ -331,10 +337,11 @@ def plan_attention(batch: int, heads: int, sq: int, sk: int, d: int, dtype: str,
         raise ShapeError("problem too large for 64-bit offsets")
     plan = AttentionPlan(batch, heads, sq, sk, d, dtype, mb, mh, bm=BM, kv_heads=kv_heads,
                          wgmma=arch in lower.WGMMA_ARCHS)
-    if plan.smem > SMEM_LIMIT:
+    room = SMEM_LIMIT - plan.static_smem
+    if plan.smem > room:
         raise ShapeError(f"Sk={sk} keys make a block list of {plan.n_kb} entries that does not fit "
                          f"shared memory; sparse_attention runs Sk up to "
-                         f"{(SMEM_LIMIT - plan.smem + 4 * plan.n_kb) // 4 * plan.bn}")
+                         f"{(room - plan.smem + 4 * plan.n_kb) // 4 * plan.bn}")
     return plan
 
 
