@@ -447,10 +447,18 @@ class BlockIndex(NamedTuple):
     dcount: Any
 
 
+def _cols_row(plan: AttentionPlan) -> int:
+    """64-bit words of a query block's row of the index pass's ``cols`` scratch (the template's
+    ``cols_row``): its column masks, per index CTA two sums (over all rows, and over the rows
+    less the CTA's dense-row candidates), those cut decisions' states (bytes, rounded up to 16)
+    and staged gathered keys (a row mask and an int32 id per slot, KPC * GATHER_MAX per CTA)."""
+    gx, stage = plan.index_grid()[0], plan.kpc * GATHER_MAX
+    return plan.n_kb * plan.bn + 2 * gx + 2 * -(-plan.n_kb // 16) + gx * stage * 3 // 2
+
+
 def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, str, int]], int]:
     """(field, shape, torch dtype name, byte offset) of each BlockIndex array, then the index
-    pass's scratch (``cols``: per (slice, query block) each column's 64-bit mask of the rows
-    allowing it, then per index CTA its visited blocks and gathered keys, an even count so rows
+    pass's scratch (``cols``: per (slice, query block) a ``_cols_row``, an even count so rows
     stay 16-byte aligned; ``work``: per query block its visited blocks + gathered tiles), in one
     buffer, each at a 16-byte boundary (the gathered row masks load with cp.async); and its
     size."""
@@ -460,7 +468,7 @@ def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple,
               ("keys", (s, nq, cap), "int32", 4), ("bits", (s, nq, cap), "int64", 8),
               ("dense", (s, nq), "int64", 8), ("drows", (s, nq * plan.bm), "int32", 4),
               ("dcount", (s,), "int32", 4),
-              ("cols", (s, nq, nk * plan.bn + -(-plan.index_grid()[0] // 2) * 2), "int64", 8),
+              ("cols", (s, nq, _cols_row(plan)), "int64", 8),
               ("work", (s, nq), "int32", 4)]
     out, off = [], 0
     for name, shape, dtype, size in fields:
@@ -571,12 +579,13 @@ def _arrays(base: int, offsets: tuple[int, ...]) -> list[int]:
 
 def _counter_words(plan: AttentionPlan) -> int:
     """int32 words of the index pass's counters (``_counters``), the fused forward's after them."""
-    return plan.slices * (3 * plan.n_qb + 1)
+    return plan.slices * (5 * plan.n_qb + 1)
 
 
 def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> Any:
     """The index pass's counters on ``stream`` (zero between launches): per (slice, query
-    block) a 64-bit mask of the rows that miss some key, then per (slice, query block) and per
+    block) two 64-bit masks (the rows that miss some key; the rows some index CTA saw allowing
+    all of its keys), then per (slice, query block) and per
     slice a done counter (int32); for a fused plan then the one-launch forward's ticket, finish
     and index-done counters. The caller holds the tensor until its launch is enqueued (a
     captured call's are fresh: runtime.stream_counters)."""
@@ -605,7 +614,7 @@ def _dense_args(plan: AttentionPlan, mask: Any, stream: int, device: Any) -> tup
 def _index_args(plan: AttentionPlan, mask: int, counters: int, arrays: list[int]) -> tuple:
     """The index kernels' arguments: the mask, sizes, the buffer's arrays (``_arrays``), the
     counters (``_counters``' layout) and the gathered capacity."""
-    qdone = counters + 8 * plan.slices * plan.n_qb
+    qdone = counters + 16 * plan.slices * plan.n_qb
     return (mask, plan.sq, plan.sk, plan.n_kb, *arrays, counters, qdone,
             qdone + 4 * plan.slices * plan.n_qb, plan.gather_cap)
 
