@@ -319,6 +319,31 @@ def test_bigbird_index_gathers_and_moves_rows():
     T.assert_close(A.sparse_attention(q, k, v, tmask), ref, "float16")
 
 
+def test_dense_row_decisions_on_every_finishing_path():
+    """Each way a query block's last index CTA decides its dense rows, against the NumPy rule:
+    rows that leave (every index CTA saw exactly them allowing all of its keys: decided from
+    the sums), rows that stay because leaving saves no work, more candidates than may leave,
+    and a row allowing all keys of one index CTA only (the candidates differ between CTAs: the
+    pass over the column masks)."""
+    rng = np.random.default_rng(11)
+    sq, sk = 4 * 64, 2048                       # 4 index CTAs per query block
+    mask = T.tile_mask(rng, sq, sk, (16, 16), 0.1)
+    mask[3] = mask[40] = True                   # qb 0: two dense rows leave
+    mask[64:128] = True                         # qb 1: two dense rows stay (no work saved) ...
+    mask[66:128, 5::64] = False                 # ... the other rows miss a key of every block
+    mask[128:134] = True                        # qb 2: six candidates, more than may leave
+    mask[192] = True                            # qb 3: a dense row, and a row allowing all of
+    mask[200, :512] = True                      # the first index CTA's keys
+    q, k, v = operands(rng, 1, 2, sq, sk, 64, "float16")
+    tmask = torch.from_numpy(mask).cuda()
+    idx = A.block_index(q, k, v, tmask)
+    check_index(idx, mask)
+    dense = idx.dense.cpu().numpy().view(np.uint64)[0]
+    assert [bin(int(x)).count("1") for x in dense] == [2, 0, 0, 1]
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+    T.assert_close(A.sparse_attention(q, k, v, tmask), ref, "float16")
+
+
 def test_corrupt_gathered_and_dense_entries_stay_in_bounds():
     """Ids and counts of a given index are range-checked before any address: key ids outside
     [0, Sk) are masked zero rows, counts are clamped, dense row ids outside [0, Sq) are neither
