@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import cache
 from ..errors import DeviceError, PlanError, ShapeError
 from ..limits import INT32_MAX
 from ..operands import check_tensor, on_operand_device
@@ -658,7 +659,7 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
 
 
 #: device index -> runtime.stream_counters cache of hyb pass 1's done counter
-_HYB_DONE: dict[Any, dict[int, Any]] = {}
+_HYB_DONE = cache.memo("graph.hyb_done")
 
 
 def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
