@@ -143,15 +143,20 @@ __device__ __forceinline__ void arrive(int* counter) {
     }
 }
 
-// Counts this CTA in *counter as arrive() does and returns, to every thread, whether it was
-// the last of `total`; the last CTA's threads then see every counted CTA's writes.
+// Counts this CTA in *counter after every thread's writes so far and returns, to every thread,
+// whether it was the last of `total`; the last CTA's threads then see every counted CTA's
+// writes. One acquire-release atomic (the barrier orders the CTA's writes before thread 0's
+// release; its acquire and the barrier after it order the last CTA's reads after every
+// counted write) instead of a fence on each side: the index passes' finishing chains are two
+// of these in a row.
 __device__ __forceinline__ bool arrive_last(int* counter, int total) {
     __shared__ bool s_last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(counter, 1) == total - 1;
-        if (s_last) __threadfence();
+        int before;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n"
+                     : "=r"(before) : "l"(counter) : "memory");
+        s_last = before == total - 1;
     }
     __syncthreads();
     return s_last;
@@ -667,15 +672,20 @@ __device__ __forceinline__ void arrive(int* counter) {
     }
 }
 
-// Counts this CTA in *counter as arrive() does and returns, to every thread, whether it was
-// the last of `total`; the last CTA's threads then see every counted CTA's writes.
+// Counts this CTA in *counter after every thread's writes so far and returns, to every thread,
+// whether it was the last of `total`; the last CTA's threads then see every counted CTA's
+// writes. One acquire-release atomic (the barrier orders the CTA's writes before thread 0's
+// release; its acquire and the barrier after it order the last CTA's reads after every
+// counted write) instead of a fence on each side: the index passes' finishing chains are two
+// of these in a row.
 __device__ __forceinline__ bool arrive_last(int* counter, int total) {
     __shared__ bool s_last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(counter, 1) == total - 1;
-        if (s_last) __threadfence();
+        int before;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n"
+                     : "=r"(before) : "l"(counter) : "memory");
+        s_last = before == total - 1;
     }
     __syncthreads();
     return s_last;

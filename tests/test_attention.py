@@ -273,16 +273,39 @@ WGMMA_VARIANTS = ((64, "float16"), (128, "bfloat16"))
 
 def test_hopper_plan_multiplies_on_wgmma():
     """On sm_90 the forward's products are wgmma instructions over K/V tiles in its layout
-    (aligned stages: 1 KiB of slack); the backward keeps mma.sync."""
+    (aligned stages: 1 KiB of slack; at D=128 unpadded mask rows, so that three CTAs share an
+    SM); the backward keeps mma.sync."""
     plan = A.plan_attention(1, 1, 100, 130, 128, "bfloat16", (100, 130), 0, "sm_90")
     base = A.plan_attention(1, 1, 100, 130, 128, "bfloat16", (100, 130))
-    assert plan.wgmma and not base.wgmma and plan.smem == base.smem + 1024
+    unpadded = plan.stages * plan.bm * (A.MASK_ROW - A.BN)
+    assert (plan.mask_row, base.mask_row) == (A.BN, A.MASK_ROW)
+    assert plan.wgmma and not base.wgmma and plan.smem == base.smem + 1024 - unpadded
     assert (plan.min_blocks, base.min_blocks) == (A.MIN_BLOCKS_WGMMA[128], A.MIN_BLOCKS[128])
     src = A.ATTENTION.source(plan.context())
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in src
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src
     assert "wgmma.mma_async" not in A.ATTENTION.source(base.context())
     assert "wgmma.mma_async" not in A.ATTENTION_BWD.source(plan.backward_context())
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("wgmma", (False, True))
+def test_forward_ctas_fit_shared_memory(d, wgmma):
+    """The CTAs per SM a forward plan budgets registers for fit an SM's shared memory at every
+    length: unpadded mask rows where padded ones would not fit them, fewer CTAs where neither
+    does (long key lists)."""
+    for s in (64, 4096, 16384, 65536):
+        plan = A.AttentionPlan(1, 1, s, s, d, "float16", 1, 1, wgmma=wgmma)
+        per_cta = plan.smem + plan.static_smem + A.CTA_SMEM_RESERVED
+        assert plan.min_blocks * per_cta <= A.SM_SMEM, (s, plan.min_blocks, per_cta)
+        assert plan.mask_row in (A.BN, A.MASK_ROW)
+        if plan.mask_row == A.BN:   # only where the padding would cost a CTA
+            padded = plan.smem + plan.stages * plan.bm * (A.MASK_ROW - A.BN)
+            assert plan.min_blocks * (padded + plan.static_smem + A.CTA_SMEM_RESERVED) > A.SM_SMEM
+        src = A.ATTENTION.source(plan.context())
+        assert f"constexpr int MROW = {plan.mask_row};" in src
+    long = A.AttentionPlan(1, 1, 65536, 65536, d, "float16", 1, 1, wgmma=wgmma)
+    assert long.min_blocks <= (A.MIN_BLOCKS_WGMMA if wgmma else A.MIN_BLOCKS)[d]
 
 
 def test_render_names_the_kernels():

@@ -64,8 +64,10 @@ STAGES = {64: 2, 128: 2}
 MIN_BLOCKS = {64: 3, 128: 2}
 #: The wgmma forward's (no K/V fragments in registers): at D=64, 4 CTAs per SM (128 registers)
 #: run BigBird and Longformer 13-14% faster than 3 and the 128-block mask 3% slower (H200,
-#: docs/attention.md); at D=128 shared memory holds 2.
-MIN_BLOCKS_WGMMA = {64: 4, 128: 2}
+#: docs/attention.md); at D=128, 3 (168 registers; their shared memory fits with unpadded mask
+#: rows) run BigBird 8% faster than 2 (H200, session 39). Fewer where shared memory holds fewer
+#: (``AttentionPlan.__post_init__``).
+MIN_BLOCKS_WGMMA = {64: 4, 128: 3}
 #: Per head dim: pipeline stages of the backward kernels (K/V for dQ, Q/dO for dK/dV).
 STAGES_BWD = {64: 2, 128: 2}
 #: Per head dim: CTAs per SM of the backward kernels (accumulators dQ, or dK and dV, plus S and
@@ -74,6 +76,8 @@ STAGES_BWD = {64: 2, 128: 2}
 MIN_BLOCKS_BWD = {64: 3, 128: 1}
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
+#: Shared memory of an SM (sm_80 / sm_90), and what it keeps per resident CTA.
+SM_SMEM, CTA_SMEM_RESERVED = 228 * 1024, 1024
 #: Index state bytes. GATHERED: a partial block whose allowed columns went to the gathered key
 #: tiles (the backward reads it as PARTIAL).
 EMPTY, PARTIAL, FULL, GATHERED = 0, 1, 2, 3
@@ -96,7 +100,8 @@ DENSE_ROWS_MAX = 4
 DENSE_SPLIT = 8
 #: Count classes of the query-block order (exact counts below this many key blocks).
 ORDER_BINS = INDEX_THREADS
-#: Bytes per row of a shared-memory mask tile: BN, padded so a warp's rows use distinct banks.
+#: Bytes per row of a shared-memory mask tile: BN, padded so a warp's rows use distinct banks;
+#: BN where that padding would cost a CTA per SM (``AttentionPlan.mask_row``).
 MASK_ROW = BN + 16
 
 
@@ -162,9 +167,10 @@ class AttentionPlan:
     def __post_init__(self) -> None:
         if not self.stages:
             object.__setattr__(self, "stages", STAGES[self.d])
-        if not self.min_blocks:
+        if not self.min_blocks:   # the table's, or as many as shared memory holds
+            want = (MIN_BLOCKS_WGMMA if self.wgmma else MIN_BLOCKS)[self.d]
             object.__setattr__(self, "min_blocks",
-                               (MIN_BLOCKS_WGMMA if self.wgmma else MIN_BLOCKS)[self.d])
+                               max(1, min(want, self._resident(BN))))
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
 
@@ -215,12 +221,27 @@ class AttentionPlan:
     def kpc(self) -> int:
         return INDEX_COLUMNS // self.bn
 
+    def _smem(self, mask_row: int) -> int:
+        return 2 * self.stages * self.bn * self.d * 2 + self.stages * self.bm * mask_row \
+            + 4 * self.n_kb + (1024 if self.wgmma else 0)   # slack to align the stages
+
+    def _resident(self, mask_row: int) -> int:
+        """Forward CTAs an SM's shared memory holds with mask rows of ``mask_row`` bytes."""
+        return SM_SMEM // (self._smem(mask_row) + self.static_smem + CTA_SMEM_RESERVED)
+
+    @property
+    def mask_row(self) -> int:
+        """Bytes per row of the forward's mask tiles: MASK_ROW (padded), or BN where only that
+        lets min_blocks CTAs share an SM (BigBird at D=128, H200: 3 CTAs with 4-way bank
+        conflicts on the mask reads 73.5 us, with a conflict-free swizzle 76.3, 2 padded 79.9)."""
+        padded = self._resident(MASK_ROW) >= self.min_blocks
+        return MASK_ROW if padded or self._resident(BN) < self.min_blocks else BN
+
     @property
     def smem(self) -> int:
         """Dynamic shared memory of the attention kernel: K, V and mask-tile stages + the block
         list."""
-        return 2 * self.stages * self.bn * self.d * 2 + self.stages * self.bm * MASK_ROW \
-            + 4 * self.n_kb + (1024 if self.wgmma else 0)   # slack to align the stages
+        return self._smem(self.mask_row)
 
     @property
     def static_smem(self) -> int:
@@ -250,16 +271,16 @@ class AttentionPlan:
         return (self.batch * self.heads, self.n_qb, 1)
 
     def forward_grid(self) -> tuple[int, int, int]:
-        """(batch x head, y, 1): y < dense_tiles * dense_split the parts of the dense-row tiles
-        (dispatched first; those past the slice's dense rows do nothing), then the query blocks
-        by rank y - dense_tiles * dense_split in the order."""
+        """(batch x head, y, 1): y < dense_split the parts of dense-row tile 0 (dispatched
+        first), then the query blocks by rank y - dense_split in the order, then the parts of
+        the other dense-row tiles (those past the slice's dense rows do nothing)."""
         return (self.batch * self.heads, self.dense_tiles * self.dense_split + self.n_qb, 1)
 
     def context(self) -> dict[str, Any]:
         """Template context (everything the CUDA source depends on)."""
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
-                "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": MASK_ROW,
+                "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": self.mask_row,
                 "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, "wgmma": self.wgmma,
                 "fused": self.fused, **STATE_NAMES}
 
