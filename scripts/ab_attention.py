@@ -7,7 +7,8 @@ holding ``pitgen/`` and ``templates/``, e.g. the committed tree and a working tr
     cp -r pitgen templates /tmp/new
     python3 scripts/ab_attention.py /tmp/base /tmp/new [--rounds 2] [--repeats 30]
 
-Run it without the package installed (an editable install would shadow the copies); each child
+Each child runs in its copy's directory, which leads its import path; run it without the
+package installed in editable mode (whose path hook would take precedence), and each child
 checks that it imported its own copy. Per case it prints the whole call (index and forward) and
 the forward alone with the index given, in microseconds (median of ``repeats`` after the
 benchmark's L2 flush), and the forward's error against float32 SDPA with the mask.
@@ -22,8 +23,7 @@ import sys
 
 CHILD = r'''
 import json, sys
-tree, repeats = sys.argv[1], int(sys.argv[2])
-sys.path.insert(0, tree)
+tree, repeats = sys.argv[1], int(sys.argv[2])   # run in tree: it leads the import path
 import numpy as np, torch
 import pitgen
 from pitgen import render
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for tree in trees:
             p = subprocess.run([sys.executable, "-c", CHILD, tree, str(args.repeats)],
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, cwd=tree)
             lines = [ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if p.returncode or not lines:
                 failed += 1
