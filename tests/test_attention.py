@@ -304,8 +304,12 @@ def test_forward_ctas_fit_shared_memory(d, wgmma):
             assert plan.min_blocks * (padded + plan.static_smem + A.CTA_SMEM_RESERVED) > A.SM_SMEM
         src = A.ATTENTION.source(plan.context())
         assert f"constexpr int MROW = {plan.mask_row};" in src
+    want = (A.MIN_BLOCKS_WGMMA if wgmma else A.MIN_BLOCKS)[d]
     long = A.AttentionPlan(1, 1, 65536, 65536, d, "float16", 1, 1, wgmma=wgmma)
-    assert long.min_blocks <= (A.MIN_BLOCKS_WGMMA if wgmma else A.MIN_BLOCKS)[d]
+    if wgmma and d == 128:   # a 4 KiB block list: not even unpadded rows fit three
+        assert long.min_blocks < want and long.mask_row == A.MASK_ROW
+    else:
+        assert long.min_blocks == want
 
 
 def test_render_names_the_kernels():
