@@ -267,6 +267,13 @@ __device__ __forceinline__ void mma_tile(float (&d)[4], const uint32_t (&a)[4], 
 
 namespace sm90 {
 
+// The first statement of a kernel that pitgen.runtime launches early (a programmatic dependent
+// launch: the grid starts while the kernel before it on the stream completes): nothing is read
+// or written before that kernel's writes are visible.
+__device__ __forceinline__ void wait_for_prior_grid() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
@@ -687,6 +694,7 @@ pit_matmul_a_f16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorMa
            const int* __restrict__ counts, const int* __restrict__ ids,
            const int* __restrict__ order, int* __restrict__ next_tile, int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int tk)
 {
+    sm90::wait_for_prior_grid();   // launched early behind the index pass
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int4 work_slots[WORK_SLOTS];
     __shared__ __align__(8) uint64_t work_bars[2 * WORK_SLOTS];

@@ -254,19 +254,22 @@ class Module:
         return f
 
     def bind(self, name: str, grid: tuple[int, ...], block: tuple[int, ...],
-             smem: int = 0) -> Callable[..., None]:
+             smem: int = 0, early: bool = False) -> Callable[..., None]:
         """``name`` with its grid, block and shared memory fixed (PyCUDA's prepared call):
         ``bound(stream, *args)`` enqueues it with one pack and one driver call, for launch
-        closures that decide everything but the pointers once per call signature."""
-        return self._ready(name, smem).bind(grid, block, smem)
+        closures that decide everything but the pointers once per call signature. ``early``:
+        a programmatic dependent launch (sm_90), for a kernel that waits for the grid before it
+        (``griddepcontrol.wait``) before touching memory."""
+        return self._ready(name, smem).bind(grid, block, smem, early)
 
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
-               *args: Any, smem: int = 0) -> None:
+               *args: Any, smem: int = 0, early: bool = False) -> None:
         """Enqueue ``name`` on ``stream`` (a CUstream handle, 0: the legacy default stream) with
-        ``smem`` bytes of dynamic shared memory; an empty grid launches nothing. Nothing waits."""
+        ``smem`` bytes of dynamic shared memory (``early``: as ``bind``); an empty grid
+        launches nothing. Nothing waits."""
         if 0 in grid:
             return
-        self._ready(name, smem).launch(grid, block, stream, args, smem)
+        self._ready(name, smem).bind(grid, block, smem, early)(stream, *args)
 
     def _ready(self, name: str, smem: int) -> _Kernel:
         """Kernel ``name``, allowed ``smem`` bytes of dynamic shared memory."""
@@ -288,6 +291,22 @@ _VOID_P = ctypes.c_void_p
 
 #: struct codes, sizes and host alignments of the signature letters
 _PARAMS = {"P": ("Q", 8), "i": ("i", 4), "f": ("f", 4), "q": ("q", 8), "M": ("128s", 8)}
+
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PROGRAMMATIC = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id and a 64-byte value union (its first int here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig of cuLaunchKernelEx."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint)]
 
 
 class _Kernel:
@@ -341,9 +360,10 @@ class _Kernel:
         self._local.bufs = bufs
         return bufs
 
-    def bind(self, grid: tuple[int, ...], block: tuple[int, ...],
-             smem: int) -> Callable[..., None]:
-        """``launch`` with everything but the stream and the arguments fixed (Module.bind)."""
+    def bind(self, grid: tuple[int, ...], block: tuple[int, ...], smem: int,
+             early: bool = False) -> Callable[..., None]:
+        """The kernel with everything but the stream and the arguments fixed (Module.bind);
+        ``early``: launched by ``cuLaunchKernelEx`` as a programmatic dependent launch."""
         if 0 in grid:
             return lambda stream, *args: None
         (gx, gy, gz), (bx, by, bz) = (int(d) for d in (*grid, 1, 1)[:3]), \
@@ -352,6 +372,8 @@ class _Kernel:
         driver, handle, pack, local = self._lib.cuLaunchKernel, self.handle, \
             self._struct.pack_into, self._local
         vp = _VOID_P
+        if early:
+            return self._bind_early((gx, gy, gz), (bx, by, bz), smem)
 
         def bound(stream: int, *args: Any) -> None:
             buf, params, extra = getattr(local, "bufs", None) or self._buffers()
@@ -362,9 +384,32 @@ class _Kernel:
                 _check(rc, "cuLaunchKernel")
         return bound
 
-    def launch(self, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
-               args: tuple, smem: int) -> None:
-        self.bind(grid, block, smem)(stream, *args)
+    def _bind_early(self, grid: tuple[int, int, int], block: tuple[int, int, int],
+                    smem: int) -> Callable[..., None]:
+        """``bind``'s programmatic dependent launch: the grid may start while the kernel before
+        it on the stream finishes (once that one's CTAs have all run ``griddepcontrol.
+        launch_dependents`` or exited); this kernel's ``griddepcontrol.wait`` holds it until
+        that grid has completed and its writes are visible. Each thread keeps its own config."""
+        driver, handle, pack, local = self._lib.cuLaunchKernelEx, self.handle, \
+            self._struct.pack_into, self._local
+        mine = threading.local()   # this closure's config, per thread
+
+        def config() -> Any:
+            attr = _LaunchAttribute(id=_PROGRAMMATIC, value=1)
+            cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem,
+                                None, ctypes.pointer(attr), 1)
+            mine.cfg = cfg, ctypes.byref(cfg), attr
+            return mine.cfg
+
+        def bound(stream: int, *args: Any) -> None:
+            buf, params, extra = getattr(local, "bufs", None) or self._buffers()
+            cfg, ref, _ = getattr(mine, "cfg", None) or config()
+            pack(buf, 0, *args)
+            cfg.stream = stream
+            rc = driver(ref, handle, params, extra and extra[0])
+            if rc:
+                _check(rc, "cuLaunchKernelEx")
+        return bound
 
 
 #: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES

@@ -288,6 +288,28 @@ def test_hopper_plan_multiplies_on_wgmma():
     assert "wgmma.mma_async" not in A.ATTENTION_BWD.source(plan.backward_context())
 
 
+def test_forward_waits_for_the_index_it_is_launched_behind():
+    """On sm_90 the forward is a programmatic dependent launch (runtime's cuLaunchKernelEx):
+    its grid is launched while the index pass completes, so its first statement waits for the
+    index's writes; the sm_80 forward is launched plainly. The driver's structs as cuda.h lays
+    them out."""
+    import ctypes
+    from pitgen import runtime
+    assert ctypes.sizeof(runtime._LaunchConfig) == 56 and runtime._LaunchConfig.stream.offset == 32
+    assert ctypes.sizeof(runtime._LaunchAttribute) == 72
+    assert runtime._LaunchAttribute.value.offset == 8
+    plan = A.plan_attention(1, 1, 100, 130, 64, "float16", (100, 130), 0, "sm_90")
+    src = A.ATTENTION.source(plan.context())
+    assert "griddepcontrol.wait" in src.split("wait_for_prior_grid() {")[1].split("}")[0]
+    for name in ("pit_attention", "pit_attention_vec"):
+        body = src.split(f"\n{name}(")[1].split(")\n{", 1)[1]
+        code = [ln.strip() for ln in body.splitlines()
+                if ln.strip() and not ln.strip().startswith("//")]
+        assert code[0] == "sm90::wait_for_prior_grid();", name
+    base = A.plan_attention(1, 1, 100, 130, 64, "float16", (100, 130))
+    assert "griddepcontrol" not in A.ATTENTION.source(base.context())
+
+
 @pytest.mark.parametrize("d", (64, 128))
 @pytest.mark.parametrize("wgmma", (False, True))
 def test_forward_ctas_fit_shared_memory(d, wgmma):

@@ -722,7 +722,7 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
                        plan.group, sb, sh, plan.n_kb, scale * LOG2E,
                        idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
                        idx.keys.shape[-1], idx.dense.data_ptr(), idx.drows.data_ptr(),
-                       idx.dcount.data_ptr(), *dense, smem=plan.smem)
+                       idx.dcount.data_ptr(), *dense, smem=plan.smem, early=plan.wgmma)
     return out, lse, idx
 
 
@@ -935,7 +935,8 @@ class _EagerForward:
                 "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                 (INDEX_THREADS, 1, 1))
             self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
-                                       plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem)
+                                       plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem,
+                                       early=plan.wgmma)
         #: the index grid's extents and the forward grid's width (the fused kernel's arguments)
         self.grids = (*plan.index_grid(), plan.forward_grid()[0])
         self.plan, self.device = plan, device

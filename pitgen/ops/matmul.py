@@ -14,7 +14,8 @@ from ..errors import PlanError, ShapeError
 from ..expr import Operator, parse
 from ..graph.jit import FormatKernel
 from ..lower import (DTYPES, PRODUCTS_FINISH_THREADS, PRODUCTS_SLOTS_PER_ROW, GemmForm, Layout,
-                     Schedule, fuse, gemm_form, geometry, lower_first, products_fit)
+                     WGMMA_ARCHS, Schedule, fuse, gemm_form, geometry, lower_first,
+                     products_fit)
 from ..operands import (Operand, Workspace, align, as_operand, bind_operands, contiguous_strides,
                         distinct_strides, on_operand_device, raw_key, signature)
 from ..opspec import OpSpec
@@ -106,6 +107,9 @@ class Launcher:
         self.choice, self.spec = lower_first(op, form.sparse, choices, dtype, self.layout,
                                              accumulate=accumulate, schedule=schedule, arch=arch)
         kind = choices[self.choice][0]
+        #: kernels after the index pass are programmatic dependent launches (sm_90: each
+        #: starts while the kernel before it completes, and waits for its writes first)
+        self.early = arch in WGMMA_ARCHS
         #: a dense plan on torch tensors runs the vendor GEMM (cuBLAS through torch)
         self.vendor = kind == "dense" and A.is_torch and vendor_dense
         g = self.spec.gemm
@@ -239,7 +243,7 @@ class Launcher:
             fused = None
             index = self.mod.bind("pit_build_index", geo.index_grid, (256, 1, 1))
             tile = self.mod.bind("pit_gemm_sm90" if wgmma else "pit_gemm", geo.grid,
-                                 (g.threads, 1, 1), self.smem)
+                                 (g.threads, 1, 1), self.smem, early=wgmma)
         empty, by_stream = torch.empty, {}
 
         def buffers(stream: int) -> tuple[int, int]:
@@ -414,14 +418,14 @@ class GemmCall:
             args = (a, self.b_ptr, self.c_ptr, self.counts_ptr, self.ids_ptr, table, slots,
                     *L.sizes, L.slot_rows)
             mod.launch("pit_gemm_products", L.geo.grid, (g.threads, 1, 1), stream, *args,
-                       smem=L.smem)
+                       smem=L.smem, early=L.early)
             mod.launch("pit_gemm_finish", L.geo.finish, (PRODUCTS_FINISH_THREADS, 1, 1), stream,
-                       *args[:4], *args[5:])
+                       *args[:4], *args[5:], early=L.early)
         elif g.mainloop == "wgmma":
             mod.launch("pit_gemm_sm90", L.geo.grid, (g.threads, 1, 1), stream,
                        *L.tensor_maps(self.a_ptr, self.b_ptr), a, self.b_ptr, self.c_ptr,
                        self.counts_ptr, self.ids_ptr, self.order_ptr, self.next_ptr, *L.sizes,
-                       smem=L.smem)
+                       smem=L.smem, early=True)
         else:
             mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, a, self.b_ptr,
                        self.c_ptr, self.counts_ptr, self.ids_ptr, *L.sizes, smem=L.smem)

@@ -234,8 +234,11 @@ class _Launch:
             self.place = kernels.bind("moe_place_gather",
                                       (min(4096, -(-P * (H // 8) // INDEX_THREADS)), 1, 1), block)
             sms = device_sms()
-            self.gemm1 = kernels.bind("moe_gemm1_sm90", plan.gemm_grid(F, sms), threads, plan.smem)
-            self.gemm2 = kernels.bind("moe_gemm2_sm90", plan.gemm_grid(H, sms), threads, plan.smem)
+            # programmatic dependent launches: each starts as the kernel before it completes
+            self.gemm1 = kernels.bind("moe_gemm1_sm90", plan.gemm_grid(F, sms), threads, plan.smem,
+                                      early=True)
+            self.gemm2 = kernels.bind("moe_gemm2_sm90", plan.gemm_grid(H, sms), threads, plan.smem,
+                                      early=True)
             self.routed = self.small = None
         else:
             self.place = None if index[0] == 1 else kernels.bind("moe_place", index, block)
