@@ -269,7 +269,8 @@ class Module:
         launches nothing. Nothing waits."""
         if 0 in grid:
             return
-        self._ready(name, smem).bind(grid, block, smem, early)(stream, *args)
+        f = self._ready(name, smem)
+        (f.bound_early(grid, block, smem) if early else f.bind(grid, block, smem))(stream, *args)
 
     def _ready(self, name: str, smem: int) -> _Kernel:
         """Kernel ``name``, allowed ``smem`` bytes of dynamic shared memory."""
@@ -294,6 +295,8 @@ _PARAMS = {"P": ("Q", 8), "i": ("i", 4), "f": ("f", 4), "q": ("q", 8), "M": ("12
 
 #: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _PROGRAMMATIC = 6
+#: early-launch closures a kernel keeps (_Kernel.bound_early), one per grid, block and smem
+_EARLY_KEPT = 64
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -330,6 +333,7 @@ class _Kernel:
         self._struct, self._offsets = struct.Struct(fmt), offsets
         self._per_parameter = "M" in signature
         self._local = threading.local()
+        self._early: dict[tuple, Callable[..., None]] = {}
         self.handle = ctypes.c_void_p()
         _check(self._lib.cuModuleGetFunction(ctypes.byref(self.handle), module.handle,
                                              name.encode()), f"cuModuleGetFunction({name})")
@@ -369,11 +373,11 @@ class _Kernel:
         (gx, gy, gz), (bx, by, bz) = (int(d) for d in (*grid, 1, 1)[:3]), \
             (int(d) for d in (*block, 1, 1)[:3])
         smem = int(smem)
+        if early:
+            return self._bind_early((gx, gy, gz), (bx, by, bz), smem)
         driver, handle, pack, local = self._lib.cuLaunchKernel, self.handle, \
             self._struct.pack_into, self._local
         vp = _VOID_P
-        if early:
-            return self._bind_early((gx, gy, gz), (bx, by, bz), smem)
 
         def bound(stream: int, *args: Any) -> None:
             buf, params, extra = getattr(local, "bufs", None) or self._buffers()
@@ -382,6 +386,18 @@ class _Kernel:
                         extra and extra[0])
             if rc:
                 _check(rc, "cuLaunchKernel")
+        return bound
+
+    def bound_early(self, grid: tuple[int, ...], block: tuple[int, ...],
+                    smem: int) -> Callable[..., None]:
+        """``bind(..., early=True)``, kept per launch shape (Module.launch's early launches:
+        a launch config costs 2.5 us of host time to build), at most _EARLY_KEPT of them."""
+        key = (tuple(grid), tuple(block), smem)
+        bound = self._early.get(key)
+        if bound is None:
+            if len(self._early) >= _EARLY_KEPT:
+                self._early.clear()
+            bound = self._early[key] = self.bind(grid, block, smem, True)
         return bound
 
     def _bind_early(self, grid: tuple[int, int, int], block: tuple[int, int, int],
