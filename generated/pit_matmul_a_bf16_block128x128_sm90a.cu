@@ -715,7 +715,8 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
     // (a counter that starts at zero) a CTA takes the next tile of that sequence whenever its
     // producer is ready for one, so every CTA ends about together whatever the lengths (snake
     // order of waves, the static schedule without it, left CTAs 13-30% apart at 90% sparsity);
-    // the CTA that draws the last number sets the counter back to zero for the next launch.
+    // its first tile is number blockIdx.x, drawn without a round trip to the counter (-0.7 us of a
+    // 46 us call); the CTA that draws the last number sets the counter back to zero.
     constexpr int KSUB = 2;  // k-iterations per listed block
     const int nkb = (K + BK * KSUB - 1) / (BK * KSUB);
     const int GN = max(1, min(tiles_n, (int)gridDim.x / tiles_m));
@@ -731,7 +732,8 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
     auto draw = [&](int j) {   // the sequence number of this CTA's j-th tile
         if (next_tile == nullptr)
             return j * (int)gridDim.x + ((j & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
-        const int t = atomicAdd(next_tile, 1);
+        if (j == 0) return (int)blockIdx.x;
+        const int t = (int)gridDim.x + atomicAdd(next_tile, 1);
         if (t == tiles + (int)gridDim.x - 1) atomicExch(next_tile, 0);  // every CTA has drawn past the end
         return t;
     };

@@ -36,11 +36,17 @@ Array = TypeVar("Array")
 
 
 def tile_mask(rng: np.random.Generator, sq: int, sk: int, tile: tuple[int, int],
-              density: float) -> np.ndarray:
+              density: float, exact: bool = False) -> np.ndarray:
     """Random tiles of ``tile`` (e.g. 128x128 blocks, 1x64 or 16x16 micro-tiles), each set with
-    probability ``density``, aligned to the tile grid and cut at the edges."""
+    probability ``density`` (``exact``: exactly round(density x tiles) of them, as a benchmark
+    cell labelled with its sparsity needs), aligned to the tile grid and cut at the edges."""
     tr, tc = max(1, tile[0]), max(1, tile[1])
-    grid = rng.random((-(-sq // tr), -(-sk // tc))) < density
+    draw = rng.random((-(-sq // tr), -(-sk // tc)))
+    if exact:   # the same draw's round(density x tiles) smallest values
+        grid = np.zeros(draw.shape, bool)
+        grid.flat[np.argsort(draw, axis=None, kind="stable")[: round(density * draw.size)]] = True
+    else:
+        grid = draw < density
     return np.kron(grid, np.ones((tr, tc), bool))[:sq, :sk]
 
 

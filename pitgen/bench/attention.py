@@ -39,11 +39,11 @@ def masks(rng: np.random.Generator) -> dict[str, np.ndarray]:
     from pitgen import testing as T
 
     return {
-        "blocks 128x128, 90% sparse": T.tile_mask(rng, S, S, (128, 128), 0.1),
+        "blocks 128x128, 90% sparse": T.tile_mask(rng, S, S, (128, 128), 0.1, exact=True),
         "Longformer w256 + 16 global": T.longformer_mask(S, S, 256,
                                                          T.random_global_tokens(rng, S, 16)),
         BIGBIRD: T.bigbird_mask(rng, S, S, 256, T.random_global_tokens(rng, S, 16), 224),
-        "micro 1x64, 90% sparse": T.tile_mask(rng, S, S, (1, 64), 0.1),
+        "micro 1x64, 90% sparse": T.tile_mask(rng, S, S, (1, 64), 0.1, exact=True),
     }
 
 

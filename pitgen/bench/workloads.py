@@ -86,10 +86,15 @@ def judge(out: torch.Tensor, ref: torch.Tensor, dtype: str = "float16") -> dict:
 
 def block_mask(shape: tuple[int, int], unit: tuple[int, int], density: float,
                gen: torch.Generator | None = None, device: str = "cuda") -> torch.Tensor:
-    """Boolean mask whose non-zeros come in aligned ``unit`` blocks, each kept with
-    probability ``density`` (fresh random draw on the device)."""
-    grid = torch.rand((-(-shape[0] // unit[0]), -(-shape[1] // unit[1])), generator=gen,
-                      device=device) < density
+    """Boolean mask whose non-zeros come in aligned ``unit`` blocks: exactly
+    round(density x blocks) of them, those of the smallest values of a fresh uniform draw on the
+    device. (Kept each with probability ``density``, a 4096^2 operand's 1,024 blocks of
+    128 x 128 held 118 at "90% sparsity" in one benchmark run: the cell measured 88.5%.)"""
+    draw = torch.rand((-(-shape[0] // unit[0]), -(-shape[1] // unit[1])), generator=gen,
+                      device=device)
+    grid = torch.zeros(draw.numel(), dtype=torch.bool, device=device)
+    grid[torch.argsort(draw.flatten(), stable=True)[: round(density * draw.numel())]] = True
+    grid = grid.view(draw.shape)
     return grid.repeat_interleave(unit[0], 0).repeat_interleave(unit[1], 1)[: shape[0], : shape[1]]
 
 
