@@ -95,14 +95,16 @@ def test_hopper_kernel_matches_float64_reference(monkeypatch, mainloop, dtype, f
 
 @pytest.mark.parametrize("order_local", [0, 2, 256])
 def test_tile_counter_and_m_tile_order(monkeypatch, order_local):
-    """Block plans draw their tiles from a counter that the CTA drawing the last number resets,
-    in an m-tile order the tile kernel forms itself up to lower.ORDER_LOCAL m-tiles and the
-    index pass's last CTA beyond (0: always the index; 2: the index, for the 8 m-tiles here):
-    one index build, then the tile kernel twice on it (the output poisoned in between), then
-    steady-state calls (which take the two halves of the counts pair in turn) all match."""
+    """Block plans draw their tiles from a counter that the CTA drawing the last number resets
+    (a CTA's first tile is its own number; 33 x 5 tiles here, more than an H100's or H200's
+    132 CTAs, so most CTAs draw again), in an m-tile order the tile kernel forms itself up to
+    lower.ORDER_LOCAL m-tiles and the index pass's last CTA beyond (0: always the index; 2: the
+    index, for the 33 m-tiles here): one index build, then the tile kernel twice on it (the
+    output poisoned in between), then steady-state calls (which take the two halves of the
+    counts pair in turn) all match."""
     monkeypatch.setattr(lower, "ORDER_LOCAL", order_local)
     rng = np.random.default_rng(7)
-    M, N, K = 1000, 512, 768
+    M, N, K = 4100, 1280, 256
     op, arrays, ref, scale = _operands(
         rng, "A", M, N, K, "float16", lambda shp: T.tile_mask(rng, shp[0], shp[1], (128, 128), 0.3))
     kern = pitgen.compile(op, sparse="A", dtype="float16", micro_tile=(128, 128), vendor_dense=False)
