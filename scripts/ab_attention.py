@@ -15,11 +15,9 @@ benchmark's L2 flush), and the forward's error against float32 SDPA with the mas
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
+
+import ab
 
 CHILD = r'''
 import json, sys
@@ -55,31 +53,10 @@ print("RESULT", json.dumps(rows))
 '''
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trees", nargs="+", help="package copies (directories with pitgen/)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args(argv)
-    trees = [os.path.abspath(t) for t in args.trees]
-    for t in trees:
-        if not all(os.path.isdir(os.path.join(t, sub)) for sub in ("pitgen", "templates")):
-            ap.error(f"{t} holds no pitgen/ and templates/")
-    failed = 0
-    for rnd in range(args.rounds):
-        for tree in trees:
-            p = subprocess.run([sys.executable, "-c", CHILD, tree, str(args.repeats)],
-                               capture_output=True, text=True, cwd=tree)
-            lines = [ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            if p.returncode or not lines:
-                failed += 1
-                print(f"round {rnd}, {tree}: failed\n{p.stderr[-3000:]}", flush=True)
-                continue
-            for case, (whole, compute, err) in json.loads(lines[-1]).items():
-                print(f"round {rnd}  {os.path.basename(tree):12s} {case:28s} whole {whole:7.1f} us"
-                      f"  forward {compute:7.1f} us  err {err:.1e}", flush=True)
-    return 1 if failed else 0
+def show(case: str, row: list) -> str:
+    whole, compute, err = row
+    return f"{case:28s} whole {whole:7.1f} us  forward {compute:7.1f} us  err {err:.1e}"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ab.main(CHILD, show, __doc__))

@@ -18,11 +18,9 @@ against a float64 loop over the experts.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
+
+import ab
 
 CHILD = r'''
 import json, statistics, sys
@@ -78,33 +76,10 @@ print("RESULT", json.dumps(rows))
 '''
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trees", nargs="+", help="package copies (directories with pitgen/)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args(argv)
-    trees = [os.path.abspath(t) for t in args.trees]
-    for t in trees:
-        if not all(os.path.isdir(os.path.join(t, sub)) for sub in ("pitgen", "templates")):
-            ap.error(f"{t} holds no pitgen/ and templates/")
-    failed = 0
-    for rnd in range(args.rounds):
-        for tree in trees:
-            p = subprocess.run([sys.executable, "-c", CHILD, tree, str(args.repeats)],
-                               capture_output=True, text=True, cwd=tree)
-            lines = [ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            if p.returncode or not lines:
-                failed += 1
-                print(f"round {rnd}, {tree}: failed\n{p.stderr[-3000:]}", flush=True)
-                continue
-            for name, row in json.loads(lines[-1]).items():
-                kernels = "  ".join(f"{k} {v:6.1f}" for k, v in row.items()
-                                    if k not in ("whole", "err"))
-                print(f"round {rnd}  {os.path.basename(tree):12s} {name:16s} whole "
-                      f"{row['whole']:6.1f} us  {kernels}  err {row['err']:.1e}", flush=True)
-    return 1 if failed else 0
+def show(case: str, row: dict) -> str:
+    kernels = "  ".join(f"{k} {v:6.1f}" for k, v in row.items() if k not in ("whole", "err"))
+    return f"{case:16s} whole {row['whole']:6.1f} us  {kernels}  err {row['err']:.1e}"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ab.main(CHILD, show, __doc__))
