@@ -277,21 +277,17 @@ __device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_
 {
     const int g = by;
     // TPT threads per tile, one 16-byte vector of VEC elements each; a CTA tests PER_CTA tiles
-    // (ids x0 ..) in ROUNDS rounds whose loads are all in flight before a tile's lanes vote.
-    // (The warp strategy's one warp per 1 x 64 tile, 2-byte loads, 8 tiles per CTA: 32,768
-    // CTAs for a 4096^2 operand, 0.044-0.050 ms on an H200, 2.2-2.5x a copy of it.)
+    // (ids x0 ..) in ROUNDS rounds of TPR, all ROUNDS loads of a thread in flight before a
+    // tile's lanes vote (32 KB a CTA: lower.INDEX_VECTOR_LOADS). A round's ids share a list.
     static_assert(!false, "the vector strategy lists ids only");
-    constexpr int VEC = 16 / (int)sizeof(elem_t), TPT = L / VEC, PER_CTA = 64;
+    constexpr int VEC = 16 / (int)sizeof(elem_t), TPT = L / VEC, PER_CTA = 256;
     constexpr int TPR = 256 / TPT, ROUNDS = PER_CTA / TPR;   // tiles per round, rounds
-    static_assert(L % VEC == 0 && 32 % TPT == 0 && PER_CTA % TPR == 0, "tiles of whole vectors within a warp");
+    static_assert(L % VEC == 0 && 32 % TPT == 0 && PER_CTA % TPR == 0 && ROUNDS <= 256,
+                  "tiles of whole vectors within a warp");
     constexpr uint32_t VALUE_BITS = sizeof(elem_t) == 2 ? 0x7fff7fffu : 0x7fffffffu;  // sign bits off
     const int part = threadIdx.x % TPT, x0 = bx * PER_CTA;
-    static_assert(ID_BLOCK % PER_CTA == 0, "a CTA's ids share one list");
-    const size_t list = (size_t)g * ((n_id + ID_BLOCK - 1) / ID_BLOCK) + x0 / ID_BLOCK;
-    int* const counter = counts + list;
-    int* const out = ids + list * ID_BLOCK;
-    if (zero_next != nullptr && threadIdx.x == 0 && x0 % ID_BLOCK == 0)
-        zero_next[counter - counts] = 0;  // the other counts buffer, for the next launch
+    static_assert(ID_BLOCK % TPR == 0, "a round's ids share one list");
+    const size_t nblk = (n_id + ID_BLOCK - 1) / ID_BLOCK;
     const int l0 = g * L + part * VEC;   // this thread's first element along long
     const bool wide = mask == nullptr && s_long == 1 && s_id % VEC == 0 && n_long % VEC == 0
                       && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
@@ -315,17 +311,43 @@ __device__ __forceinline__ void index_cta(const elem_t* __restrict__ src, int s_
             }
         }
     }
+    // Every round's tiles are appended at once: a count per round and warp, then one atomic per
+    // round, each by its own thread (rounds appended one after another, a block_append each,
+    // were a chain of eight atomics and sixteen barriers: the pass took 24.7 us instead of 20.8).
+    __shared__ int s_count[ROUNDS][8];   // per round and warp: tiles, then the warp's offset
+    __shared__ int s_base[ROUNDS];
+    const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+    unsigned ballot[ROUNDS];
     #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
         bool any = nz[r];
         #pragma unroll
         for (int o = TPT / 2; o > 0; o >>= 1) any |= __shfl_xor_sync(0xffffffffu, any, o);
-        const int x = x0 + r * TPR + (int)threadIdx.x / TPT;
-        const int slot = block_append(part == 0 && any && x < n_id, counter);
-        if (slot >= 0) {
-            out[slot] = x;
+        ballot[r] = __ballot_sync(0xffffffffu, part == 0 && any);   // x < n_id: nz is false past it
+        if (lane == 0) s_count[r][warp] = __popc(ballot[r]);
+    }
+    __syncthreads();
+    if (threadIdx.x < ROUNDS) {
+        const int r = (int)threadIdx.x, xr = x0 + r * TPR;   // the round's first id
+        const size_t list = (size_t)g * nblk + xr / ID_BLOCK;
+        if (zero_next != nullptr && xr < n_id && xr % ID_BLOCK == 0)
+            zero_next[list] = 0;  // the other counts buffer, for the next launch
+        int total = 0;
+        #pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            const int c = s_count[r][w];
+            s_count[r][w] = total;
+            total += c;
         }
-        __syncthreads();   // block_append's shared counts are read before the next round's
+        s_base[r] = total ? atomicAdd(counts + list, total) : 0;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        if (!(ballot[r] >> lane & 1u)) continue;
+        const int x = x0 + r * TPR + (int)threadIdx.x / TPT;
+        const int slot = s_base[r] + s_count[r][warp] + __popc(ballot[r] & ((1u << lane) - 1u));
+        ids[((size_t)g * nblk + (x0 + r * TPR) / ID_BLOCK) * ID_BLOCK + slot] = x;
     }
 }
 
@@ -1100,7 +1122,7 @@ constexpr int64_t INT32_LIMIT = 2147483647;
 constexpr int64_t GRID_LIMIT = 65535;  // grid y and z
 constexpr int BM = 512;  // rows of an index group and of a tile (every variant's)
 constexpr int TK = 64;  // extent of one micro-tile along k: one k-tile of the row index
-constexpr int INDEX_PER_BLOCK = 64;  // micro-tiles (or blocks) one index block tests
+constexpr int INDEX_PER_BLOCK = 256;  // micro-tiles (or blocks) one index block tests
 
 thread_local const char* last_error = "";
 

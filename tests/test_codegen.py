@@ -16,7 +16,7 @@ import pytest
 import pitgen
 from pitgen import compiler
 from pitgen import lower as lower_mod
-from pitgen.lower import Layout, Schedule, fuse, gemm_form, geometry, lower
+from pitgen.lower import INDEX_VECTOR_LOADS, Layout, Schedule, fuse, gemm_form, geometry, lower
 from pitgen.ops.matmul import MATMUL
 
 
@@ -108,7 +108,8 @@ def test_rows_index_takes_vectors_only_where_its_template_fits(dtype):
             tpt = tk * size // 16
             want = "thread" if form_name == "AtB" else "vector" if 4 <= tpt <= 32 else "warp"
             assert ix.strategy == want, (form_name, tk, ix.strategy)
-            assert ix.per_block == {"vector": 64, "warp": 8, "thread": 256}[ix.strategy]
+            assert ix.per_block == {"vector": INDEX_VECTOR_LOADS * 256 // max(tpt, 1), "warp": 8,
+                                    "thread": 256}[ix.strategy]
 
 
 HOPPER_KINDS = ("dense", "block")
