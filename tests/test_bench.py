@@ -424,6 +424,24 @@ def test_ceilings_are_plausible():
     assert all(1 < v < 10_000 for v in c.matmul_tflops.values())
 
 
+@pytest.mark.gpu
+def test_read_probe_streams_an_operand_no_faster_than_a_copy_moves_bytes():
+    """``read_ms``, the index pass's floor in ``pitgen bench matmul``: one read of A, at most
+    the copy's bytes per ms (a copy reads and writes), and refused for rows it cannot read."""
+    import torch
+
+    from pitgen.bench import Timer, measure_ceilings
+    from pitgen.bench.probe import read_ms
+
+    timer = Timer(repeats=3)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    ms = read_ms(timer, a)
+    copy = measure_ceilings(timer, copy_mib=64, matmul_n=256).copy_bytes_per_ms
+    assert 0 < ms and 1e8 < a.nbytes / ms < 1.5 * copy
+    with pytest.raises(ValueError, match="512-byte"):
+        read_ms(timer, a[:, :100])
+
+
 def test_dynamic_report_judges_gpu_time_and_names_refusals(tmp_path):
     """pitgen bench dynamic's tables: the speed-up summary against the target, both pitgen
     variants and the peers per case, conversions with their refusals and ratios."""
