@@ -155,8 +155,8 @@ def run(r: Run) -> int:
     lines = [f"# Sparse matmul, fp16, {n}^3, {meta['device']}", "",
              f"dense cuBLAS {dense_ms:.4f} ms ({meta['dense_tflops']:.0f} TFLOP/s); copy of A "
              f"{copy_ms:.4f} ms ({copy_rate / 1e9:.2f} TB/s); one read of A {read:.4f} ms "
-             "(pitgen's probe, rows in order: the index pass's floor; after the L2 flush a read "
-             "also writes back the dirty lines it evicts); gather of B's rows "
+             "(pitgen's probe streaming it in 16-byte loads: the index pass's floor; after "
+             "the L2 flush a read also writes back the dirty lines it evicts); gather of B's rows "
              f"{gather / 1e9:.2f} TB/s (pitgen's probe: 256-byte slabs of random rows, each ~8 "
              "times, within an 8 MB slab of B); first compile "
              f"{meta['first_compile_s']:.2f} s, cached load {meta['cached_load_s']:.3f} s; torch "

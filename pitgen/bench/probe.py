@@ -5,11 +5,12 @@ reduce or write, and measured 1.2 TB/s on an H100 where the micro-tile kernels t
 3-4 TB/s of gathered rows, so a floor priced at their rate sat above the kernels' own times."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ..opspec import OpSpec, Permutation
 
-PROBE = OpSpec("gather probe", "probe.cu.j2", {"pit_gather_probe": "PPiiiiP"},
+PROBE = OpSpec("gather probe", "probe.cu.j2", {"pit_gather_probe": "PPiiiiP",
+                                              "pit_read_probe": "PqP"},
                (Permutation("B rows", "C[m,n] += A[m,k] * B[k,n]", "reduction", "B"),),
                ("float16", "bfloat16", "float32"))
 #: Pieces in flight per lane; enough to cover L2 latency at one CTA of 256 threads per 2 KB.
@@ -25,7 +26,13 @@ def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256,
     kernels' CTAs share in L2, so after the first touch the reads come from L2, as theirs do."""
     import torch
 
-    elem, n_rows = _check(source, piece)
+    from ..runtime import TorchLaunch, device_sms
+
+    if piece % 16 or 512 % piece:
+        raise ValueError(f"piece {piece} B must be a multiple of 16 dividing 512")
+    elem, n_rows = source.element_size(), source.shape[0]
+    if source.stride(1) != 1 or (source.stride(0) * elem) % 16 or source.data_ptr() % 16:
+        raise ValueError("the probe reads 16-byte vectors of rows: contiguous, aligned rows")
     row_bytes = source.shape[1] * elem
     width = max(piece, min(row_bytes, window // max(n_rows, 1)) // piece * piece)
     if width > row_bytes:
@@ -33,47 +40,35 @@ def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256,
     g = torch.Generator(device=source.device).manual_seed(1)
     ids = torch.randint(0, n_rows, (rows,), device=source.device, generator=g,
                         dtype=torch.int32)
-    return rows * width / timer(_probe(source, ids, piece, width))
-
-
-def read_ms(timer: Any, source: Any) -> float:
-    """Device ms of reading the 2-D ``source`` once, every row in order in 512-byte pieces:
-    what a pass over an operand (an index build) takes at best. After the timer's L2 flush a
-    read also writes back the dirty lines it evicts, so it takes longer than half a copy."""
-    import torch
-
-    elem, n_rows = _check(source, 512)
-    width = source.shape[1] * elem
-    if width % 512:
-        raise ValueError(f"rows of {width} B are not whole 512-byte pieces")
-    ids = torch.arange(n_rows, device=source.device, dtype=torch.int32)
-    return timer(_probe(source, ids, 512, width))
-
-
-def _check(source: Any, piece: int) -> tuple[int, int]:
-    """(element bytes, rows) of a source the probe can read in ``piece``-byte slabs."""
-    if piece % 16 or 512 % piece:
-        raise ValueError(f"piece {piece} B must be a multiple of 16 dividing 512")
-    elem = source.element_size()
-    if source.stride(1) != 1 or (source.stride(0) * elem) % 16 or source.data_ptr() % 16:
-        raise ValueError("the probe reads 16-byte vectors of rows: contiguous, aligned rows")
-    return elem, source.shape[0]
-
-
-def _probe(source: Any, ids: Any, piece: int, width: int) -> Callable[[], None]:
-    """The probe's launch: rows ``ids`` of ``source``, ``width`` bytes of each, in pieces."""
-    import torch
-
-    from ..runtime import TorchLaunch, device_sms
-
     sink = torch.zeros(1, dtype=torch.int32, device=source.device)
     mod = PROBE.module({"piece": piece, "loads": LOADS})
     grid = (8 * device_sms(),)
-    stride_vecs = source.stride(0) * source.element_size() // 16
-    rows, n_rows = ids.numel(), source.shape[0]
+    stride_vecs = source.stride(0) * elem // 16
 
     def probe() -> None:
         with TorchLaunch() as tl:
             mod.launch("pit_gather_probe", grid, (THREADS,), tl.stream, source.data_ptr(),
                        ids.data_ptr(), rows, n_rows, width // 16, stride_vecs, sink.data_ptr())
-    return probe
+    return rows * width / timer(probe)
+
+
+def read_ms(timer: Any, source: Any) -> float:
+    """Device ms of streaming the contiguous ``source`` once in 16-byte loads: what a pass over
+    an operand (an index build) takes at best. After the timer's L2 flush a read also writes
+    back the dirty lines it evicts, so it takes longer than half a copy."""
+    import torch
+
+    from ..runtime import TorchLaunch, device_sms
+
+    if not source.is_contiguous() or source.nbytes % 16 or source.data_ptr() % 16:
+        raise ValueError("the read probe streams 16-byte vectors: a contiguous, aligned source "
+                         "of whole vectors")
+    sink = torch.zeros(1, dtype=torch.int32, device=source.device)
+    mod = PROBE.module({"piece": 512, "loads": LOADS})
+    grid = (8 * device_sms(),)
+
+    def read() -> None:
+        with TorchLaunch() as tl:
+            mod.launch("pit_read_probe", grid, (THREADS,), tl.stream, source.data_ptr(),
+                       source.nbytes // 16, sink.data_ptr())
+    return timer(read)
