@@ -1,8 +1,8 @@
 """pitgen's sparse matmul against dense cuBLAS (``pitgen bench matmul``): C = A @ B in fp16,
 A sparse in units of a granularity at several sparsities. The index build and the tile kernel
-are timed apart, then the whole call with its host time; a device copy of A is the index
-build's yardstick, and first-compile / cached-load times are taken in fresh processes (a
-module cache warm in this process would hide them).
+are timed apart, then the whole call with its host time; one read of A (a streaming probe)
+and a device copy of it are the index build's yardsticks, and first-compile / cached-load
+times are taken in fresh processes (a module cache warm in this process would hide them).
 
 Each cell is judged against its floor, measured in the same run: the largest of the tensor
 work (the non-zero units' share of dense cuBLAS time), the compulsory HBM bytes at the copy
