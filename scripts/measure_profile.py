@@ -10,8 +10,12 @@ row-owner kernel walks every k-tile of every row block; densities down to 1% pin
 kind and once per shape (``shapes``: one shape's tiles and elements are proportional, so its fit
 is ``ns_per_element`` and ``walk_ns_per_element``; a kind's shapes may run on different
 mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The index pass is priced per element
-of S, per kind and per shape (the median of their runs). The file names the device it was
-measured on.
+of S, per kind and per shape (the median of their runs). Micro-tiles along m are timed on the
+row-owner kernel at every density (the kind's fit is that kernel's: ``pitgen.compile`` would run
+the sparsest masks on the products kernel, whose compute cannot be timed without its index); the
+products kernel gets its own fit (``products``: whole calls at densities it takes, less the
+shape's index price, over elements of S computed and |S|), which the planner weighs against it.
+The file names the device it was measured on.
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ import torch
 import pitgen
 from pitgen.bench import Timer
 from pitgen.bench.workloads import block_mask
+from pitgen.lower import PRODUCTS_EXTENTS, Schedule, gemm_form, products_fit
+from pitgen.operands import as_operand
+from pitgen.ops.matmul import GemmCall, Launcher
 from pitgen.planner import make_plan
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
@@ -38,6 +45,9 @@ KINDS = {  # profile key -> [(micro_tile, S shape)]
     "micro-spatial": ["1x16", "1x32", "1x64", "1x128"],
 }
 
+
+#: Densities the products kernel is fitted at (each within products_fit for every shape timed).
+PRODUCTS_DENSITIES = (0.02, 0.01, 0.005)
 
 UNIT_PROFILE = {"device": "unit costs (counts work)", "measured": False, "index_ns_per_element": 0.0,
                 "kinds": {k: {"fixed_ns": 0.0, "ns_per_element": 1.0} for k in KINDS}}
@@ -62,6 +72,49 @@ def nonnegative_fit(X: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
     return coef
 
 
+def rows_call(micro: str, A: torch.Tensor, B: torch.Tensor, schedule: Schedule) -> GemmCall:
+    """A call of C = A B with micro-tiles ``micro`` along m on the kernel ``schedule`` names
+    (``Schedule()``: the row-owner kernel; ``rows="products"``: the products kernel), on its
+    launcher's own buffers as the steady state runs it."""
+    op = pitgen.parse(EXPR)
+    out = torch.empty(A.shape[0], B.shape[1], device=A.device, dtype=A.dtype)
+    ops = {"A": as_operand("A", A), "B": as_operand("B", B)}
+    unit = tuple(int(v) for v in micro.split("x"))
+    launcher = Launcher(op, gemm_form(op, "A"), [("micro", "m", unit)], "float16", ops,
+                        as_operand("out", out), False, schedule)
+    return GemmCall(launcher, A, B, out, reuse=True)
+
+
+def products_profile(micros: list[str], shapes: dict, A0: torch.Tensor, B: torch.Tensor,
+                     gen: torch.Generator, timer: Timer) -> dict:
+    """The products kernel's fit: whole calls (index, products, finishing pass) at
+    PRODUCTS_DENSITIES on the shapes it runs, less each shape's index price, fitted to
+    ``ns_per_element * elements + walk_ns_per_element * |S|`` as the planner prices it."""
+    rows, times = [], []
+    for micro in micros:
+        unit = tuple(int(v) for v in micro.split("x"))
+        if unit[1] not in PRODUCTS_EXTENTS:
+            continue
+        for density in PRODUCTS_DENSITIES:
+            mask = block_mask(tuple(A0.shape), unit, density, gen)
+            A = A0 * mask.to(A0.dtype)
+            cand = make_plan(EXPR, "A", mask=mask.cpu().numpy(), micro_tile=micro,
+                             profile=UNIT_PROFILE).choice
+            if not products_fit(cand.nonzero, A.shape[0]):
+                continue
+            call = rows_call(micro, A, B, Schedule(rows="products"))
+            if call.L.spec.gemm.a_mode != "products":   # lowering kept the row-owner kernel
+                continue
+            t = timer(call.run) * 1e6  # ns
+            rows.append((cand.cost, A.numel()))
+            times.append(t - A.numel() * shapes[micro]["index_ns_per_element"])
+            print(f"products         {micro:>7} density {density:.3f}: {t / 1e3:8.1f} us", flush=True)
+    if not rows:
+        raise SystemExit("measure_profile: no shape ran on the products kernel")
+    per, walk = nonnegative_fit(np.asarray(rows, float), np.asarray(times))
+    return {"ns_per_element": per, "walk_ns_per_element": walk}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--size", type=int, default=4096)
@@ -83,8 +136,11 @@ def main() -> None:
             for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1, 0.01)):
                 mask = block_mask((n, n), unit, density, gen)
                 A = A0 * mask.to(A0.dtype)
-                kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro)
-                call = kern.prepare(A, B)
+                if key == "micro-spatial":   # the row-owner kernel, whatever the density
+                    call = rows_call(micro, A, B, Schedule())
+                else:
+                    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro)
+                    call = kern.prepare(A, B)
                 # the planner's own work count: with unit per-element costs, cost == elements
                 cand = make_plan(EXPR, "A", mask=mask.cpu().numpy(), micro_tile=micro,
                                  profile=UNIT_PROFILE).choice
@@ -112,6 +168,8 @@ def main() -> None:
         if key != "dense":
             kinds[key].update(index_ns_per_element=float(np.median(kind_index)), shapes=shapes)
             index_pts += kind_index
+        if key == "micro-spatial":
+            kinds[key]["products"] = products_profile(micros, shapes, A0, B, gen, timer)
     profile = {
         "device": torch.cuda.get_device_name(), "measured": True, "dtype": "float16",
         "note": f"measured by scripts/measure_profile.py: A {n}x{n}, B {n} wide, fp16, "
@@ -126,6 +184,7 @@ def main() -> None:
     with open(args.write, "w") as f:
         f.write(text)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "measured.json"), "w") as f:
             f.write(text)
     print(text)
