@@ -38,6 +38,7 @@ from pitgen.ops.matmul import GemmCall, Launcher
 from pitgen.planner import make_plan
 
 EXPR = "C[m,n] += A[m,k] * B[k,n]"
+OP = pitgen.parse(EXPR)
 KINDS = {  # profile key -> [(micro_tile, S shape)]
     "dense": ["dense"],
     "block": ["32x32", "32x64", "64x64", "128x128"],
@@ -76,11 +77,10 @@ def rows_call(micro: str, A: torch.Tensor, B: torch.Tensor, schedule: Schedule) 
     """A call of C = A B with micro-tiles ``micro`` along m on the kernel ``schedule`` names
     (``Schedule()``: the row-owner kernel; ``rows="products"``: the products kernel), on its
     launcher's own buffers as the steady state runs it."""
-    op = pitgen.parse(EXPR)
     out = torch.empty(A.shape[0], B.shape[1], device=A.device, dtype=A.dtype)
     ops = {"A": as_operand("A", A), "B": as_operand("B", B)}
     unit = tuple(int(v) for v in micro.split("x"))
-    launcher = Launcher(op, gemm_form(op, "A"), [("micro", "m", unit)], "float16", ops,
+    launcher = Launcher(OP, gemm_form(OP, "A"), [("micro", "m", unit)], "float16", ops,
                         as_operand("out", out), False, schedule)
     return GemmCall(launcher, A, B, out, reuse=True)
 
