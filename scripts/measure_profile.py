@@ -177,7 +177,10 @@ def main() -> None:
         "units": {"fixed_ns": "ns per dense tile", "ns_per_element": "ns per element of S computed",
                   "walk_ns_per_element": "ns per element of S, paid whatever the density",
                   "index_ns_per_element": "ns per element of S, paid once by every non-dense kind",
-                  "shapes": "a shape's own fit and index, which override its kind's"},
+                  "shapes": "a shape's own fit and index, which override its kind's",
+                  "products": "micro-spatial only: the products kernel's fit (ns per element of S "
+                              "computed, and per element of S whatever the density), for masks of at "
+                              "most two micro-tiles per row of S on average (lower.PRODUCTS_SLOTS_PER_ROW)"},
         "kinds": kinds, "index_ns_per_element": float(np.median(index_pts)),
     }
     text = json.dumps(profile, indent=2) + "\n"
