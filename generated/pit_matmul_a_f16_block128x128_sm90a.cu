@@ -335,6 +335,11 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+// The registers a thread of a CTA of `threads` gets at launch (__launch_bounds__(threads, 1)):
+// setmaxnreg only moves registers within that allocation, and a consumer's setmaxnreg.inc
+// beyond what the producer's .dec released waits forever (a hang, not an error; session 45),
+// so each warp-specialized kernel asserts its split against this.
+constexpr int launch_regs(int threads) { return 65536 / threads / 8 * 8; }
 template <int R> __device__ __forceinline__ void regs_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(R));
 }
@@ -634,10 +639,10 @@ constexpr bool B_KMAJOR = false;  // smem B is [BN][BK] (else [BN/64][BK][64])
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr uint32_t TMA_BYTES = A_BYTES + B_BYTES;  // one expect_tx arrival completes a stage
 constexpr int MN_BLOCK = BK * 128;  // bytes of one 64-wide column block of an MN-major tile
-// Registers per thread after setmaxnreg: 128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS)
-// stays within the SM's 64K.
+// Registers per thread after setmaxnreg, within what the launch gave the CTA.
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 512, "register file");
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * sm90::launch_regs(THREADS),
+              "setmaxnreg within the launch's registers");
 static_assert(BK == 64, "one 128-byte swizzle row of k per tile row");
 static_assert(BM == 64 * WGM && BN == WTN * WGN && WTN % 64 == 0 && WTN <= 256, "tile shape");
 static_assert(!PINGPONG || (WGN == 1 && HALVES * WTN / 2 <= 128), "ping-pong accumulators");
