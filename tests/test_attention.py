@@ -301,7 +301,7 @@ def test_forward_waits_for_the_index_it_is_launched_behind():
     plan = A.plan_attention(1, 1, 100, 130, 64, "float16", (100, 130), 0, "sm_90")
     src = A.ATTENTION.source(plan.context())
     assert "griddepcontrol.wait" in src.split("wait_for_prior_grid() {")[1].split("}")[0]
-    for name in ("pit_attention", "pit_attention_vec"):
+    for name in ("pit_attention_tma", "pit_attention_tma_vec"):
         body = src.split(f"\n{name}(")[1].split(")\n{", 1)[1]
         code = [ln.strip() for ln in body.splitlines()
                 if ln.strip() and not ln.strip().startswith("//")]
@@ -338,9 +338,13 @@ def test_render_names_the_kernels():
     src = _source(128, "bfloat16")
     assert src == _source(128, "bfloat16")
     fused = _source(128, "bfloat16", fused=True)
-    names = {n: fused if "fused" in n else src for n in A.ATTENTION.kernels}
-    for name, text in names.items():   # each kernel in its own module, not in the other
-        assert f"\n{name}(" in text and f"\n{name}(" not in (src if text is fused else fused)
+    hopper = _source(128, "bfloat16", "sm_90")   # the forward's K/V by TMA: other names
+    names = {n: fused if "fused" in n else hopper if "tma" in n else src
+             for n in A.ATTENTION.kernels}
+    for name, text in names.items():   # each forward in its own module, not in the others
+        assert f"\n{name}(" in text
+        if name.startswith("pit_attention"):
+            assert not any(f"\n{name}(" in t for t in (src, fused, hopper) if t is not text)
     assert "constexpr int D = 128;" in src and "__nv_bfloat16" in src
     # the prepared signatures match the kernels' parameter counts
     for name, sig in A.ATTENTION.kernels.items():

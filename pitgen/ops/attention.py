@@ -42,7 +42,7 @@ from ..limits import INDEX_THREADS
 from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
 from ..runtime import (KEPT_SCRATCH, TorchLaunch, capturing, device_arch, kept_buffer,
-                       kept_scratch, stream_counters)
+                       kept_scratch, stream_counters, tensor_map)
 from . import lazy_torch_classes
 from .library import tracing
 
@@ -115,6 +115,9 @@ ATTENTION = OpSpec(
     {"pit_attn_index_vec": "Piii" + "P" * 14 + "i", "pit_attn_index_byte": "Piii" + "P" * 14 + "i",
      "pit_attention": "PPPPPPPPiiiiiiifPPPiPPPiiiPP",
      "pit_attention_vec": "PPPPPPPPiiiiiiifPPPiPPPiiiPP",
+     # sm_90a: K's and V's TMA maps first
+     "pit_attention_tma": "MMPPPPPPPPiiiiiiifPPPiPPPiiiPP",
+     "pit_attention_tma_vec": "MMPPPPPPPPiiiiiiifPPPiPPPiiiPP",
      **dict.fromkeys(("pit_attention_fused", "pit_attention_fused_vec"),
                      "Piii" + "P" * 14 + "iP" + "iiii" + "PPPPP" + "iiii" + "f" + "ii" + "PP")},
     permutes=(
@@ -184,6 +187,25 @@ class AttentionPlan:
         return self.bm // 16
 
     @property
+    def tma(self) -> bool:
+        """The forward's block tiles by TMA (sm_90a, a launch of its own): one thread issues a
+        block's K/V boxes instead of 128 threads' cp.async addressing."""
+        return self.wgmma and not self.fused
+
+    def forward_kernel(self, vec: bool) -> str:
+        """The forward kernel's name: the mask tiles by cp.async (``vec``) or read in place."""
+        return ("pit_attention_tma" if self.tma else "pit_attention") + ("_vec" if vec else "")
+
+    def kv_maps(self, k: Any, v: Any) -> tuple[bytes, ...]:
+        """The TMA maps the forward kernel takes first (none without ``tma``): K and V as
+        [batch x K/V head][Sk][D], a box of BN rows x 64 columns (one 128-byte swizzle row)."""
+        if not self.tma:
+            return ()
+        dims = (self.d, self.sk, self.batch * self.kv_heads)
+        return tuple(tensor_map(t.data_ptr(), self.dtype, dims, (self.d, self.sk * self.d),
+                                (64, self.bn, 1)) for t in (k, v))
+
+    @property
     def n_qb(self) -> int:
         return -(-self.sq // self.bm)
 
@@ -247,7 +269,7 @@ class AttentionPlan:
     def static_smem(self) -> int:
         """Static shared memory of the attention kernel, at most: the gathered ids' ring
         (``IDS_RING`` tiles of BN ids: 2 * stages - 2, at least 2) and a few words."""
-        return 4 * self.bn * max(2, 2 * self.stages - 2) + 64
+        return 4 * self.bn * max(2, 2 * self.stages - 2) + 64 + (8 * self.stages if self.tma else 0)
 
     @property
     def mask_strides(self) -> tuple[int, int]:
@@ -282,7 +304,7 @@ class AttentionPlan:
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": self.mask_row,
                 "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, "wgmma": self.wgmma,
-                "fused": self.fused, **STATE_NAMES}
+                "fused": self.fused, "tma": self.tma, **STATE_NAMES}
 
     # -- backward --
 
@@ -713,10 +735,11 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
             idx = (_index(kernels, plan, mask, launch) if index is None
                    else _given_index(plan, index, q.device))
         sb, sh = plan.mask_strides
-        name = "pit_attention_vec" if _vector_mask(plan, mask) else "pit_attention"
+        name = plan.forward_kernel(_vector_mask(plan, mask))
         dense, _keep = _dense_args(plan, mask, launch.stream, q.device)
         kernels.launch(name, plan.forward_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                       launch.stream, *plan.kv_maps(k, v), q.data_ptr(), k.data_ptr(),
+                       v.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), _ptr(mask),
                        idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk, plan.heads,
                        plan.group, sb, sh, plan.n_kb, scale * LOG2E,
@@ -934,7 +957,7 @@ class _EagerForward:
             self.index = None if mask is None else kernels.bind(
                 "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
                 (INDEX_THREADS, 1, 1))
-            self.attend = kernels.bind("pit_attention_vec" if vec else "pit_attention",
+            self.attend = kernels.bind(plan.forward_kernel(vec),
                                        plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem,
                                        early=plan.wgmma)
         #: the index grid's extents and the forward grid's width (the fused kernel's arguments)
@@ -1044,7 +1067,8 @@ class _EagerForward:
                 else:
                     if mask is not None:
                         self.index(s, *_index_args(plan, mptr, counters, arrays))
-                    self.attend(s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                    self.attend(s, *self.plan.kv_maps(k, v), q.data_ptr(), k.data_ptr(),
+                                v.data_ptr(), out.data_ptr(),
                                 0 if lse is None else lse.data_ptr(), mptr, states, order,
                                 *self.sizes, scale * LOG2E, counts, keys, bits, cap,
                                 dense, drows, dcount, *self.dense, ws, merge)
