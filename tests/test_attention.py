@@ -288,6 +288,24 @@ def test_hopper_plan_multiplies_on_wgmma():
     assert "wgmma.mma_async" not in A.ATTENTION_BWD.source(plan.backward_context())
 
 
+@pytest.mark.parametrize("d", (64, 128))
+def test_hopper_forward_loads_its_block_tiles_by_tma(d):
+    """On sm_90a the forward takes K's and V's TMA maps first and one thread issues a block's
+    boxes (D / 64 per operand) on its stage's barrier; gathered tiles keep their cp.async rows.
+    The one-launch module and the sm_80 forward keep cp.async for every tile."""
+    plan = A.plan_attention(1, 2, 300, 333, d, "float16", (300, 333), 0, "sm_90")
+    assert plan.tma and plan.forward_kernel(True) == "pit_attention_tma_vec"
+    src = A.ATTENTION.source(plan.context())
+    head = src.split("\npit_attention_tma_vec(")[1].split(")\n{")[0]
+    assert head.startswith("const __grid_constant__ CUtensorMap kmap, const __grid_constant__ CUtensorMap vmap")
+    assert src.count("sm90::tma_load_3d(") == 2 and "c < D / 64" in src
+    assert "load_gathered(" in src.split("auto load_tile_g")[1].split("};")[0]
+    sm80 = A.plan_attention(1, 2, 300, 333, d, "float16", (300, 333))
+    assert sm80.forward_kernel(False) == "pit_attention"
+    for other in (replace(plan, fused=True), sm80):
+        assert not other.tma and "tma_load_3d(sK" not in A.ATTENTION.source(other.context())
+
+
 def test_forward_waits_for_the_index_it_is_launched_behind():
     """On sm_90 the forward is a programmatic dependent launch (runtime's cuLaunchKernelEx):
     its grid is launched while the index pass completes, so its first statement waits for the
