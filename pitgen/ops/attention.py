@@ -304,7 +304,8 @@ class AttentionPlan:
                 "warps": self.warps, "kpc": self.kpc, "index_threads": INDEX_THREADS,
                 "stages": self.stages, "min_blocks": self.min_blocks, "mask_row": self.mask_row,
                 "gather_max": GATHER_MAX, "dense_rows_max": DENSE_ROWS_MAX, "wgmma": self.wgmma,
-                "fused": self.fused, "tma": self.tma, **STATE_NAMES}
+                "fused": self.fused, "tma": self.tma, "forward_name": self.forward_kernel(False),
+                **STATE_NAMES}
 
     # -- backward --
 
