@@ -225,6 +225,14 @@ SCHEDULES = {128: (128, 64, 2, 4, 3), 64: (256, 32, 2, 4, 4), 32: (256, 32, 1, 4
              16: (128, 32, 1, 4, 3)}
 
 
+#: Packed micro-tiles along k in fp16/bf16 on sm_90, which stay on mma.sync there
+#: (docs/hopper.md): one schedule for every m extent (BN, BK, warps along m and n, stages),
+#: from a sweep on an H200 (fp16 4096^3 at 50, 10 and 1% density, session 47;
+#: docs/performance.md): at 10%, 64x1 118 -> 81 us, 128x1 78 -> 70, 32x1 118 -> 115 against
+#: SCHEDULES (tuned on an H100 for sm_80), which the other archs and fp32 (whose 128-row tile
+#: would spill at one warp along m) keep.
+PACKED_SM90 = (128, 32, 1, 4, 3)
+
 #: Copies per thread and k-step of a B' tile that no vector load can move (an unaligned or
 #: odd-strided B'), beyond which the default BN halves (down to 64): each copy is an unrolled
 #: scalar load with its own pointer, and a 256-wide tile of them (128 per thread) took nvcc
@@ -549,7 +557,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
     if bm not in SCHEDULES:
         raise PlanError(f"tile {bm}x{tk or bk} of {sparse} does not fit the {dtype} mma shape "
                         f"(m extent 16, 32, 64 or 128)")
-    bn, bk_def, wm, wn, stages = SCHEDULES[bm]
+    packed_sm90 = a_mode == "packed" and arch in WGMMA_ARCHS and dtype != "float32"
+    bn, bk_def, wm, wn, stages = PACKED_SM90 if packed_sm90 else SCHEDULES[bm]
     if schedule.bn:
         bn = schedule.bn
         wm, wn = _warps(bm, bn)

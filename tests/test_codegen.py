@@ -291,6 +291,24 @@ def test_hopper_devices_get_wgmma_where_the_plan_allows():
     assert {why: s.gemm.mainloop for why, s in keep.items()} == dict.fromkeys(keep, "mma_sync")
 
 
+def test_packed_micro_tiles_take_the_hopper_schedule_on_sm_90():
+    """Packed micro-tiles along k stay on mma.sync on sm_90 with lower.PACKED_SM90 (tuned there)
+    in 16-bit types; sm_80 and fp32 keep the table of m extents, an override wins."""
+    op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
+    lay = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
+
+    def knobs(tm, dtype="float16", arch="sm_90", schedule=Schedule()):
+        g = lower(op, "A", "micro", "k", (tm, 1), dtype, lay, schedule=schedule, arch=arch).gemm
+        return g.mainloop, (g.bn, g.bk, g.wm, g.wn, g.stages)
+
+    for tm in (16, 32, 64, 128):
+        for dtype in ("float16", "bfloat16"):
+            assert knobs(tm, dtype) == ("mma_sync", lower_mod.PACKED_SM90)
+        assert knobs(tm, arch="sm_80")[1] == lower_mod.SCHEDULES[tm]
+        assert knobs(tm, "float32") == knobs(tm, "float32", arch="sm_80")
+    assert knobs(64, schedule=Schedule(bn=256, wm=2, wn=4, stages=4))[1] == (256, 32, 2, 4, 4)
+
+
 def test_block_plans_take_the_split_wgmma_tile_of_dense_plans():
     """Block plans and dense ones alike: 128 x 256 tiles split between two consumer warpgroups
     (ping-pong only where lower.PINGPONG asks for it)."""
