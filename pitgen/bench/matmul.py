@@ -105,7 +105,7 @@ def run(r: Run) -> int:
     copy_ms = timer(lambda: dst.copy_(a0))
     copy_rate = 2 * a0.nbytes / copy_ms               # bytes read + written per ms
     read = read_ms(timer, a0)                         # A streamed once: the index pass's floor
-    gather = gather_rate(timer, b, 8 * n)   # B's rows, each ~8 times, 256-byte slabs of 8 MB
+    gather = gather_rate(timer, b, 8 * n)   # B's rows, 256-byte slabs of 8 MB, 8 and 72 per row
     progress = Progress(len(grans) * len(sps))
     rows = []
     for gran in grans:
