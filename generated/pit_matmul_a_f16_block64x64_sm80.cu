@@ -180,11 +180,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // Asynchronous global->shared copy of BYTES bytes; bytes past src_bytes are zero-filled, so an
-// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros.
-template <int BYTES>
+// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros. 16-byte copies bypass L1
+// (.cg) unless L1: the packed micro-tile kernel's scattered B rows gather faster through it on
+// the H200 (scratch probe of the 32x1 pattern: .cg 5.3, .ca 7.0 TB/s; session 48), where the
+// row-owner and attention kernels measured 1-10% slower with it.
+template <int BYTES, bool L1 = false>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
     const int src_bytes = valid ? BYTES : 0;
-    if constexpr (BYTES == 16) {
+    if constexpr (BYTES == 16 && !L1) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
     } else {
@@ -222,11 +225,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy VEC elements global->shared. VEC*sizeof(elem_t) in {4, 8, 16} goes through cp.async;
 // smaller copies are plain loads (the operand's layout or alignment allows nothing wider).
 // The caller passes a dereferenceable src even when !valid (it is then not read).
-template <int VEC>
+template <int VEC, bool L1 = false>
 __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid) {
     constexpr int BYTES = VEC * (int)sizeof(elem_t);
     if constexpr (BYTES >= 4) {
-        cp_async<BYTES>(dst, src, valid);
+        cp_async<BYTES, L1>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
     }
@@ -347,6 +350,8 @@ constexpr int A_VEC = 8, B_VEC = 8;
 constexpr bool A_KCONTIG = true;  // smem A is [BM][BK] (else [BK][BM])
 constexpr bool B_NCONTIG = true;  // smem B is [BK][BN] (else [BN][BK])
 constexpr int PAD = 8;
+// Copies through L1 in packed mode (its gather of B' rows is faster so; common.cuh cp_async).
+constexpr bool L1 = false;
 constexpr int A_LD = A_KCONTIG ? BK + PAD : BM + PAD;
 constexpr int B_LD = B_NCONTIG ? BN + PAD : BK + PAD;
 constexpr int A_STAGE = A_KCONTIG ? BM * A_LD : BK * A_LD;
@@ -419,11 +424,10 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     // are computed once (nullptr: outside the operand); a k-iteration only adds its k offset, or
     // reads the gathered ids (SRead) for the sparse modes.
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
-    constexpr int B_CHUNKS = BK * BN / B_VEC;
-    constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
-    int b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER];
     const elem_t* a_base[A_PER];
+    constexpr int B_CHUNKS = BK * BN / B_VEC, B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
+    int b_soff[B_PER], b_j[B_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
     for (int q = 0; q < A_PER; ++q) {
@@ -457,7 +461,7 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
             const int k = k0 + a_j[q];
             const bool ok = a_base[q] != nullptr && k < kend;
             const elem_t* src = ok ? a_base[q] + (size_t)k * p.sa_k : p.a;
-            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC>(as + a_soff[q], src, ok);
+            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC, L1>(as + a_soff[q], src, ok);
         }
         #pragma unroll
         for (int q = 0; q < B_PER; ++q) {
@@ -481,15 +485,19 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         if (s < iters) load_stage(s, s);
         cp_async_commit();
     }
+    // Stages read (rd) and written (wr) rotate by counters: no division by STAGES per step.
+    int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<STAGES - 2>();
         tile_sync();
         const int nxt = it + STAGES - 1;
-        if (nxt < iters) load_stage(nxt % STAGES, nxt);
+        if (nxt < iters) load_stage(wr, nxt);
         cp_async_commit();
 
-        elem_t* as = As + (it % STAGES) * A_STAGE;
-        elem_t* bs = Bs + (it % STAGES) * B_STAGE;
+        elem_t* as = As + rd * A_STAGE;
+        elem_t* bs = Bs + rd * B_STAGE;
+        rd = rd + 1 == STAGES ? 0 : rd + 1;
+        wr = wr + 1 == STAGES ? 0 : wr + 1;
         #pragma unroll
         for (int kk = 0; kk < BK; kk += KSTEP) {
             uint32_t af[MI][4];
@@ -713,11 +721,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // Asynchronous global->shared copy of BYTES bytes; bytes past src_bytes are zero-filled, so an
-// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros.
-template <int BYTES>
+// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros. 16-byte copies bypass L1
+// (.cg) unless L1: the packed micro-tile kernel's scattered B rows gather faster through it on
+// the H200 (scratch probe of the 32x1 pattern: .cg 5.3, .ca 7.0 TB/s; session 48), where the
+// row-owner and attention kernels measured 1-10% slower with it.
+template <int BYTES, bool L1 = false>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
     const int src_bytes = valid ? BYTES : 0;
-    if constexpr (BYTES == 16) {
+    if constexpr (BYTES == 16 && !L1) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
     } else {
@@ -755,11 +766,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy VEC elements global->shared. VEC*sizeof(elem_t) in {4, 8, 16} goes through cp.async;
 // smaller copies are plain loads (the operand's layout or alignment allows nothing wider).
 // The caller passes a dereferenceable src even when !valid (it is then not read).
-template <int VEC>
+template <int VEC, bool L1 = false>
 __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid) {
     constexpr int BYTES = VEC * (int)sizeof(elem_t);
     if constexpr (BYTES >= 4) {
-        cp_async<BYTES>(dst, src, valid);
+        cp_async<BYTES, L1>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
     }
@@ -804,6 +815,8 @@ constexpr int A_VEC = 1, B_VEC = 1;
 constexpr bool A_KCONTIG = true;  // smem A is [BM][BK] (else [BK][BM])
 constexpr bool B_NCONTIG = true;  // smem B is [BK][BN] (else [BN][BK])
 constexpr int PAD = 8;
+// Copies through L1 in packed mode (its gather of B' rows is faster so; common.cuh cp_async).
+constexpr bool L1 = false;
 constexpr int A_LD = A_KCONTIG ? BK + PAD : BM + PAD;
 constexpr int B_LD = B_NCONTIG ? BN + PAD : BK + PAD;
 constexpr int A_STAGE = A_KCONTIG ? BM * A_LD : BK * A_LD;
@@ -876,11 +889,10 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     // are computed once (nullptr: outside the operand); a k-iteration only adds its k offset, or
     // reads the gathered ids (SRead) for the sparse modes.
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
-    constexpr int B_CHUNKS = BK * BN / B_VEC;
-    constexpr int B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
-    int b_j[B_PER];
+    int a_soff[A_PER], a_j[A_PER];
     const elem_t* a_base[A_PER];
+    constexpr int B_CHUNKS = BK * BN / B_VEC, B_PER = (B_CHUNKS + THREADS - 1) / THREADS;
+    int b_soff[B_PER], b_j[B_PER];
     const elem_t* b_base[B_PER];
     #pragma unroll
     for (int q = 0; q < A_PER; ++q) {
@@ -914,7 +926,7 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
             const int k = k0 + a_j[q];
             const bool ok = a_base[q] != nullptr && k < kend;
             const elem_t* src = ok ? a_base[q] + (size_t)k * p.sa_k : p.a;
-            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC>(as + a_soff[q], src, ok);
+            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC, L1>(as + a_soff[q], src, ok);
         }
         #pragma unroll
         for (int q = 0; q < B_PER; ++q) {
@@ -938,15 +950,19 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         if (s < iters) load_stage(s, s);
         cp_async_commit();
     }
+    // Stages read (rd) and written (wr) rotate by counters: no division by STAGES per step.
+    int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<STAGES - 2>();
         tile_sync();
         const int nxt = it + STAGES - 1;
-        if (nxt < iters) load_stage(nxt % STAGES, nxt);
+        if (nxt < iters) load_stage(wr, nxt);
         cp_async_commit();
 
-        elem_t* as = As + (it % STAGES) * A_STAGE;
-        elem_t* bs = Bs + (it % STAGES) * B_STAGE;
+        elem_t* as = As + rd * A_STAGE;
+        elem_t* bs = Bs + rd * B_STAGE;
+        rd = rd + 1 == STAGES ? 0 : rd + 1;
+        wr = wr + 1 == STAGES ? 0 : wr + 1;
         #pragma unroll
         for (int kk = 0; kk < BK; kk += KSTEP) {
             uint32_t af[MI][4];

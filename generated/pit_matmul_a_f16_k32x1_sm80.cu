@@ -184,11 +184,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // Asynchronous global->shared copy of BYTES bytes; bytes past src_bytes are zero-filled, so an
-// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros.
-template <int BYTES>
+// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros. 16-byte copies bypass L1
+// (.cg) unless L1: the packed micro-tile kernel's scattered B rows gather faster through it on
+// the H200 (scratch probe of the 32x1 pattern: .cg 5.3, .ca 7.0 TB/s; session 48), where the
+// row-owner and attention kernels measured 1-10% slower with it.
+template <int BYTES, bool L1 = false>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
     const int src_bytes = valid ? BYTES : 0;
-    if constexpr (BYTES == 16) {
+    if constexpr (BYTES == 16 && !L1) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
     } else {
@@ -226,11 +229,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy VEC elements global->shared. VEC*sizeof(elem_t) in {4, 8, 16} goes through cp.async;
 // smaller copies are plain loads (the operand's layout or alignment allows nothing wider).
 // The caller passes a dereferenceable src even when !valid (it is then not read).
-template <int VEC>
+template <int VEC, bool L1 = false>
 __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid) {
     constexpr int BYTES = VEC * (int)sizeof(elem_t);
     if constexpr (BYTES >= 4) {
-        cp_async<BYTES>(dst, src, valid);
+        cp_async<BYTES, L1>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
     }
@@ -369,6 +372,8 @@ constexpr int A_VEC = 8, B_VEC = 8;
 constexpr bool A_KCONTIG = false;  // smem A is [BM][BK] (else [BK][BM])
 constexpr bool B_NCONTIG = true;  // smem B is [BK][BN] (else [BN][BK])
 constexpr int PAD = 8;
+// Copies through L1 in packed mode (its gather of B' rows is faster so; common.cuh cp_async).
+constexpr bool L1 = true;
 constexpr int A_LD = A_KCONTIG ? BK + PAD : BM + PAD;
 constexpr int B_LD = B_NCONTIG ? BN + PAD : BK + PAD;
 constexpr int A_STAGE = A_KCONTIG ? BM * A_LD : BK * A_LD;
@@ -436,17 +441,27 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     const int iters = (cnt + BK - 1) / BK;
     const int* kid = p.ids + (size_t)mt * p.K;
     const elem_t* apack = p.a + (size_t)mt * p.K * BM;
-    // B' rows of the packed micro-tiles, fetched one iteration before their copies are issued
-    // so that the index read's latency hides behind the tensor-core work.
+    // SRead of B': TPR threads share a k row of the tile, each taking every TPR-th piece of it,
+    // so that one warp-wide copy reads 128 contiguous bytes of each of 32 / TPR rows (faster on
+    // the H200 than 256 bytes of 2 rows or 64 of 8), a k-step reads one id per owned row and
+    // the pieces sit at constant offsets from its address. The ids are fetched one iteration
+    // before their copies are issued, so the index read's latency hides behind the tensor cores.
     static_assert(B_NCONTIG, "packed mode gathers whole rows of B'");
-    constexpr int B_PER = (BK * BN / B_VEC + THREADS - 1) / THREADS;
-    int krow[B_PER];
+    constexpr int CPR = BN / B_VEC;                                   // pieces per row
+    constexpr int SEG = 128 / (B_VEC * (int)sizeof(elem_t));          // pieces in 128 bytes
+    constexpr int TPR = CPR < SEG ? CPR : SEG < 32 ? SEG : 32;
+    constexpr int RPP = THREADS / TPR, ROWS = (BK + RPP - 1) / RPP, PIECES = CPR / TPR;
+    static_assert(CPR % TPR == 0 && THREADS % TPR == 0, "row pieces split evenly");
+    const int b_r0 = tid / TPR, b_n = (tid % TPR) * B_VEC;
+    const int sbn = B_VEC > 1 ? 1 : p.sb_n;  // vectors along n only where n is contiguous
+    const bool full_n = n0 + BN <= p.N;
+    const elem_t* b_col = p.b + (size_t)(n0 + b_n) * sbn;
+    int krow[ROWS];
     auto fetch_rows = [&](int it) {
         #pragma unroll
-        for (int q = 0; q < B_PER; ++q) {
-            const int c = tid + q * THREADS;
-            const int s = it * BK + c / (BN / B_VEC);
-            krow[q] = (c < BK * BN / B_VEC && s < cnt) ? index_word(kid + s) : -1;
+        for (int r = 0; r < ROWS; ++r) {
+            const int row = b_r0 + r * RPP, s = it * BK + row;
+            krow[r] = ((RPP * ROWS == BK || row < BK) && s < cnt) ? index_word(kid + s) : -1;
         }
     };
 
@@ -454,10 +469,8 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     // are computed once (nullptr: outside the operand); a k-iteration only adds its k offset, or
     // reads the gathered ids (SRead) for the sparse modes.
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
-    constexpr int B_CHUNKS = BK * BN / B_VEC;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int a_soff[A_PER], a_j[A_PER];
     const elem_t* a_base[A_PER];
-    const elem_t* b_base[B_PER];
     #pragma unroll
     for (int q = 0; q < A_PER; ++q) {
         const int c = tid + q * THREADS;
@@ -467,15 +480,6 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         a_soff[q] = A_KCONTIG ? i * A_LD + j : j * A_LD + i;
         a_j[q] = j;
         a_base[q] = c < A_CHUNKS ? apack + (size_t)j * BM + i : nullptr;
-    }
-    #pragma unroll
-    for (int q = 0; q < B_PER; ++q) {
-        const int c = tid + q * THREADS;
-        int j, n;
-        if constexpr (B_NCONTIG) { j = c / (BN / B_VEC); n = (c % (BN / B_VEC)) * B_VEC; }
-        else                     { n = c / (BK / B_VEC); j = (c % (BK / B_VEC)) * B_VEC; }
-        b_soff[q] = B_NCONTIG ? j * B_LD + n : n * B_LD + j;
-        b_base[q] = (c < B_CHUNKS && n0 + n < p.N) ? p.b + (size_t)(n0 + n) * p.sb_n : nullptr;
     }
 
     // Issue the copies of k-iteration `it` into pipeline stage `st` (SRead for sparse modes).
@@ -487,13 +491,21 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         for (int q = 0; q < A_PER; ++q) {
             const bool ok = a_base[q] != nullptr && s0 + a_j[q] < cnt;
             const elem_t* src = ok ? a_base[q] + (size_t)s0 * BM : p.a;
-            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC>(as + a_soff[q], src, ok);
+            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC, L1>(as + a_soff[q], src, ok);
         }
         #pragma unroll
-        for (int q = 0; q < B_PER; ++q) {
-            const bool ok = b_base[q] != nullptr && krow[q] >= 0;
-            const elem_t* src = ok ? b_base[q] + (size_t)krow[q] * p.sb_k : p.b;
-            if (tid + q * THREADS < B_CHUNKS) copy_chunk<B_VEC>(bs + b_soff[q], src, ok);
+        for (int r = 0; r < ROWS; ++r) {
+            const int row = b_r0 + r * RPP;
+            if (RPP * ROWS != BK && row >= BK) continue;
+            const bool ok = krow[r] >= 0;
+            const elem_t* src = b_col + (size_t)(ok ? krow[r] : 0) * p.sb_k;
+            elem_t* dst = bs + row * B_LD + b_n;
+            #pragma unroll
+            for (int e = 0; e < PIECES; ++e) {
+                // Pieces past N (the last n-tile) are zero-filled from a valid address.
+                const bool in = full_n || n0 + b_n + e * TPR * B_VEC < p.N;
+                copy_chunk<B_VEC, L1>(dst + e * TPR * B_VEC, in ? src + e * TPR * B_VEC * sbn : p.b, ok && in);
+            }
         }
     };
 
@@ -512,16 +524,20 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         cp_async_commit();
     }
     fetch_rows(STAGES - 1);
+    // Stages read (rd) and written (wr) rotate by counters: no division by STAGES per step.
+    int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<STAGES - 2>();
         tile_sync();
         const int nxt = it + STAGES - 1;
-        if (nxt < iters) load_stage(nxt % STAGES, nxt);
+        if (nxt < iters) load_stage(wr, nxt);
         cp_async_commit();
         fetch_rows(nxt + 1);
 
-        elem_t* as = As + (it % STAGES) * A_STAGE;
-        elem_t* bs = Bs + (it % STAGES) * B_STAGE;
+        elem_t* as = As + rd * A_STAGE;
+        elem_t* bs = Bs + rd * B_STAGE;
+        rd = rd + 1 == STAGES ? 0 : rd + 1;
+        wr = wr + 1 == STAGES ? 0 : wr + 1;
         #pragma unroll
         for (int kk = 0; kk < BK; kk += KSTEP) {
             uint32_t af[MI][4];
@@ -745,11 +761,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // Asynchronous global->shared copy of BYTES bytes; bytes past src_bytes are zero-filled, so an
-// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros.
-template <int BYTES>
+// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros. 16-byte copies bypass L1
+// (.cg) unless L1: the packed micro-tile kernel's scattered B rows gather faster through it on
+// the H200 (scratch probe of the 32x1 pattern: .cg 5.3, .ca 7.0 TB/s; session 48), where the
+// row-owner and attention kernels measured 1-10% slower with it.
+template <int BYTES, bool L1 = false>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
     const int src_bytes = valid ? BYTES : 0;
-    if constexpr (BYTES == 16) {
+    if constexpr (BYTES == 16 && !L1) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
     } else {
@@ -787,11 +806,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy VEC elements global->shared. VEC*sizeof(elem_t) in {4, 8, 16} goes through cp.async;
 // smaller copies are plain loads (the operand's layout or alignment allows nothing wider).
 // The caller passes a dereferenceable src even when !valid (it is then not read).
-template <int VEC>
+template <int VEC, bool L1 = false>
 __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid) {
     constexpr int BYTES = VEC * (int)sizeof(elem_t);
     if constexpr (BYTES >= 4) {
-        cp_async<BYTES>(dst, src, valid);
+        cp_async<BYTES, L1>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
     }
@@ -836,6 +855,8 @@ constexpr int A_VEC = 8, B_VEC = 1;
 constexpr bool A_KCONTIG = false;  // smem A is [BM][BK] (else [BK][BM])
 constexpr bool B_NCONTIG = true;  // smem B is [BK][BN] (else [BN][BK])
 constexpr int PAD = 8;
+// Copies through L1 in packed mode (its gather of B' rows is faster so; common.cuh cp_async).
+constexpr bool L1 = true;
 constexpr int A_LD = A_KCONTIG ? BK + PAD : BM + PAD;
 constexpr int B_LD = B_NCONTIG ? BN + PAD : BK + PAD;
 constexpr int A_STAGE = A_KCONTIG ? BM * A_LD : BK * A_LD;
@@ -903,17 +924,27 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     const int iters = (cnt + BK - 1) / BK;
     const int* kid = p.ids + (size_t)mt * p.K;
     const elem_t* apack = p.a + (size_t)mt * p.K * BM;
-    // B' rows of the packed micro-tiles, fetched one iteration before their copies are issued
-    // so that the index read's latency hides behind the tensor-core work.
+    // SRead of B': TPR threads share a k row of the tile, each taking every TPR-th piece of it,
+    // so that one warp-wide copy reads 128 contiguous bytes of each of 32 / TPR rows (faster on
+    // the H200 than 256 bytes of 2 rows or 64 of 8), a k-step reads one id per owned row and
+    // the pieces sit at constant offsets from its address. The ids are fetched one iteration
+    // before their copies are issued, so the index read's latency hides behind the tensor cores.
     static_assert(B_NCONTIG, "packed mode gathers whole rows of B'");
-    constexpr int B_PER = (BK * BN / B_VEC + THREADS - 1) / THREADS;
-    int krow[B_PER];
+    constexpr int CPR = BN / B_VEC;                                   // pieces per row
+    constexpr int SEG = 128 / (B_VEC * (int)sizeof(elem_t));          // pieces in 128 bytes
+    constexpr int TPR = CPR < SEG ? CPR : SEG < 32 ? SEG : 32;
+    constexpr int RPP = THREADS / TPR, ROWS = (BK + RPP - 1) / RPP, PIECES = CPR / TPR;
+    static_assert(CPR % TPR == 0 && THREADS % TPR == 0, "row pieces split evenly");
+    const int b_r0 = tid / TPR, b_n = (tid % TPR) * B_VEC;
+    const int sbn = B_VEC > 1 ? 1 : p.sb_n;  // vectors along n only where n is contiguous
+    const bool full_n = n0 + BN <= p.N;
+    const elem_t* b_col = p.b + (size_t)(n0 + b_n) * sbn;
+    int krow[ROWS];
     auto fetch_rows = [&](int it) {
         #pragma unroll
-        for (int q = 0; q < B_PER; ++q) {
-            const int c = tid + q * THREADS;
-            const int s = it * BK + c / (BN / B_VEC);
-            krow[q] = (c < BK * BN / B_VEC && s < cnt) ? index_word(kid + s) : -1;
+        for (int r = 0; r < ROWS; ++r) {
+            const int row = b_r0 + r * RPP, s = it * BK + row;
+            krow[r] = ((RPP * ROWS == BK || row < BK) && s < cnt) ? index_word(kid + s) : -1;
         }
     };
 
@@ -921,10 +952,8 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
     // are computed once (nullptr: outside the operand); a k-iteration only adds its k offset, or
     // reads the gathered ids (SRead) for the sparse modes.
     constexpr int A_CHUNKS = BM * BK / A_VEC, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
-    constexpr int B_CHUNKS = BK * BN / B_VEC;
-    int a_soff[A_PER], a_j[A_PER], b_soff[B_PER];
+    int a_soff[A_PER], a_j[A_PER];
     const elem_t* a_base[A_PER];
-    const elem_t* b_base[B_PER];
     #pragma unroll
     for (int q = 0; q < A_PER; ++q) {
         const int c = tid + q * THREADS;
@@ -934,15 +963,6 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         a_soff[q] = A_KCONTIG ? i * A_LD + j : j * A_LD + i;
         a_j[q] = j;
         a_base[q] = c < A_CHUNKS ? apack + (size_t)j * BM + i : nullptr;
-    }
-    #pragma unroll
-    for (int q = 0; q < B_PER; ++q) {
-        const int c = tid + q * THREADS;
-        int j, n;
-        if constexpr (B_NCONTIG) { j = c / (BN / B_VEC); n = (c % (BN / B_VEC)) * B_VEC; }
-        else                     { n = c / (BK / B_VEC); j = (c % (BK / B_VEC)) * B_VEC; }
-        b_soff[q] = B_NCONTIG ? j * B_LD + n : n * B_LD + j;
-        b_base[q] = (c < B_CHUNKS && n0 + n < p.N) ? p.b + (size_t)(n0 + n) * p.sb_n : nullptr;
     }
 
     // Issue the copies of k-iteration `it` into pipeline stage `st` (SRead for sparse modes).
@@ -954,13 +974,21 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         for (int q = 0; q < A_PER; ++q) {
             const bool ok = a_base[q] != nullptr && s0 + a_j[q] < cnt;
             const elem_t* src = ok ? a_base[q] + (size_t)s0 * BM : p.a;
-            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC>(as + a_soff[q], src, ok);
+            if (tid + q * THREADS < A_CHUNKS) copy_chunk<A_VEC, L1>(as + a_soff[q], src, ok);
         }
         #pragma unroll
-        for (int q = 0; q < B_PER; ++q) {
-            const bool ok = b_base[q] != nullptr && krow[q] >= 0;
-            const elem_t* src = ok ? b_base[q] + (size_t)krow[q] * p.sb_k : p.b;
-            if (tid + q * THREADS < B_CHUNKS) copy_chunk<B_VEC>(bs + b_soff[q], src, ok);
+        for (int r = 0; r < ROWS; ++r) {
+            const int row = b_r0 + r * RPP;
+            if (RPP * ROWS != BK && row >= BK) continue;
+            const bool ok = krow[r] >= 0;
+            const elem_t* src = b_col + (size_t)(ok ? krow[r] : 0) * p.sb_k;
+            elem_t* dst = bs + row * B_LD + b_n;
+            #pragma unroll
+            for (int e = 0; e < PIECES; ++e) {
+                // Pieces past N (the last n-tile) are zero-filled from a valid address.
+                const bool in = full_n || n0 + b_n + e * TPR * B_VEC < p.N;
+                copy_chunk<B_VEC, L1>(dst + e * TPR * B_VEC, in ? src + e * TPR * B_VEC * sbn : p.b, ok && in);
+            }
         }
     };
 
@@ -979,16 +1007,20 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         cp_async_commit();
     }
     fetch_rows(STAGES - 1);
+    // Stages read (rd) and written (wr) rotate by counters: no division by STAGES per step.
+    int rd = 0, wr = STAGES - 1;
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<STAGES - 2>();
         tile_sync();
         const int nxt = it + STAGES - 1;
-        if (nxt < iters) load_stage(nxt % STAGES, nxt);
+        if (nxt < iters) load_stage(wr, nxt);
         cp_async_commit();
         fetch_rows(nxt + 1);
 
-        elem_t* as = As + (it % STAGES) * A_STAGE;
-        elem_t* bs = Bs + (it % STAGES) * B_STAGE;
+        elem_t* as = As + rd * A_STAGE;
+        elem_t* bs = Bs + rd * B_STAGE;
+        rd = rd + 1 == STAGES ? 0 : rd + 1;
+        wr = wr + 1 == STAGES ? 0 : wr + 1;
         #pragma unroll
         for (int kk = 0; kk < BK; kk += KSTEP) {
             uint32_t af[MI][4];

@@ -184,11 +184,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // Asynchronous global->shared copy of BYTES bytes; bytes past src_bytes are zero-filled, so an
-// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros.
-template <int BYTES>
+// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros. 16-byte copies bypass L1
+// (.cg) unless L1: the packed micro-tile kernel's scattered B rows gather faster through it on
+// the H200 (scratch probe of the 32x1 pattern: .cg 5.3, .ca 7.0 TB/s; session 48), where the
+// row-owner and attention kernels measured 1-10% slower with it.
+template <int BYTES, bool L1 = false>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
     const int src_bytes = valid ? BYTES : 0;
-    if constexpr (BYTES == 16) {
+    if constexpr (BYTES == 16 && !L1) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
     } else {
@@ -226,11 +229,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy VEC elements global->shared. VEC*sizeof(elem_t) in {4, 8, 16} goes through cp.async;
 // smaller copies are plain loads (the operand's layout or alignment allows nothing wider).
 // The caller passes a dereferenceable src even when !valid (it is then not read).
-template <int VEC>
+template <int VEC, bool L1 = false>
 __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid) {
     constexpr int BYTES = VEC * (int)sizeof(elem_t);
     if constexpr (BYTES >= 4) {
-        cp_async<BYTES>(dst, src, valid);
+        cp_async<BYTES, L1>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
     }
@@ -774,11 +777,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // Asynchronous global->shared copy of BYTES bytes; bytes past src_bytes are zero-filled, so an
-// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros.
-template <int BYTES>
+// out-of-range chunk (src_bytes == 0) reads nothing and leaves zeros. 16-byte copies bypass L1
+// (.cg) unless L1: the packed micro-tile kernel's scattered B rows gather faster through it on
+// the H200 (scratch probe of the 32x1 pattern: .cg 5.3, .ca 7.0 TB/s; session 48), where the
+// row-owner and attention kernels measured 1-10% slower with it.
+template <int BYTES, bool L1 = false>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
     const int src_bytes = valid ? BYTES : 0;
-    if constexpr (BYTES == 16) {
+    if constexpr (BYTES == 16 && !L1) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
     } else {
@@ -816,11 +822,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy VEC elements global->shared. VEC*sizeof(elem_t) in {4, 8, 16} goes through cp.async;
 // smaller copies are plain loads (the operand's layout or alignment allows nothing wider).
 // The caller passes a dereferenceable src even when !valid (it is then not read).
-template <int VEC>
+template <int VEC, bool L1 = false>
 __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid) {
     constexpr int BYTES = VEC * (int)sizeof(elem_t);
     if constexpr (BYTES >= 4) {
-        cp_async<BYTES>(dst, src, valid);
+        cp_async<BYTES, L1>(dst, src, valid);
     } else {
         *dst = valid ? *src : zero_elem();
     }

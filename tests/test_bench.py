@@ -442,6 +442,24 @@ def test_read_probe_streams_an_operand_no_faster_than_a_copy_moves_bytes():
         read_ms(timer, a[:, :100])
 
 
+@pytest.mark.gpu
+def test_gather_probe_rate_is_plausible_and_refuses_rows_it_cannot_read():
+    """``gather_rate``, the gather floor of ``pitgen bench matmul``: a rate between 0.1 and 50
+    TB/s for B's rows in 256-byte slabs, and a clear refusal of pieces or rows it cannot read."""
+    import torch
+
+    from pitgen.bench import Timer
+    from pitgen.bench.probe import gather_rate
+
+    timer = Timer(repeats=3)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    assert 1e8 < gather_rate(timer, b, 8 * 4096) < 5e10
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gather_rate(timer, b, 1024, piece=24)
+    with pytest.raises(ValueError, match="aligned rows"):
+        gather_rate(timer, b[:, 1:], 1024)
+
+
 def test_dynamic_report_judges_gpu_time_and_names_refusals(tmp_path):
     """pitgen bench dynamic's tables: the speed-up summary against the target, both pitgen
     variants and the peers per case, conversions with their refusals and ratios."""

@@ -9,13 +9,15 @@ from typing import Any
 
 from ..opspec import OpSpec, Permutation
 
-PROBE = OpSpec("gather probe", "probe.cu.j2", {"pit_gather_probe": "PPiiiiP",
+PROBE = OpSpec("gather probe", "probe.cu.j2", {"pit_gather_probe": "PPiiiiiP",
                                               "pit_read_probe": "PqP"},
                (Permutation("B rows", "C[m,n] += A[m,k] * B[k,n]", "reduction", "B"),),
                ("float16", "bfloat16", "float32"))
 #: Pieces in flight per lane; enough to cover L2 latency at one CTA of 256 threads per 2 KB.
 LOADS = 4
 THREADS = 256
+#: Ids per stripe of the gather probe: about a 4096-deep k list at 90% sparsity.
+IDS_PER = 512
 
 
 def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256,
@@ -23,13 +25,14 @@ def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256,
     """Bytes per ms of reading random rows of the 2-D ``source`` in ``piece``-byte slabs (a
     multiple of 16 dividing 512), over its first columns up to ``window`` bytes in all: the slab
     of B' that the tile kernels' CTAs share in L2, so after the first touch the reads come from
-    L2, as theirs do. The rate is marginal, between ``rows`` and ``9 * rows`` rows read: the
+    L2, as theirs do. CTAs take (stripe of IDS_PER sorted ids, slab) as the kernels take
+    (m-tile, n-tile). The rate is marginal, between ``rows`` and ``9 * rows`` rows read: the
     launch and the window's first touch from DRAM (after the timer's L2 flush) cost both runs
     alike, and at a few tens of microseconds they had halved the rate a long gather sustains
     (H200: 3.5 against 8.5 TB/s, session 47)."""
     import torch
 
-    from ..runtime import TorchLaunch, device_sms
+    from ..runtime import TorchLaunch
 
     if piece % 16 or 512 % piece:
         raise ValueError(f"piece {piece} B must be a multiple of 16 dividing 512")
@@ -40,20 +43,21 @@ def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256,
     width = max(piece, min(row_bytes, window // max(n_rows, 1)) // piece * piece)
     if width > row_bytes:
         raise ValueError(f"rows of {row_bytes} B are narrower than one {piece}-byte slab")
+    stripes = max(1, rows // IDS_PER)
     g = torch.Generator(device=source.device).manual_seed(1)
-    ids = torch.randint(0, n_rows, (9 * rows,), device=source.device, generator=g,
-                        dtype=torch.int32)
+    ids = torch.randint(0, n_rows, (9 * stripes, IDS_PER), device=source.device, generator=g,
+                        dtype=torch.int32).sort(dim=1).values
     sink = torch.zeros(1, dtype=torch.int32, device=source.device)
     mod = PROBE.module({"piece": piece, "loads": LOADS})
-    grid = (8 * device_sms(),)
-    stride_vecs = source.stride(0) * elem // 16
+    slabs, stride_vecs = width // piece, source.stride(0) * elem // 16
 
-    def probe(count: int) -> None:
+    def probe(n: int) -> None:
         with TorchLaunch() as tl:
-            mod.launch("pit_gather_probe", grid, (THREADS,), tl.stream, source.data_ptr(),
-                       ids.data_ptr(), count, n_rows, width // 16, stride_vecs, sink.data_ptr())
-    short, long = timer(lambda: probe(rows)), timer(lambda: probe(9 * rows))
-    return 8 * rows * width / max(long - short, 1e-9)
+            mod.launch("pit_gather_probe", (n * slabs,), (128,), tl.stream, source.data_ptr(),
+                       ids.data_ptr(), IDS_PER, IDS_PER, slabs, n_rows, stride_vecs,
+                       sink.data_ptr())
+    short, long = timer(lambda: probe(stripes)), timer(lambda: probe(9 * stripes))
+    return 8 * stripes * IDS_PER * width / max(long - short, 1e-9)
 
 
 def read_ms(timer: Any, source: Any) -> float:
