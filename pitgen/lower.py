@@ -226,12 +226,14 @@ SCHEDULES = {128: (128, 64, 2, 4, 3), 64: (256, 32, 2, 4, 4), 32: (256, 32, 1, 4
 
 
 #: Packed micro-tiles along k in fp16/bf16 on sm_90, which stay on mma.sync there
-#: (docs/hopper.md): one schedule for every m extent (BN, BK, warps along m and n, stages),
-#: from a sweep on an H200 (fp16 4096^3 at 50, 10 and 1% density, session 47;
-#: docs/performance.md): at 10%, 64x1 118 -> 81 us, 128x1 78 -> 70, 32x1 118 -> 115 against
-#: SCHEDULES (tuned on an H100 for sm_80), which the other archs and fp32 (whose 128-row tile
-#: would spill at one warp along m) keep.
-PACKED_SM90 = (128, 32, 1, 4, 3)
+#: (docs/hopper.md): (BN, BK, warps along m and n, stages) by the tile's m extent, from sweeps
+#: on an H200 (fp16 4096^3; docs/performance.md). Session 48, with B' gathered through L1:
+#: 32x1 at 50/10/1% 397/103/34 -> 305/83/36 us and 16x1 at 10% 153 -> 138 us with 256-wide
+#: 2-stage tiles; 64 and 128 rows keep session 47's 128-wide 3-stage one. SCHEDULES (tuned
+#: on an H100 for sm_80) stay for the other archs and fp32 (whose 128-row tile would spill at
+#: one warp along m).
+PACKED_SM90 = {16: (256, 32, 1, 8, 2), 32: (256, 32, 1, 4, 2), 64: (128, 32, 1, 4, 3),
+               128: (128, 32, 1, 4, 3)}
 
 #: Copies per thread and k-step of a B' tile that no vector load can move (an unaligned or
 #: odd-strided B'), beyond which the default BN halves (down to 64): each copy is an unrolled
@@ -558,7 +560,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         raise PlanError(f"tile {bm}x{tk or bk} of {sparse} does not fit the {dtype} mma shape "
                         f"(m extent 16, 32, 64 or 128)")
     packed_sm90 = a_mode == "packed" and arch in WGMMA_ARCHS and dtype != "float32"
-    bn, bk_def, wm, wn, stages = PACKED_SM90 if packed_sm90 else SCHEDULES[bm]
+    bn, bk_def, wm, wn, stages = PACKED_SM90[bm] if packed_sm90 else SCHEDULES[bm]
     if schedule.bn:
         bn = schedule.bn
         wm, wn = _warps(bm, bn)

@@ -292,8 +292,8 @@ def test_hopper_devices_get_wgmma_where_the_plan_allows():
 
 
 def test_packed_micro_tiles_take_the_hopper_schedule_on_sm_90():
-    """Packed micro-tiles along k stay on mma.sync on sm_90 with lower.PACKED_SM90 (tuned there)
-    in 16-bit types; sm_80 and fp32 keep the table of m extents, an override wins."""
+    """Packed micro-tiles along k stay on mma.sync on sm_90 with lower.PACKED_SM90's schedule for
+    their m extent (tuned there) in 16-bit types; sm_80 and fp32 keep the table of m extents, an override wins."""
     op = pitgen.parse("C[m,n] += A[m,k] * B[k,n]")
     lay = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
 
@@ -303,7 +303,7 @@ def test_packed_micro_tiles_take_the_hopper_schedule_on_sm_90():
 
     for tm in (16, 32, 64, 128):
         for dtype in ("float16", "bfloat16"):
-            assert knobs(tm, dtype) == ("mma_sync", lower_mod.PACKED_SM90)
+            assert knobs(tm, dtype) == ("mma_sync", lower_mod.PACKED_SM90[tm])
         assert knobs(tm, arch="sm_80")[1] == lower_mod.SCHEDULES[tm]
         assert knobs(tm, "float32") == knobs(tm, "float32", arch="sm_80")
     assert knobs(64, schedule=Schedule(bn=256, wm=2, wn=4, stages=4))[1] == (256, 32, 2, 4, 4)
