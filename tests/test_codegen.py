@@ -138,6 +138,20 @@ def hopper_variant(dtype: str, form_name: str, kind: str, accumulate: bool = Fal
         lower_mod.PINGPONG = saved
 
 
+#: Packed micro-tiles along k as an sm_90 device plans them (lower.PACKED_SM90's schedule for
+#: their m extent, which VARIANTS, lowered for sm_80, never meet): each m extent, each 16-bit
+#: dtype, aligned and unaligned operands (scalar copies of B'); sm_90a only.
+PACKED_SM90_VARIANTS = [(16, "float16", False), (32, "bfloat16", True), (32, "float16", False),
+                        (64, "float16", True), (128, "bfloat16", False)]
+
+
+def packed_sm90_variant(tm: int, dtype: str, odd: bool):
+    op = pitgen.parse(FORMS["AB"][0])
+    M, N, K = (203, 101, 333) if odd else (256, 512, 512)
+    return lower(op, "A", "micro", "k", (tm, 1), dtype,
+                 _layout(op, gemm_form(op, "A"), M, N, K), arch="sm_90")
+
+
 #: The wgmma row-owner variants (A' k-contiguous): each dtype, B' n- and k-contiguous, k-tiles of
 #: one stage and of two, accumulating or not.
 HOPPER_ROWS_VARIANTS = [("float16", "AB", 64, False), ("bfloat16", "ABt", 128, True)]
@@ -462,10 +476,12 @@ def _compiles() -> dict[tuple, tuple[str, tuple[str, ...]]]:
 @functools.cache
 def _hopper_sources() -> tuple[str, ...]:
     """Each wgmma variant's source (every other one accumulating into C; each kind in both
-    consumer schedules, a dtype each) and the row-owner ones; sm_90a only."""
+    consumer schedules, a dtype each), the row-owner ones and the packed micro-tiles' sm_90
+    schedules; sm_90a only."""
     return tuple(render(hopper_variant(*v, accumulate=bool(i % 2), pingpong=(i // 4 + i // 2) % 2 == 0))
                  for i, v in enumerate(HOPPER_VARIANTS)) + tuple(
-        render(hopper_rows_variant(*v)) for v in HOPPER_ROWS_VARIANTS)
+        render(hopper_rows_variant(*v)) for v in HOPPER_ROWS_VARIANTS) + tuple(
+        render(packed_sm90_variant(*v)) for v in PACKED_SM90_VARIANTS)
 
 
 def nvcc_jobs(pool, archs=ARCHS) -> list[Future]:
