@@ -13,9 +13,11 @@ PROBE = OpSpec("gather probe", "probe.cu.j2", {"pit_gather_probe": "PPiiiiiP",
                                               "pit_read_probe": "PqP"},
                (Permutation("B rows", "C[m,n] += A[m,k] * B[k,n]", "reduction", "B"),),
                ("float16", "bfloat16", "float32"))
-#: Pieces in flight per lane; enough to cover L2 latency at one CTA of 256 threads per 2 KB.
+#: 16-byte loads in flight per thread, in both probes.
 LOADS = 4
-THREADS = 256
+#: Threads per CTA of the read probe and of the gather probe (the latter as the packed
+#: micro-tile kernel's CTA; both fixed by the kernels' __launch_bounds__).
+THREADS, GATHER_THREADS = 256, 128
 #: Ids per stripe of the gather probe: about a 4096-deep k list at 90% sparsity.
 IDS_PER = 512
 
@@ -53,9 +55,9 @@ def gather_rate(timer: Any, source: Any, rows: int, piece: int = 256,
 
     def probe(n: int) -> None:
         with TorchLaunch() as tl:
-            mod.launch("pit_gather_probe", (n * slabs,), (128,), tl.stream, source.data_ptr(),
-                       ids.data_ptr(), IDS_PER, IDS_PER, slabs, n_rows, stride_vecs,
-                       sink.data_ptr())
+            mod.launch("pit_gather_probe", (n * slabs,), (GATHER_THREADS,), tl.stream,
+                       source.data_ptr(), ids.data_ptr(), IDS_PER, IDS_PER, slabs, n_rows,
+                       stride_vecs, sink.data_ptr())
     short, long = timer(lambda: probe(stripes)), timer(lambda: probe(9 * stripes))
     return 8 * stripes * IDS_PER * width / max(long - short, 1e-9)
 
