@@ -61,6 +61,23 @@ __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
 }
 
+// The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
+// accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
+// q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
+// whole warp shuffles (full mask): only the caller's stores may depend on the row.
+__device__ __forceinline__ uint4 quad_chunk(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    const int q = threadIdx.x & 3;
+    const bool odd = q & 1, high = q & 2;
+    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects, not indices:
+    // a runtime index would put the words in local memory)
+    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w2 : w3, 1);
+    const uint32_t a0 = odd ? x0 : w0, a1 = odd ? w1 : x0, a2 = odd ? x1 : w2, a3 = odd ? w3 : x1;
+    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? a0 : a2, 2);
+    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? a1 : a3, 2);
+    return make_uint4(high ? y0 : a0, high ? y1 : a1, high ? a2 : y0, high ? a3 : y1);
+}
+
 // Appends to one list with a single atomic per thread block (order within a list is free, so
 // PIT needs no sort). Every thread of the block must call it; returns the slot of a thread whose
 // `want` is set, -1 otherwise.
@@ -855,12 +872,8 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
             for (int part = 0; part < 2 * HALVES; ++part) {  // rows 8 apart in each 64-row accumulator
                 const int hf = part >> 1, h = part & 1;
                 const int m = m0 + (wg_m + hf) * 64 + row_in + h * 8;
-                // The four lanes of a quad (one row) transpose their 4 x 4 words of 4 chunks of 8
-                // columns in two xor rounds, so that each holds 8 adjacent columns: one 16-byte
-                // store per lane for every 4 chunks. The whole warp shuffles (full mask, no
-                // convergence check); only the stores depend on the row.
+                // 16-byte stores, 8 adjacent columns a lane (common.cuh quad_chunk)
                 const int q = lane & 3;
-                const bool odd = q & 1, high = q & 2;
                 #pragma unroll
                 for (int j0 = 0; j0 < WTN / 8; j0 += 4) {
                     uint32_t w[4];
@@ -870,23 +883,10 @@ pit_matmul_a_bf16_block128x128_sm90a_wide_sm90(const __grid_constant__ CUtensorM
                                                from_float(acc[hf][(j0 + u) * 4 + h * 2 + 1])};
                         w[u] = bits32(two);
                     }
-                    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects,
-                    // not indices: a runtime index would put w in local memory)
-                    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
-                    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
-                    w[0] = odd ? x0 : w[0];
-                    w[1] = odd ? w[1] : x0;
-                    w[2] = odd ? x1 : w[2];
-                    w[3] = odd ? w[3] : x1;
-                    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? w[0] : w[2], 2);
-                    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? w[1] : w[3], 2);
-                    w[0] = high ? y0 : w[0];
-                    w[1] = high ? y1 : w[1];
-                    w[2] = high ? w[2] : y0;
-                    w[3] = high ? w[3] : y1;
+                    const uint4 chunk = quad_chunk(w[0], w[1], w[2], w[3]);
                     const int nb = n0 + wg_n * WTN + (j0 + q) * 8;
                     if (m < M && nb < N)  // N is a multiple of 8: the chunk is whole
-                        *reinterpret_cast<uint4*>(c + (size_t)m * sc_m + nb) = make_uint4(w[0], w[1], w[2], w[3]);
+                        *reinterpret_cast<uint4*>(c + (size_t)m * sc_m + nb) = chunk;
                 }
             }
         }
@@ -935,6 +935,23 @@ __device__ __forceinline__ elem_t zero_elem() { return from_float(0.0f); }
 __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
+}
+
+// The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
+// accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
+// q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
+// whole warp shuffles (full mask): only the caller's stores may depend on the row.
+__device__ __forceinline__ uint4 quad_chunk(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    const int q = threadIdx.x & 3;
+    const bool odd = q & 1, high = q & 2;
+    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects, not indices:
+    // a runtime index would put the words in local memory)
+    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w2 : w3, 1);
+    const uint32_t a0 = odd ? x0 : w0, a1 = odd ? w1 : x0, a2 = odd ? x1 : w2, a3 = odd ? w3 : x1;
+    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? a0 : a2, 2);
+    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? a1 : a3, 2);
+    return make_uint4(high ? y0 : a0, high ? y1 : a1, high ? a2 : y0, high ? a3 : y1);
 }
 
 // Appends to one list with a single atomic per thread block (order within a list is free, so

@@ -15,7 +15,7 @@
  * arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
  * variants:    chosen per call from the extents and pointers:
  *   wide: 8/8-element copies of A/B, paired stores of C,
- *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 4-byte aligned
+ *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 16-byte aligned
  *   narrow: 1/1-element copies of A/B, single stores of C
  *
  * API (every call checks its arguments first and returns cudaErrorInvalidValue, launching

@@ -18,7 +18,7 @@
 // arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
 // variants:    chosen per call from the extents and pointers:
 //   wide: 8/8-element copies of A/B, paired stores of C,
-//     when n % 8 == 0, B 16-byte aligned, C 4-byte aligned
+//     when n % 8 == 0, B 16-byte aligned, C 16-byte aligned
 //   narrow: 8/1-element copies of A/B, single stores of C
 //
 // Build: nvcc -std=c++17 -arch=sm_80 (or newer) -c pit_matmul_a_f16_k32x1_sm80.cu -- nothing else is needed.
@@ -59,6 +59,23 @@ __device__ __forceinline__ elem_t zero_elem() { return from_float(0.0f); }
 __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
+}
+
+// The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
+// accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
+// q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
+// whole warp shuffles (full mask): only the caller's stores may depend on the row.
+__device__ __forceinline__ uint4 quad_chunk(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    const int q = threadIdx.x & 3;
+    const bool odd = q & 1, high = q & 2;
+    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects, not indices:
+    // a runtime index would put the words in local memory)
+    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w2 : w3, 1);
+    const uint32_t a0 = odd ? x0 : w0, a1 = odd ? w1 : x0, a2 = odd ? x1 : w2, a3 = odd ? w3 : x1;
+    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? a0 : a2, 2);
+    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? a1 : a3, 2);
+    return make_uint4(high ? y0 : a0, high ? y1 : a1, high ? a2 : y0, high ? a3 : y1);
 }
 
 // Appends to one list with a single atomic per thread block (order within a list is free, so
@@ -574,13 +591,21 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
         for (int h = 0; h < 2; ++h) {
             const int i = warp_m * WTM + mi * 16 + g + h * 8;
             const int m = m0 + i;
-            if (m >= p.M) continue;
+            // 16-byte stores, 8 adjacent columns a lane (common.cuh quad_chunk): a warp writes
+            // 64 contiguous bytes of each of 8 rows where pairs wrote 16.
+            static_assert(NI % 4 == 0, "chunks of the quad transpose");
             #pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int nb = n0 + warp_n * WTN + ni * 8 + 2 * t;
-                if (nb >= p.N) continue;  // N is even: the pair is whole
-                elem_t* dst = p.c + (size_t)m * p.sc_m + nb;
-                store_pair(dst, acc[mi][ni][h * 2], acc[mi][ni][h * 2 + 1]);
+            for (int j0 = 0; j0 < NI; j0 += 4) {
+                uint32_t w[4];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const elem_t two[2] = {from_float(acc[mi][j0 + u][h * 2]), from_float(acc[mi][j0 + u][h * 2 + 1])};
+                    w[u] = bits32(two);
+                }
+                const uint4 chunk = quad_chunk(w[0], w[1], w[2], w[3]);
+                const int nb = n0 + warp_n * WTN + (j0 + t) * 8;
+                if (m < p.M && nb < p.N)  // N is a multiple of 8: the chunk is whole
+                    *reinterpret_cast<uint4*>(p.c + (size_t)m * p.sc_m + nb) = chunk;
             }
         }
     }
@@ -636,6 +661,23 @@ __device__ __forceinline__ elem_t zero_elem() { return from_float(0.0f); }
 __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
+}
+
+// The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
+// accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
+// q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
+// whole warp shuffles (full mask): only the caller's stores may depend on the row.
+__device__ __forceinline__ uint4 quad_chunk(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    const int q = threadIdx.x & 3;
+    const bool odd = q & 1, high = q & 2;
+    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects, not indices:
+    // a runtime index would put the words in local memory)
+    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w2 : w3, 1);
+    const uint32_t a0 = odd ? x0 : w0, a1 = odd ? w1 : x0, a2 = odd ? x1 : w2, a3 = odd ? w3 : x1;
+    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? a0 : a2, 2);
+    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? a1 : a3, 2);
+    return make_uint4(high ? y0 : a0, high ? y1 : a1, high ? a2 : y0, high ? a3 : y1);
 }
 
 // Appends to one list with a single atomic per thread block (order within a list is free, so
@@ -1215,7 +1257,7 @@ cudaError_t build_index(const Problem& p, const Workspace& w, const elem_t* a, u
     return cudaGetLastError();
 }
 
-// Variant wide: 8/8-element copies of A/B, paired stores; `a` is A
+// Variant wide: 8/8-element copies of A/B, 16-byte stores; `a` is A
 // as the tile kernel reads it (packed).
 cudaError_t compute_wide(const Problem& p, const Workspace& w, const elem_t* a, const elem_t* b, elem_t* c,
                        unsigned char* ws, cudaStream_t stream)
@@ -1251,7 +1293,7 @@ cudaError_t compute_narrow(const Problem& p, const Workspace& w, const elem_t* a
 cudaError_t compute(const Problem& p, const Workspace& w, const elem_t* a, const elem_t* b, elem_t* c,
                     unsigned char* ws, cudaStream_t stream)
 {
-    if (p.N % 8 == 0 && aligned(b, 16) && aligned(c, 4))
+    if (p.N % 8 == 0 && aligned(b, 16) && aligned(c, 16))
         return compute_wide(p, w, a, b, c, ws, stream);
     return compute_narrow(p, w, a, b, c, ws, stream);
 }

@@ -61,6 +61,23 @@ __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
 }
 
+// The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
+// accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
+// q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
+// whole warp shuffles (full mask): only the caller's stores may depend on the row.
+__device__ __forceinline__ uint4 quad_chunk(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    const int q = threadIdx.x & 3;
+    const bool odd = q & 1, high = q & 2;
+    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects, not indices:
+    // a runtime index would put the words in local memory)
+    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w2 : w3, 1);
+    const uint32_t a0 = odd ? x0 : w0, a1 = odd ? w1 : x0, a2 = odd ? x1 : w2, a3 = odd ? w3 : x1;
+    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? a0 : a2, 2);
+    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? a1 : a3, 2);
+    return make_uint4(high ? y0 : a0, high ? y1 : a1, high ? a2 : y0, high ? a3 : y1);
+}
+
 // Appends to one list with a single atomic per thread block (order within a list is free, so
 // PIT needs no sort). Every thread of the block must call it; returns the slot of a thread whose
 // `want` is set, -1 otherwise.
@@ -652,6 +669,23 @@ __device__ __forceinline__ elem_t zero_elem() { return from_float(0.0f); }
 __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
+}
+
+// The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
+// accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
+// q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
+// whole warp shuffles (full mask): only the caller's stores may depend on the row.
+__device__ __forceinline__ uint4 quad_chunk(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    const int q = threadIdx.x & 3;
+    const bool odd = q & 1, high = q & 2;
+    // word u of lane p goes to word p of lane u: swap bit 0, then bit 1 (selects, not indices:
+    // a runtime index would put the words in local memory)
+    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? w2 : w3, 1);
+    const uint32_t a0 = odd ? x0 : w0, a1 = odd ? w1 : x0, a2 = odd ? x1 : w2, a3 = odd ? w3 : x1;
+    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, high ? a0 : a2, 2);
+    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, high ? a1 : a3, 2);
+    return make_uint4(high ? y0 : a0, high ? y1 : a1, high ? a2 : y0, high ? a3 : y1);
 }
 
 // Appends to one list with a single atomic per thread block (order within a list is free, so

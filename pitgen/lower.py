@@ -88,7 +88,8 @@ class GemmSpec:
     a_smem_kcontig: bool
     b_smem_ncontig: bool
     mainloop: str = "mma_sync"  # 'mma_sync' (sm_80 on) | 'wgmma' (sm_90a: wm x wn consumer warpgroups)
-    c_vec: bool = False  # wgmma: C rows in 16-byte stores (n contiguous, aligned, N % 8 == 0)
+    c_vec: bool = False  # C rows in 16-byte stores (n contiguous, aligned, N % 8 == 0; mma.sync
+    # 16-bit tiles whose warps span a multiple of 32 columns)
     gather: int = 0  # rows: active rows gathered per step (m16 groups of G // 16)
     c_mfast: bool = False  # rows: C written with adjacent threads on adjacent m (m contiguous)
     tk: int = 0  # rows: the k-tile, the micro-tile's extent along k (a compile-time constant)
@@ -286,7 +287,7 @@ def _c_vec(layout: Layout, size: int) -> bool:
 
 
 def _c_rows_vec(layout: Layout, size: int, accumulate: bool) -> bool:
-    """Whether a wgmma kernel writes C' in 16-byte row chunks: _c_vec, nothing to read back."""
+    """Whether a tile kernel writes C' in 16-byte row chunks: _c_vec, nothing to read back."""
     return not accumulate and _c_vec(layout, size)
 
 
@@ -588,6 +589,8 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
                     c_pair, accumulate, bm, bn, bk, wm, wn, stages, a_vec, b_vec, a_kc, b_nc)
     if schedule == Schedule():
         gemm = _fit(gemm, dtype)
+    if DTYPES[dtype] == 2 and (gemm.bn // gemm.wn) % 32 == 0:   # quad_chunk's four 8-column chunks
+        gemm = replace(gemm, c_vec=_c_rows_vec(layout, 2, accumulate))
     if arch in WGMMA_ARCHS and schedule == Schedule() and a_mode == "box":
         gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
         if gemm.mainloop == "wgmma" and block_list:   # persistent CTAs take m-tiles longest first
