@@ -57,15 +57,6 @@ __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
 }
 
-// The first statement of a kernel that pitgen.runtime may launch early behind the kernel
-// before it (a programmatic dependent launch, sm_90): nothing is read or written before that
-// kernel's writes are visible. An sm_80 build, or a plain launch, waits for nothing.
-__device__ __forceinline__ void after_prior_grid() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
 // accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
 // q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
@@ -585,7 +576,6 @@ pit_matmul_a_f16_block64x64_sm80_wide(const elem_t* __restrict__ a, const elem_t
            const int* __restrict__ counts, const int* __restrict__ ids,
            int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
 {
-    after_prior_grid();   // on sm_90 launched early behind the index pass
     const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
     gemm_tile(p, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, nullptr, 0);
 }
@@ -631,15 +621,6 @@ __device__ __forceinline__ elem_t zero_elem() { return from_float(0.0f); }
 __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
-}
-
-// The first statement of a kernel that pitgen.runtime may launch early behind the kernel
-// before it (a programmatic dependent launch, sm_90): nothing is read or written before that
-// kernel's writes are visible. An sm_80 build, or a plain launch, waits for nothing.
-__device__ __forceinline__ void after_prior_grid() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 }
 
 // The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
@@ -1082,7 +1063,6 @@ pit_matmul_a_f16_block64x64_sm80_narrow(const elem_t* __restrict__ a, const elem
            const int* __restrict__ counts, const int* __restrict__ ids,
            int M, int N, int K, int sa_m, int sa_k, int sb_k, int sb_n, int sc_m, int sc_n, int /* tk: rows mode */)
 {
-    after_prior_grid();   // on sm_90 launched early behind the index pass
     const Args p{a, b, c, counts, ids, M, N, K, sa_m, sa_k, sb_k, sb_n, sc_m, sc_n};
     gemm_tile(p, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, nullptr, 0);
 }

@@ -61,15 +61,6 @@ __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
 }
 
-// The first statement of a kernel that pitgen.runtime may launch early behind the kernel
-// before it (a programmatic dependent launch, sm_90): nothing is read or written before that
-// kernel's writes are visible. An sm_80 build, or a plain launch, waits for nothing.
-__device__ __forceinline__ void after_prior_grid() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
 // accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
 // q's four words, 8 adjacent columns: one 16-byte store per lane for every four chunks. The
@@ -678,15 +669,6 @@ __device__ __forceinline__ elem_t zero_elem() { return from_float(0.0f); }
 __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
-}
-
-// The first statement of a kernel that pitgen.runtime may launch early behind the kernel
-// before it (a programmatic dependent launch, sm_90): nothing is read or written before that
-// kernel's writes are visible. An sm_80 build, or a plain launch, waits for nothing.
-__device__ __forceinline__ void after_prior_grid() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 }
 
 // The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma

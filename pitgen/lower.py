@@ -95,6 +95,9 @@ class GemmSpec:
     tk: int = 0  # rows: the k-tile, the micro-tile's extent along k (a compile-time constant)
     pingpong: bool = False  # wgmma: two consumers take alternate tiles whole (wm x 64 rows, wn 1)
     order_local: int = 0  # wgmma block plans: up to this many m-tiles, ordered by the kernel itself
+    #: mma.sync tile kernel: launched as a programmatic dependent of the index pass (sm_90), so
+    #: it waits for that grid first
+    early: bool = False
 
     @property
     def threads(self) -> int:
@@ -591,6 +594,7 @@ def lower(op: Operator, sparse: str, kind: str, axis: str | None, shape: tuple[i
         gemm = _fit(gemm, dtype)
     if DTYPES[dtype] == 2 and (gemm.bn // gemm.wn) % 32 == 0:   # quad_chunk's four 8-column chunks
         gemm = replace(gemm, c_vec=_c_rows_vec(layout, 2, accumulate))
+    gemm = replace(gemm, early=arch in WGMMA_ARCHS)
     if arch in WGMMA_ARCHS and schedule == Schedule() and a_mode == "box":
         gemm = _hopper(block_list, tk, bm, dtype, layout, accumulate, c_pair) or gemm
         if gemm.mainloop == "wgmma" and block_list:   # persistent CTAs take m-tiles longest first

@@ -224,8 +224,10 @@ def _runs_as(got: GemmSpec, ref: GemmSpec) -> bool:
     pick the other one for an extent of 1, where both strides are 1). A row kernel's row block
     (lowering takes a shorter one for a short M) and the stages its accumulator leaves room for
     are free: the kernel and its index share them, and any gives the same sums; so are the BN
-    of a kernel that copies B' one element at a time and the stages that BN leaves room for."""
-    free = {"a_vec": 0, "b_vec": 0, "c_pair": False, "c_mfast": False, "c_vec": False}
+    of a kernel that copies B' one element at a time and the stages that BN leaves room for, and
+    whether it first waits for the grid before it (a no-op outside a dependent launch)."""
+    free = {"a_vec": 0, "b_vec": 0, "c_pair": False, "c_mfast": False, "c_vec": False,
+            "early": False}
     if got.c_vec and not ref.c_vec:
         return False
     if got.mainloop == "wgmma":  # any n-tile and ring depth is right: TMA zero-fills the edges

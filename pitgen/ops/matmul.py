@@ -243,7 +243,7 @@ class Launcher:
             fused = None
             index = self.mod.bind("pit_build_index", geo.index_grid, (256, 1, 1))
             tile = self.mod.bind("pit_gemm_sm90" if wgmma else "pit_gemm", geo.grid,
-                                 (g.threads, 1, 1), self.smem, early=self.early)
+                                 (g.threads, 1, 1), self.smem, early=wgmma or g.early)
         empty, by_stream = torch.empty, {}
 
         def buffers(stream: int) -> tuple[int, int]:
@@ -429,7 +429,7 @@ class GemmCall:
         else:
             mod.launch("pit_gemm", L.geo.grid, (g.threads, 1, 1), stream, a, self.b_ptr,
                        self.c_ptr, self.counts_ptr, self.ids_ptr, *L.sizes, smem=L.smem,
-                       early=L.early)
+                       early=g.early)
 
     def _vendor(self) -> None:
         """Dense plan on torch tensors: cuBLAS through torch, on torch's current stream."""
