@@ -89,6 +89,31 @@ def test_variants_cover_every_mode_and_copy_width():
         "thread", "warp", "vector"}
 
 
+def test_mma_sync_tiles_store_16_byte_chunks_where_the_layout_allows_and_wait_only_on_sm90():
+    """The mma.sync tile kernel writes C' in 16-byte row chunks (a quad transpose) for 16-bit C'
+    that is n-contiguous, 16-byte aligned, N a multiple of 8, not accumulated, and whose warps
+    span a multiple of 32 columns; else in pairs or single elements. It waits for the index
+    grid (a programmatic dependent launch) only where lowered for sm_90."""
+    def mma(spec):
+        g = spec.gemm
+        return g if g.mainloop == "mma_sync" and g.a_mode in ("box", "packed") else None
+    g = mma(variant("float16", "AB", "micro_k", False))
+    assert g.c_vec and g.c_pair and not g.early
+    assert not mma(variant("float16", "AB", "micro_k", False, accumulate=True)).c_vec
+    assert not mma(variant("float16", "AB", "micro_k", True)).c_vec          # N = 101
+    assert not mma(variant("float32", "AB", "micro_k", False)).c_vec         # 4-byte elements
+    assert not mma(variant("bfloat16", "sparseB", "block", False)).c_vec     # C' m-contiguous
+    compiled = [g for g in (mma(variant(*v)) for v in VARIANTS) if g is not None]
+    assert {g.c_vec for g in compiled} == {True, False}   # the CPU nvcc matrix meets both stores
+    for v in PACKED_SM90_VARIANTS:
+        spec = packed_sm90_variant(*v)
+        g = spec.gemm
+        assert g.early and g.c_vec == (not v[2]) and (g.bn // g.wn) % 32 == 0, v
+        src = render(spec)
+        assert "griddepcontrol.wait" in src and ("quad_chunk(w[0]" in src) == g.c_vec, v
+    assert "griddepcontrol.wait" not in render(variant("float16", "AB", "micro_k", False))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_index_takes_vectors_only_where_its_template_fits(dtype):
     """The rows-mode index tests 1 x tk tiles in 16-byte vectors only where a tile is 4 to 32
