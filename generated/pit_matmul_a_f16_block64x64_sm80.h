@@ -14,7 +14,7 @@
  * dtype:       float16 operands, fp32 accumulation
  * arch:        sm_80 (the tile fits its shared memory; the source compiles for sm_80 and newer)
  * variants:    chosen per call from the extents and pointers:
- *   wide: 8/8-element copies of A/B, paired stores of C,
+ *   wide: 8/8-element copies of A/B, 16-byte stores of C,
  *     when n % 8 == 0, k % 8 == 0, A 16-byte aligned, B 16-byte aligned, C 16-byte aligned
  *   narrow: 1/1-element copies of A/B, single stores of C
  *
