@@ -56,6 +56,12 @@ __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
 }
+// Two 16-bit elements, rounded from a and b, as one word (a in the low half): an accumulator
+// pair's share of a 16-byte store (quad_chunk).
+__device__ __forceinline__ uint32_t pair_bits(float a, float b) {
+    const elem_t two[2] = {from_float(a), from_float(b)};
+    return bits32(two);
+}
 
 // The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
 // accumulator (lane p: chunk u's columns 2p, 2p + 1 in w[u]); two xor rounds give lane q chunk
@@ -558,10 +564,7 @@ __device__ __forceinline__ void gemm_tile(const Args& p, int bx, int by, int gx,
             for (int j0 = 0; j0 < NI; j0 += 4) {
                 uint32_t w[4];
                 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const elem_t two[2] = {from_float(acc[mi][j0 + u][h * 2]), from_float(acc[mi][j0 + u][h * 2 + 1])};
-                    w[u] = bits32(two);
-                }
+                for (int u = 0; u < 4; ++u) w[u] = pair_bits(acc[mi][j0 + u][h * 2], acc[mi][j0 + u][h * 2 + 1]);
                 const uint4 chunk = quad_chunk(w[0], w[1], w[2], w[3]);
                 const int nb = n0 + warp_n * WTN + (j0 + t) * 8;
                 if (m < p.M && nb < p.N)  // N is a multiple of 8: the chunk is whole
@@ -621,6 +624,12 @@ __device__ __forceinline__ elem_t zero_elem() { return from_float(0.0f); }
 __device__ __forceinline__ uint4 bits128(const elem_t* v) {
     constexpr int W = 4 / (int)sizeof(elem_t);  // elements per 32-bit word
     return make_uint4(bits32(v), bits32(v + W), bits32(v + 2 * W), bits32(v + 3 * W));
+}
+// Two 16-bit elements, rounded from a and b, as one word (a in the low half): an accumulator
+// pair's share of a 16-byte store (quad_chunk).
+__device__ __forceinline__ uint32_t pair_bits(float a, float b) {
+    const elem_t two[2] = {from_float(a), from_float(b)};
+    return bits32(two);
 }
 
 // The four lanes of a quad hold one row's words of four 8-column chunks of an mma/wgmma
