@@ -222,6 +222,8 @@ def _libcuda() -> Any:
         u32, vp = ctypes.c_uint, ctypes.c_void_p
         lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, u32, ctypes.c_size_t, vp]
         lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
+        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [
+            ctypes.POINTER(ctypes.c_int), vp, ctypes.c_int, ctypes.c_size_t]
         _LIBCUDA.append(lib)
     return _LIBCUDA[0]
 
@@ -263,14 +265,22 @@ class Module:
         return self._ready(name, smem).bind(grid, block, smem, early)
 
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
-               *args: Any, smem: int = 0, early: bool = False) -> None:
+               *args: Any, smem: int = 0, early: bool = False,
+               cooperative: bool = False) -> None:
         """Enqueue ``name`` on ``stream`` (a CUstream handle, 0: the legacy default stream) with
-        ``smem`` bytes of dynamic shared memory (``early``: as ``bind``); an empty grid
-        launches nothing. Nothing waits."""
+        ``smem`` bytes of dynamic shared memory (``early``: as ``bind``; ``cooperative``: every
+        CTA resident at once, for a grid that waits on itself, at most ``resident`` CTAs); an
+        empty grid launches nothing. Nothing waits."""
         if 0 in grid:
             return
         f = self._ready(name, smem)
-        (f.bound_early(grid, block, smem) if early else f.bind(grid, block, smem))(stream, *args)
+        attr = _PROGRAMMATIC if early else _COOPERATIVE if cooperative else None
+        (f.bound_ex(grid, block, smem, attr) if attr else f.bind(grid, block, smem))(stream, *args)
+
+    def resident(self, name: str, threads: int, smem: int = 0) -> int:
+        """How many CTAs of ``name`` (``threads`` each) the device holds at once: a cooperative
+        grid's largest size."""
+        return self._ready(name, smem).per_sm(threads, smem) * device_sms()
 
     def _ready(self, name: str, smem: int) -> _Kernel:
         """Kernel ``name``, allowed ``smem`` bytes of dynamic shared memory."""
@@ -293,10 +303,11 @@ _VOID_P = ctypes.c_void_p
 #: struct codes, sizes and host alignments of the signature letters
 _PARAMS = {"P": ("Q", 8), "i": ("i", 4), "f": ("f", 4), "q": ("q", 8), "M": ("128s", 8)}
 
-#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_PROGRAMMATIC = 6
-#: early-launch closures a kernel keeps (_Kernel.bound_early), one per grid, block and smem
-_EARLY_KEPT = 64
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+_PROGRAMMATIC, _COOPERATIVE = 6, 2
+#: cuLaunchKernelEx closures a kernel keeps (_Kernel.bound_ex), one per grid, block, smem and
+#: attribute
+_EX_KEPT = 64
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -333,7 +344,8 @@ class _Kernel:
         self._struct, self._offsets = struct.Struct(fmt), offsets
         self._per_parameter = "M" in signature
         self._local = threading.local()
-        self._early: dict[tuple, Callable[..., None]] = {}
+        self._ex: dict[tuple, Callable[..., None]] = {}
+        self._per_sm: dict[tuple[int, int], int] = {}
         self.handle = ctypes.c_void_p()
         _check(self._lib.cuModuleGetFunction(ctypes.byref(self.handle), module.handle,
                                              name.encode()), f"cuModuleGetFunction({name})")
@@ -343,6 +355,17 @@ class _Kernel:
         #: dynamic shared memory a launch may ask for without opting in: static and dynamic
         #: together stay within 48 KiB (the fused kernels hold their index pass's static arrays)
         self.smem_limit = 48 * 1024 - static.value
+
+    def per_sm(self, threads: int, smem: int) -> int:
+        """CTAs of ``threads`` threads and ``smem`` dynamic bytes one SM holds (asked once)."""
+        n = self._per_sm.get((threads, smem))
+        if n is None:
+            out = ctypes.c_int()
+            _check(self._lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(out), self.handle, threads, smem),
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            n = self._per_sm[(threads, smem)] = out.value
+        return n
 
     def set_smem_limit(self, smem: int) -> None:
         _check(self._lib.cuFuncSetAttribute(self.handle, _MAX_DYNAMIC_SMEM, smem),
@@ -365,16 +388,17 @@ class _Kernel:
         return bufs
 
     def bind(self, grid: tuple[int, ...], block: tuple[int, ...], smem: int,
-             early: bool = False) -> Callable[..., None]:
+             early: bool = False, attr: int | None = None) -> Callable[..., None]:
         """The kernel with everything but the stream and the arguments fixed (Module.bind);
-        ``early``: launched by ``cuLaunchKernelEx`` as a programmatic dependent launch."""
+        ``early``: launched by ``cuLaunchKernelEx`` as a programmatic dependent launch (``attr``:
+        with that launch attribute)."""
         if 0 in grid:
             return lambda stream, *args: None
         (gx, gy, gz), (bx, by, bz) = (int(d) for d in (*grid, 1, 1)[:3]), \
             (int(d) for d in (*block, 1, 1)[:3])
         smem = int(smem)
-        if early:
-            return self._bind_early((gx, gy, gz), (bx, by, bz), smem)
+        if early or attr:
+            return self._bind_ex((gx, gy, gz), (bx, by, bz), smem, attr or _PROGRAMMATIC)
         driver, handle, pack, local = self._lib.cuLaunchKernel, self.handle, \
             self._struct.pack_into, self._local
         vp = _VOID_P
@@ -388,30 +412,32 @@ class _Kernel:
                 _check(rc, "cuLaunchKernel")
         return bound
 
-    def bound_early(self, grid: tuple[int, ...], block: tuple[int, ...],
-                    smem: int) -> Callable[..., None]:
-        """``bind(..., early=True)``, kept per launch shape (Module.launch's early launches:
-        a launch config costs 2.5 us of host time to build), at most _EARLY_KEPT of them."""
-        key = (tuple(grid), tuple(block), smem)
-        bound = self._early.get(key)
+    def bound_ex(self, grid: tuple[int, ...], block: tuple[int, ...], smem: int,
+                 attr: int) -> Callable[..., None]:
+        """``bind(..., attr=attr)``, kept per launch shape (Module.launch's early and cooperative
+        launches: a launch config costs 2.5 us of host time to build), at most _EX_KEPT."""
+        key = (tuple(grid), tuple(block), smem, attr)
+        bound = self._ex.get(key)
         if bound is None:
-            if len(self._early) >= _EARLY_KEPT:
-                self._early.clear()
-            bound = self._early[key] = self.bind(grid, block, smem, True)
+            if len(self._ex) >= _EX_KEPT:
+                self._ex.clear()
+            bound = self._ex[key] = self.bind(grid, block, smem, attr=attr)
         return bound
 
-    def _bind_early(self, grid: tuple[int, int, int], block: tuple[int, int, int],
-                    smem: int) -> Callable[..., None]:
-        """``bind``'s programmatic dependent launch: the grid may start while the kernel before
-        it on the stream finishes (once that one's CTAs have all run ``griddepcontrol.
-        launch_dependents`` or exited); this kernel's ``griddepcontrol.wait`` holds it until
-        that grid has completed and its writes are visible. Each thread keeps its own config."""
+    def _bind_ex(self, grid: tuple[int, int, int], block: tuple[int, int, int],
+                 smem: int, attr_id: int) -> Callable[..., None]:
+        """``bind`` through ``cuLaunchKernelEx`` with one launch attribute. _PROGRAMMATIC: the
+        grid may start while the kernel before it on the stream finishes (once that one's CTAs
+        have all run ``griddepcontrol.launch_dependents`` or exited); this kernel's
+        ``griddepcontrol.wait`` holds it until that grid has completed and its writes are
+        visible. _COOPERATIVE: every CTA is resident at once (the driver refuses a larger
+        grid), so CTAs may wait for each other. Each thread keeps its own config."""
         driver, handle, pack, local = self._lib.cuLaunchKernelEx, self.handle, \
             self._struct.pack_into, self._local
         mine = threading.local()   # this closure's config, per thread
 
         def config() -> Any:
-            attr = _LaunchAttribute(id=_PROGRAMMATIC, value=1)
+            attr = _LaunchAttribute(id=attr_id, value=1)
             cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem,
                                 None, ctypes.pointer(attr), 1)
             mine.cfg = cfg, ctypes.byref(cfg), attr

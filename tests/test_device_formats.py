@@ -197,7 +197,7 @@ def test_templates_render_every_variant():
         assert src == render_template(tpl, **ctx), name
         kernels = ("pit_spmm",) if tpl == "spmm.cu.j2" else \
             ("pit_sddmm",) if tpl == "graph_sddmm.cu.j2" else \
-            ("pit_to_ell", "pit_bsr_fill", "pit_hyb_count", "pit_hyb_fill", "pit_hyb_place",
+            ("pit_to_ell", "pit_bsr_fill", "pit_hyb_count", "pit_hyb_layout",
              "pit_coo_keys", "pit_coo_csr", "pit_row_stats", "pit_dense_to_csr")
         for k in kernels:
             assert f"{k}(" in src, (name, k)

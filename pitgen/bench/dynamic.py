@@ -234,10 +234,10 @@ def write(out: Path, conv: list[dict], dyn: list[dict], meta: dict) -> None:
           f"{x['err']:.1e}"] for x in dyn])
     lines += ["", f"## Conversion from a GPU CSR vs the SpMM it feeds (target: hyb <= "
               f"{HYB_TARGET}x)", "",
-              "hyb ms: the whole `to_format` call (three launches, the one host sync after "
+              "hyb ms: the whole `to_format` call (two launches, the one host sync after "
               "the first that sizes the layout, allocation); hyb no sync: `to_format(..., "
               "sync=False)`, sized by bounds (what `dynamic=True` runs); hyb kernels ms: the "
-              "device work alone (pass 1 with its scan and pass 2 timed apart, host launches "
+              "device work alone (the two launches timed apart, host launches "
               "hidden).", "",
               "; ".join(f"{dt}: hyb / SpMM geomean {fmt_x(hyb_gm[dt])}, no sync "
                         f"{fmt_x(nosync_gm[dt])}, kernels only {fmt_x(kern_gm[dt])}"

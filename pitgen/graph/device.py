@@ -52,8 +52,7 @@ CONVERT = OpSpec("convert", "convert.cu.j2", {
         "pit_bsr_mark": "PPiiiiiP",
         "pit_bsr_fill": "PPPiiiiiiPiPPPPP",
         "pit_hyb_count": "PPiiiiiiPP",
-        "pit_hyb_fill": "PPiiiiiiPiiiiii" + "P" * 12,
-        "pit_hyb_place": "PPPiiiiiiPPiiPPPPP",
+        "pit_hyb_layout": "PPPiiiiiiPiiiiii" + "P" * 13,
     },
     (Permutation("rows", SPMM_EXPR, "spatial", "A"),), VALUE_DTYPES)
 
@@ -641,10 +640,10 @@ def hyb_atomic(c: int, k: int, width: int, any_cut: bool) -> bool:
 
 def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's
-    order), in three launches: per-CTA counts of bucket rows and of the write plan's row kinds,
-    scanned over CTAs by the same pass's last CTA, the one sync (the totals size every
-    buffer), a pass that ranks every row within its CTA (table, write plan, padding), and one
-    that places each entry.
+    order), in two launches: per-CTA counts of bucket rows and of the write plan's row kinds,
+    scanned over CTAs by the same pass's last CTA; the one sync (the totals size every
+    buffer); then one cooperative grid that ranks every row within its row group (table, write
+    plan, padding), waits on itself once, and places each entry.
 
     How SpMM may write each row (Hyb.write_plan states it in NumPy; SpMM's "cut" schedule picks
     for c == 1): shared rows, those of buckets whose writes collide (every non-empty row when
@@ -658,7 +657,8 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     return hyb_layout(csr, c, k, scan, totals)
 
 
-#: device index -> runtime.stream_counters cache of hyb pass 1's done counter
+#: device index -> runtime.stream_counters cache of the hyb passes' counters: pass 1's done
+#: counter, then the grid barrier and finish counters of passes 2 and 3
 _HYB_DONE = cache.memo("graph.hyb_done")
 
 
@@ -677,22 +677,23 @@ def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
         return None
     dev = csr.indices.device
     hist = torch.empty(n_counters, n_ctas, dtype=torch.int32, device=dev)
-    done = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 1, dev)
+    done = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 3, dev)
     _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr,
                  csr.indices, n_rows, n_cols, csr.nnz, c, k, max(1, -(-n_cols // c)), hist,
                  done)
     return hist
 
 
-#: The row counts pit_hyb_fill writes after the three per-bucket columns of a hyb table:
+#: The row counts pit_hyb_layout writes after the three per-bucket columns of a hyb table:
 #: workspace rows, cut rows, partial rows, empty rows, fix rows, and whether a group was cut.
 HYB_TABLE_COUNTS = 6
 
 
 def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
                totals: list[int] | None) -> DeviceMatrix:
-    """hyb passes 2 and 3: the buffers, the pass that ranks the rows and writes the table, the
-    write plan and the padding, and the pass that places every entry; no sync. ``totals`` (the
+    """hyb passes 2 and 3: the buffers, then one launch that ranks the rows and writes the table,
+    the write plan and the padding, waits for its whole grid (a cooperative launch: every CTA
+    resident) and places every entry; no sync. ``totals`` (the
     host copy of ``scan``'s last column) sizes them exactly; None sizes them by bounds instead
     (a bucket row holds an entry, so rows <= nnz; a group of n entries pads to < 2n slots):
     the padding past the live slots reads as padding, SpMM takes the live counts from the
@@ -726,14 +727,20 @@ def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
     b["cut_info"] = b["cut_info"].view(n_cut, 3)
     if n_ctas:
         kern, part = _convert_kernels(csr.dtype), max(1, -(-n_cols // c))
-        _launch_ctas(kern, "pit_hyb_fill", n_ctas, HYB_THREADS, csr.indptr, csr.indices,
-                     n_rows, n_cols, nnz, c, k, part, scan, n_ctas, n_brows, n_slots, n_fix,
-                     n_cut, n_empty, b["table"], b["brow_row"], b["cols"], b["vals"], b["perm"],
-                     b["slot_row"], b["ws_index"], b["fix_rows"], b["cut_index"],
-                     b["cut_info"], b["empty_rows"], meta)
-        _launch(kern, "pit_hyb_place", nnz, csr.indptr, csr.indices, csr.values, n_rows,
-                n_cols, nnz, c, k, part, meta, b["table"], n_brows, n_slots, b["brow_row"],
-                b["cols"], b["vals"], b["perm"], b["slot_row"])
+        # passes 2 and 3 as one cooperative grid: a CTA per row group or per HYB_THREADS
+        # entries, at most as many as the device holds at once (the grid waits on itself)
+        ctas = min(max(n_ctas, -(-nnz // HYB_THREADS)),
+                   kern.resident("pit_hyb_layout", HYB_THREADS))
+        with TorchLaunch() as tl:
+            sync = stream_counters(_HYB_DONE.setdefault(dev.index, {}), tl.stream, 3, dev)
+            kern.launch("pit_hyb_layout", (ctas, 1, 1), (HYB_THREADS, 1, 1), tl.stream,
+                        *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in (
+                            csr.indptr, csr.indices, csr.values, n_rows, n_cols, nnz, c, k,
+                            part, scan, n_ctas, n_brows, n_slots, n_fix, n_cut, n_empty,
+                            b["table"], b["brow_row"], b["cols"], b["vals"], b["perm"],
+                            b["slot_row"], b["ws_index"], b["fix_rows"], b["cut_index"],
+                            b["cut_info"], b["empty_rows"], meta, sync[1:])),
+                        cooperative=True)
     else:
         b["table"].zero_()
     return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, nnz, csr.dtype, b, csr, info)
