@@ -91,11 +91,14 @@ def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREAD
                        *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
 
 
-def _launch_ctas(kernels: Any, name: str, ctas: int, threads: int, *args: Any) -> None:
-    """Enqueue a kernel of ``ctas`` blocks (one tile of work each) on torch's current stream."""
+def _launch_ctas(kernels: Any, name: str, ctas: int, threads: int, *args: Any,
+                 cooperative: bool = False) -> None:
+    """Enqueue a kernel of ``ctas`` blocks (one tile of work each, or a cooperative grid whose
+    CTAs are all resident at once) on torch's current stream."""
     with TorchLaunch() as tl:
         kernels.launch(name, (ctas, 1, 1), (threads, 1, 1), tl.stream,
-                       *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
+                       *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args),
+                       cooperative=cooperative)
 
 
 def _dtype_name(t: Any) -> str:
@@ -731,16 +734,12 @@ def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
         # entries, at most as many as the device holds at once (the grid waits on itself)
         ctas = min(max(n_ctas, -(-nnz // HYB_THREADS)),
                    kern.resident("pit_hyb_layout", HYB_THREADS))
-        with TorchLaunch() as tl:
-            sync = stream_counters(_HYB_DONE.setdefault(dev.index, {}), tl.stream, 3, dev)
-            kern.launch("pit_hyb_layout", (ctas, 1, 1), (HYB_THREADS, 1, 1), tl.stream,
-                        *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in (
-                            csr.indptr, csr.indices, csr.values, n_rows, n_cols, nnz, c, k,
-                            part, scan, n_ctas, n_brows, n_slots, n_fix, n_cut, n_empty,
-                            b["table"], b["brow_row"], b["cols"], b["vals"], b["perm"],
-                            b["slot_row"], b["ws_index"], b["fix_rows"], b["cut_index"],
-                            b["cut_info"], b["empty_rows"], meta, sync[1:])),
-                        cooperative=True)
+        sync = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 3, dev)
+        _launch_ctas(kern, "pit_hyb_layout", ctas, HYB_THREADS, csr.indptr, csr.indices,
+                     csr.values, n_rows, n_cols, nnz, c, k, part, scan, n_ctas, n_brows, n_slots,
+                     n_fix, n_cut, n_empty, b["table"], b["brow_row"], b["cols"], b["vals"],
+                     b["perm"], b["slot_row"], b["ws_index"], b["fix_rows"], b["cut_index"],
+                     b["cut_info"], b["empty_rows"], meta, sync[1:], cooperative=True)
     else:
         b["table"].zero_()
     return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, nnz, csr.dtype, b, csr, info)
