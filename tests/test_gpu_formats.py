@@ -129,6 +129,24 @@ def test_hyb_of_many_row_blocks_matches_numpy(c, k):
         assert_same_hyb_plan(m, ref, {"c": c, "k": k})
 
 
+@pytest.mark.parametrize("c,k", [(1, 3), (2, 2)])
+def test_hyb_with_more_row_groups_than_its_grid_holds(c, k):
+    """pit_hyb_layout's grid is capped at the CTAs the device holds at once (it waits on
+    itself), so with more row groups than that each CTA ranks several groups in turn before the
+    barrier; sized by bounds or exactly, the layout and write plan equal the NumPy reference's."""
+    from pitgen.graph.device import HYB_THREADS, _convert_kernels
+
+    resident = _convert_kernels("float32").resident("pit_hyb_layout", HYB_THREADS)
+    csr = power_law(31 + c + k, 2 * resident * HYB_THREADS + 77, 500)
+    assert -(-csr.shape[0] // HYB_THREADS) > resident
+    ref = rounded(csr, "float32")
+    want = reference_layout(ref, "hyb", {"c": c, "k": k})
+    d = DeviceCSR.from_host(csr, "float32")
+    for m in (to_format(d, "hyb", c=c, k=k), to_format(d, "hyb", sync=False, c=c, k=k).exact()):
+        assert_same_layout(m.to_host(), want, "hyb")
+        assert_same_hyb_plan(m, ref, {"c": c, "k": k})
+
+
 @GPU_SETTINGS
 @given(MATRICES, st.sampled_from(DTYPES), st.sampled_from([(1, 0), (1, 2), (2, 1), (3, 3)]),
        st.sampled_from(["pieces", "atomic"]), st.integers(0, 2**32 - 1))
