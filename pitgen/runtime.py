@@ -265,21 +265,18 @@ class Module:
         return self._ready(name, smem).bind(grid, block, smem, early)
 
     def launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], stream: int,
-               *args: Any, smem: int = 0, early: bool = False,
-               cooperative: bool = False) -> None:
+               *args: Any, smem: int = 0, early: bool = False) -> None:
         """Enqueue ``name`` on ``stream`` (a CUstream handle, 0: the legacy default stream) with
-        ``smem`` bytes of dynamic shared memory (``early``: as ``bind``; ``cooperative``: every
-        CTA resident at once, for a grid that waits on itself, at most ``resident`` CTAs); an
-        empty grid launches nothing. Nothing waits."""
+        ``smem`` bytes of dynamic shared memory (``early``: as ``bind``); an empty grid
+        launches nothing. Nothing waits."""
         if 0 in grid:
             return
         f = self._ready(name, smem)
-        attr = _PROGRAMMATIC if early else _COOPERATIVE if cooperative else None
-        (f.bound_ex(grid, block, smem, attr) if attr else f.bind(grid, block, smem))(stream, *args)
+        (f.bound_early(grid, block, smem) if early else f.bind(grid, block, smem))(stream, *args)
 
     def resident(self, name: str, threads: int, smem: int = 0) -> int:
-        """How many CTAs of ``name`` (``threads`` each) the device holds at once: a cooperative
-        grid's largest size."""
+        """How many CTAs of ``name`` (``threads`` each) the device holds at once: the most a
+        grid whose CTAs wait on work other CTAs claimed is worth launching."""
         return self._ready(name, smem).per_sm(threads, smem) * device_sms()
 
     def _ready(self, name: str, smem: int) -> _Kernel:
@@ -303,11 +300,10 @@ _VOID_P = ctypes.c_void_p
 #: struct codes, sizes and host alignments of the signature letters
 _PARAMS = {"P": ("Q", 8), "i": ("i", 4), "f": ("f", 4), "q": ("q", 8), "M": ("128s", 8)}
 
-#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-_PROGRAMMATIC, _COOPERATIVE = 6, 2
-#: cuLaunchKernelEx closures a kernel keeps (_Kernel.bound_ex), one per grid, block, smem and
-#: attribute
-_EX_KEPT = 64
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PROGRAMMATIC = 6
+#: early-launch closures a kernel keeps (_Kernel.bound_early), one per grid, block and smem
+_EARLY_KEPT = 64
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -344,7 +340,7 @@ class _Kernel:
         self._struct, self._offsets = struct.Struct(fmt), offsets
         self._per_parameter = "M" in signature
         self._local = threading.local()
-        self._ex: dict[tuple, Callable[..., None]] = {}
+        self._early: dict[tuple, Callable[..., None]] = {}
         self._per_sm: dict[tuple[int, int], int] = {}
         self.handle = ctypes.c_void_p()
         _check(self._lib.cuModuleGetFunction(ctypes.byref(self.handle), module.handle,
@@ -388,17 +384,16 @@ class _Kernel:
         return bufs
 
     def bind(self, grid: tuple[int, ...], block: tuple[int, ...], smem: int,
-             early: bool = False, attr: int | None = None) -> Callable[..., None]:
+             early: bool = False) -> Callable[..., None]:
         """The kernel with everything but the stream and the arguments fixed (Module.bind);
-        ``early``: launched by ``cuLaunchKernelEx`` as a programmatic dependent launch (``attr``:
-        with that launch attribute)."""
+        ``early``: launched by ``cuLaunchKernelEx`` as a programmatic dependent launch."""
         if 0 in grid:
             return lambda stream, *args: None
         (gx, gy, gz), (bx, by, bz) = (int(d) for d in (*grid, 1, 1)[:3]), \
             (int(d) for d in (*block, 1, 1)[:3])
         smem = int(smem)
-        if early or attr:
-            return self._bind_ex((gx, gy, gz), (bx, by, bz), smem, attr or _PROGRAMMATIC)
+        if early:
+            return self._bind_early((gx, gy, gz), (bx, by, bz), smem)
         driver, handle, pack, local = self._lib.cuLaunchKernel, self.handle, \
             self._struct.pack_into, self._local
         vp = _VOID_P
@@ -412,32 +407,30 @@ class _Kernel:
                 _check(rc, "cuLaunchKernel")
         return bound
 
-    def bound_ex(self, grid: tuple[int, ...], block: tuple[int, ...], smem: int,
-                 attr: int) -> Callable[..., None]:
-        """``bind(..., attr=attr)``, kept per launch shape (Module.launch's early and cooperative
-        launches: a launch config costs 2.5 us of host time to build), at most _EX_KEPT."""
-        key = (tuple(grid), tuple(block), smem, attr)
-        bound = self._ex.get(key)
+    def bound_early(self, grid: tuple[int, ...], block: tuple[int, ...],
+                    smem: int) -> Callable[..., None]:
+        """``bind(..., early=True)``, kept per launch shape (Module.launch's early launches:
+        a launch config costs 2.5 us of host time to build), at most _EARLY_KEPT of them."""
+        key = (tuple(grid), tuple(block), smem)
+        bound = self._early.get(key)
         if bound is None:
-            if len(self._ex) >= _EX_KEPT:
-                self._ex.clear()
-            bound = self._ex[key] = self.bind(grid, block, smem, attr=attr)
+            if len(self._early) >= _EARLY_KEPT:
+                self._early.clear()
+            bound = self._early[key] = self.bind(grid, block, smem, True)
         return bound
 
-    def _bind_ex(self, grid: tuple[int, int, int], block: tuple[int, int, int],
-                 smem: int, attr_id: int) -> Callable[..., None]:
-        """``bind`` through ``cuLaunchKernelEx`` with one launch attribute. _PROGRAMMATIC: the
-        grid may start while the kernel before it on the stream finishes (once that one's CTAs
-        have all run ``griddepcontrol.launch_dependents`` or exited); this kernel's
-        ``griddepcontrol.wait`` holds it until that grid has completed and its writes are
-        visible. _COOPERATIVE: every CTA is resident at once (the driver refuses a larger
-        grid), so CTAs may wait for each other. Each thread keeps its own config."""
+    def _bind_early(self, grid: tuple[int, int, int], block: tuple[int, int, int],
+                    smem: int) -> Callable[..., None]:
+        """``bind``'s programmatic dependent launch: the grid may start while the kernel before
+        it on the stream finishes (once that one's CTAs have all run ``griddepcontrol.
+        launch_dependents`` or exited); this kernel's ``griddepcontrol.wait`` holds it until
+        that grid has completed and its writes are visible. Each thread keeps its own config."""
         driver, handle, pack, local = self._lib.cuLaunchKernelEx, self.handle, \
             self._struct.pack_into, self._local
         mine = threading.local()   # this closure's config, per thread
 
         def config() -> Any:
-            attr = _LaunchAttribute(id=attr_id, value=1)
+            attr = _LaunchAttribute(id=_PROGRAMMATIC, value=1)
             cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem,
                                 None, ctypes.pointer(attr), 1)
             mine.cfg = cfg, ctypes.byref(cfg), attr

@@ -242,11 +242,10 @@ def test_kernel_signatures_match_the_templates_parameters():
             assert kinds == sig, (spec.name, kernel, kinds, sig)
 
 
-def test_launch_attributes_reach_the_driver_as_cuda_h_numbers_them():
-    """hyb's second launch waits on its own grid, so it must go out cooperative (every CTA
-    resident); the kernels behind an index pass go out as programmatic dependents. Both pass
-    through cuLaunchKernelEx with one attribute: a wrong id would launch a grid that can hang,
-    or one that starts before its input is written, and no CPU launch would show it."""
+def test_programmatic_launch_reaches_the_driver_as_cuda_h_numbers_it():
+    """The kernels behind an index pass go out as programmatic dependents through
+    cuLaunchKernelEx with one attribute: a wrong id would launch a grid that starts before its
+    input is written, and no CPU launch would show it."""
     import ctypes
 
     from pitgen import runtime
@@ -268,9 +267,8 @@ def test_launch_attributes_reach_the_driver_as_cuda_h_numbers_them():
         handle = None
 
     kernel = runtime._Kernel(Mod(), "k", "Pi")
-    kernel.bound_ex((660, 1, 1), (256, 1, 1), 0, runtime._COOPERATIVE)(7, 0, 3)
     kernel.bind((5,), (128,), 1024, early=True)(9, 0, 3)
-    assert seen == [((660, 1, 1), (256, 1, 1), 0, 1, 2, 1, 7),
-                    ((5, 1, 1), (128, 1, 1), 1024, 1, 6, 1, 9)]
-    assert kernel.bound_ex((660,), (256,), 0, runtime._COOPERATIVE) is \
-        kernel.bound_ex((660,), (256,), 0, runtime._COOPERATIVE)   # one config per shape
+    kernel.bound_early((660,), (256,), 0)(7, 0, 3)
+    assert seen == [((5, 1, 1), (128, 1, 1), 1024, 1, 6, 1, 9),
+                    ((660, 1, 1), (256, 1, 1), 0, 1, 6, 1, 7)]
+    assert kernel.bound_early((660,), (256,), 0) is kernel.bound_early((660,), (256,), 0)

@@ -91,14 +91,11 @@ def _launch(kernels: Any, name: str, n: int, *args: Any, per_block: int = THREAD
                        *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
 
 
-def _launch_ctas(kernels: Any, name: str, ctas: int, threads: int, *args: Any,
-                 cooperative: bool = False) -> None:
-    """Enqueue a kernel of ``ctas`` blocks (one tile of work each, or a cooperative grid whose
-    CTAs are all resident at once) on torch's current stream."""
+def _launch_ctas(kernels: Any, name: str, ctas: int, threads: int, *args: Any) -> None:
+    """Enqueue a kernel of ``ctas`` blocks on torch's current stream."""
     with TorchLaunch() as tl:
         kernels.launch(name, (ctas, 1, 1), (threads, 1, 1), tl.stream,
-                       *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args),
-                       cooperative=cooperative)
+                       *(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args))
 
 
 def _dtype_name(t: Any) -> str:
@@ -645,8 +642,9 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
     """Bucket rows ordered part-major, then by width, then by row (pitgen.graph.formats.Hyb's
     order), in two launches: per-CTA counts of bucket rows and of the write plan's row kinds,
     scanned over CTAs by the same pass's last CTA; the one sync (the totals size every
-    buffer); then one cooperative grid that ranks every row within its row group (table, write
-    plan, padding), waits on itself once, and places each entry.
+    buffer); then one grid that ranks every row within its row group (table, write plan,
+    padding), each CTA claiming groups until none is left, waits until all are ranked, and
+    places each entry.
 
     How SpMM may write each row (Hyb.write_plan states it in NumPy; SpMM's "cut" schedule picks
     for c == 1): shared rows, those of buckets whose writes collide (every non-empty row when
@@ -661,7 +659,7 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
 
 
 #: device index -> runtime.stream_counters cache of the hyb passes' counters: pass 1's done
-#: counter, then the grid barrier and finish counters of passes 2 and 3
+#: counter, then those of passes 2 and 3: groups ranked, CTAs finished, groups claimed
 _HYB_DONE = cache.memo("graph.hyb_done")
 
 
@@ -680,7 +678,7 @@ def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
         return None
     dev = csr.indices.device
     hist = torch.empty(n_counters, n_ctas, dtype=torch.int32, device=dev)
-    done = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 3, dev)
+    done = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 4, dev)
     _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr,
                  csr.indices, n_rows, n_cols, csr.nnz, c, k, max(1, -(-n_cols // c)), hist,
                  done)
@@ -695,9 +693,8 @@ HYB_TABLE_COUNTS = 6
 def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
                totals: list[int] | None) -> DeviceMatrix:
     """hyb passes 2 and 3: the buffers, then one launch that ranks the rows and writes the table,
-    the write plan and the padding, waits for its whole grid (a cooperative launch: every CTA
-    resident) and places every entry; no sync. ``totals`` (the
-    host copy of ``scan``'s last column) sizes them exactly; None sizes them by bounds instead
+    the write plan and the padding, waits until every row group is ranked and places every
+    entry; no sync. ``totals`` (the host copy of ``scan``'s last column) sizes them exactly; None sizes them by bounds instead
     (a bucket row holds an entry, so rows <= nnz; a group of n entries pads to < 2n slots):
     the padding past the live slots reads as padding, SpMM takes the live counts from the
     table, and ``info`` holds the bounds until :meth:`DeviceMatrix.exact` reads the table."""
@@ -730,16 +727,16 @@ def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
     b["cut_info"] = b["cut_info"].view(n_cut, 3)
     if n_ctas:
         kern, part = _convert_kernels(csr.dtype), max(1, -(-n_cols // c))
-        # passes 2 and 3 as one cooperative grid: a CTA per row group or per HYB_THREADS
-        # entries, at most as many as the device holds at once (the grid waits on itself)
+        # passes 2 and 3 as one grid: a CTA per row group or per HYB_THREADS entries, at most
+        # as many as the device holds at once (a CTA past those would wait for a slot)
         ctas = min(max(n_ctas, -(-nnz // HYB_THREADS)),
                    kern.resident("pit_hyb_layout", HYB_THREADS))
-        sync = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 3, dev)
+        sync = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 4, dev)
         _launch_ctas(kern, "pit_hyb_layout", ctas, HYB_THREADS, csr.indptr, csr.indices,
                      csr.values, n_rows, n_cols, nnz, c, k, part, scan, n_ctas, n_brows, n_slots,
                      n_fix, n_cut, n_empty, b["table"], b["brow_row"], b["cols"], b["vals"],
                      b["perm"], b["slot_row"], b["ws_index"], b["fix_rows"], b["cut_index"],
-                     b["cut_info"], b["empty_rows"], meta, sync[1:], cooperative=True)
+                     b["cut_info"], b["empty_rows"], meta, sync[1:])
     else:
         b["table"].zero_()
     return DeviceMatrix("hyb", {"c": c, "k": k}, csr.shape, nnz, csr.dtype, b, csr, info)
