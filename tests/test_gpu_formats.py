@@ -131,9 +131,9 @@ def test_hyb_of_many_row_blocks_matches_numpy(c, k):
 
 @pytest.mark.parametrize("c,k", [(1, 3), (2, 2)])
 def test_hyb_with_more_row_groups_than_its_grid_holds(c, k):
-    """pit_hyb_layout's grid is capped at the CTAs the device holds at once (it waits on
-    itself), so with more row groups than that each CTA ranks several groups in turn before the
-    barrier; sized by bounds or exactly, the layout and write plan equal the NumPy reference's."""
+    """pit_hyb_layout's grid is capped at the CTAs the device holds at once, so with more row
+    groups than that CTAs claim several groups in turn before they wait for all to be ranked;
+    sized by bounds or exactly, the layout and write plan equal the NumPy reference's."""
     from pitgen.graph.device import HYB_THREADS, _convert_kernels
 
     resident = _convert_kernels("float32").resident("pit_hyb_layout", HYB_THREADS)
