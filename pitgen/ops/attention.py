@@ -623,15 +623,15 @@ def _arrays(base: int, offsets: tuple[int, ...]) -> list[int]:
 
 def _counter_words(plan: AttentionPlan) -> int:
     """int32 words of the index pass's counters (``_counters``), the fused forward's after them."""
-    return plan.slices * (5 * plan.n_qb + 1)
+    return plan.slices * (6 * plan.n_qb + 1)
 
 
 def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) -> Any:
     """The index pass's counters on ``stream`` (zero between launches): per (slice, query
     block) two 64-bit masks (the rows that miss some key; the rows some index CTA saw allowing
-    all of its keys), then per (slice, query block) and per
-    slice a done counter (int32); for a fused plan then the one-launch forward's ticket, finish
-    and index-done counters. The caller holds the tensor until its launch is enqueued (a
+    all of its keys), then per (slice, query block) a 64-bit done counter (its arrivals and
+    what they carry) and per slice an int32 one; for a fused plan then the one-launch forward's
+    ticket, finish and index-done counters. The caller holds the tensor until its launch is enqueued (a
     captured call's are fresh: runtime.stream_counters)."""
     return stream_counters(by_stream, stream, _counter_words(plan) + 3 * plan.fused, device)
 
@@ -660,7 +660,7 @@ def _index_args(plan: AttentionPlan, mask: int, counters: int, arrays: list[int]
     counters (``_counters``' layout) and the gathered capacity."""
     qdone = counters + 16 * plan.slices * plan.n_qb
     return (mask, plan.sq, plan.sk, plan.n_kb, *arrays, counters, qdone,
-            qdone + 4 * plan.slices * plan.n_qb, plan.gather_cap)
+            qdone + 8 * plan.slices * plan.n_qb, plan.gather_cap)
 
 
 @on_operand_device
