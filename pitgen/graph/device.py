@@ -663,6 +663,11 @@ def _to_hyb(csr: DeviceCSR, c: int, k: int) -> DeviceMatrix:
 _HYB_DONE = cache.memo("graph.hyb_done")
 
 
+def _hyb_counters(dev: Any) -> Any:
+    """The hyb passes' counters (_HYB_DONE's four words) on torch's current stream."""
+    return stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 4, dev)
+
+
 def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
     """hyb pass 1 with its scan: per CTA of HYB_THREADS rows, its bucket rows per bucket and
     its four row counts, as an inclusive scan over CTAs [c * (k + 1) + 4, CTAs] (None without
@@ -678,7 +683,7 @@ def hyb_counts(csr: DeviceCSR, c: int, k: int) -> Any:
         return None
     dev = csr.indices.device
     hist = torch.empty(n_counters, n_ctas, dtype=torch.int32, device=dev)
-    done = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 4, dev)
+    done = _hyb_counters(dev)
     _launch_ctas(_convert_kernels(csr.dtype), "pit_hyb_count", n_ctas, HYB_THREADS, csr.indptr,
                  csr.indices, n_rows, n_cols, csr.nnz, c, k, max(1, -(-n_cols // c)), hist,
                  done)
@@ -731,7 +736,7 @@ def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
         # as many as the device holds at once (a CTA past those would wait for a slot)
         ctas = min(max(n_ctas, -(-nnz // HYB_THREADS)),
                    kern.resident("pit_hyb_layout", HYB_THREADS))
-        sync = stream_counters(_HYB_DONE.setdefault(dev.index, {}), current_stream(), 4, dev)
+        sync = _hyb_counters(dev)
         _launch_ctas(kern, "pit_hyb_layout", ctas, HYB_THREADS, csr.indptr, csr.indices,
                      csr.values, n_rows, n_cols, nnz, c, k, part, scan, n_ctas, n_brows, n_slots,
                      n_fix, n_cut, n_empty, b["table"], b["brow_row"], b["cols"], b["vals"],
