@@ -699,10 +699,11 @@ def hyb_layout(csr: DeviceCSR, c: int, k: int, scan: Any,
                totals: list[int] | None) -> DeviceMatrix:
     """hyb passes 2 and 3: the buffers, then one launch that ranks the rows and writes the table,
     the write plan and the padding, waits until every row group is ranked and places every
-    entry; no sync. ``totals`` (the host copy of ``scan``'s last column) sizes them exactly; None sizes them by bounds instead
-    (a bucket row holds an entry, so rows <= nnz; a group of n entries pads to < 2n slots):
-    the padding past the live slots reads as padding, SpMM takes the live counts from the
-    table, and ``info`` holds the bounds until :meth:`DeviceMatrix.exact` reads the table."""
+    entry; no sync. ``totals`` (the host copy of ``scan``'s last column) sizes them exactly;
+    None sizes them by bounds instead (a bucket row holds an entry, so rows <= nnz; a group of
+    n entries pads to < 2n slots): the padding past the live slots reads as padding, SpMM takes
+    the live counts from the table, and ``info`` holds the bounds until
+    :meth:`DeviceMatrix.exact` reads the table."""
     torch = _torch()
     n_rows, n_cols = csr.shape
     dev = csr.indices.device

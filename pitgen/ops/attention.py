@@ -631,8 +631,8 @@ def _counters(plan: AttentionPlan, by_stream: dict, stream: int, device: Any) ->
     block) two 64-bit masks (the rows that miss some key; the rows some index CTA saw allowing
     all of its keys), then per (slice, query block) a 64-bit done counter (its arrivals and
     what they carry) and per slice an int32 one; for a fused plan then the one-launch forward's
-    ticket, finish and index-done counters. The caller holds the tensor until its launch is enqueued (a
-    captured call's are fresh: runtime.stream_counters)."""
+    ticket, finish and index-done counters. The caller holds the tensor until its launch is
+    enqueued (a captured call's are fresh: runtime.stream_counters)."""
     return stream_counters(by_stream, stream, _counter_words(plan) + 3 * plan.fused, device)
 
 
