@@ -16,7 +16,7 @@ class FakeModule:
     def __init__(self) -> None:
         self.calls: list = []
 
-    def bind(self, name, grid, block, smem=0):
+    def bind(self, name, grid, block, smem=0, early=False):
         return lambda stream, *args: self.calls.append((name, args))
 
 
