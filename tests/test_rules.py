@@ -109,10 +109,13 @@ def test_disagreement_fails_loudly(monkeypatch):
 
 
 def test_analyse_conv_is_fast():
+    """A guard against a pathological rule derivation (seconds of sympy), not a benchmark: this
+    process's CPU time, which other processes' load does not stretch (wall time under 12 busy
+    test workers passed a second)."""
     pitgen.cache.clear()
-    start = time.perf_counter()
+    start = time.process_time()
     analyse("O[n,f,y,x] += I[n,c,y+r,x+s] * W[f,c,r,s]")
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 # -- Rules API -------------------------------------------------------------------------------------
