@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call does, in order: install pitgen (offline), then the named steps:
 #   tests     GPU test suite (pytest -m gpu, 8 workers)
+#   cpu-torch the CPU tests, here where torch is installed (CI has no torch: the tests that need
+#             it skip there), 4 workers (12 stretched wall-clock bounds past their limits)
 #   thorough  the kernel families' GPU property tests in Hypothesis's thorough profile
 #             (PITGEN_HYPOTHESIS=thorough: >= 2000 fresh examples per family), 8 workers, stopped
 #             after THOROUGH_TIMEOUT (500 s); per-test example counts in $LOGS/thorough-counts.txt.
@@ -54,6 +56,10 @@ for step in "$@"; do
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS:-tests/} -p no:cacheprovider -n 8 \
         >"$LOGS/gpu-tests.log" 2>&1; r=$?
       grep -v Warning "$LOGS/gpu-tests.log" | grep -v warner | tail -15; rc=$((rc | r)) ;;
+    cpu-torch)
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m "not gpu" ${TESTS:-tests/} -p no:cacheprovider \
+        -n 4 >"$LOGS/cpu-torch-tests.log" 2>&1; r=$?
+      grep -v Warning "$LOGS/cpu-torch-tests.log" | grep -v warner | tail -15; rc=$((rc | r)) ;;
     thorough)
       seed=${THOROUGH_SEED:-$(python3 -c "import random; print(random.randrange(2**32))")}
       limit=${THOROUGH_TIMEOUT:-500}
