@@ -2,7 +2,8 @@
 # Everything one lent-GPU call does, in order: install pitgen (offline), then the named steps:
 #   tests     GPU test suite (pytest -m gpu, 8 workers)
 #   cpu-torch the CPU tests, here where torch is installed (CI has no torch: the tests that need
-#             it skip there), 4 workers (12 stretched wall-clock bounds past their limits)
+#             it skip there), 4 workers (at 12, the load pushed tests with wall-clock bounds past
+#             them)
 #   thorough  the kernel families' GPU property tests in Hypothesis's thorough profile
 #             (PITGEN_HYPOTHESIS=thorough: >= 2000 fresh examples per family), 8 workers, stopped
 #             after THOROUGH_TIMEOUT (500 s); per-test example counts in $LOGS/thorough-counts.txt.
