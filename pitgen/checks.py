@@ -79,7 +79,15 @@ def numeric_array(value: Any, what: str, *, kinds: str = NUMERIC_KINDS,
 
 
 def memory_bytes() -> int:
-    """The machine's physical memory: no allocation pitgen makes may exceed it."""
+    """The memory the machine has available now (``MemAvailable`` where /proc/meminfo has it,
+    else its physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not POSIX: no usable bound
@@ -88,8 +96,10 @@ def memory_bytes() -> int:
 
 def allocation(elements: int, itemsize: int, what: str,
                error: type[PitgenError] = ShapeError) -> None:
-    """Refuse, before allocating, an array of ``elements`` that would not fit in memory."""
-    need = int(elements) * int(itemsize)
-    if need > memory_bytes():
+    """Refuse, before allocating, host arrays of ``elements`` that would take more than half of
+    the memory available: filling them would swap or take minutes (an ELL of width 2**31 on a
+    host of 128 GiB), and the conversion makes temporaries of a similar size beside them."""
+    need, have = int(elements) * int(itemsize), memory_bytes()
+    if need > have // 2:
         raise error(f"{what} would need {need / 2**30:.3g} GiB ({elements} elements), more than "
-                    f"this machine's {memory_bytes() / 2**30:.3g} GiB of memory")
+                    f"half of the {have / 2**30:.3g} GiB of memory available")

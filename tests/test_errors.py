@@ -118,6 +118,20 @@ def test_listed_cases_raise_a_pitgen_error(case):
             fn()
 
 
+def test_host_arrays_past_half_the_available_memory_are_refused(monkeypatch):
+    """A format conversion that would fill more than half of the memory available is refused
+    up front: an ELL of width 2**31 on a 4-row matrix (96 GiB) passed a bound of the whole
+    physical memory on a 128 GiB host and then took minutes to fill."""
+    from pitgen import checks
+
+    monkeypatch.setattr(checks, "memory_bytes", lambda: 2**20)
+    assert F.ELL.from_csr(_csr(), 2**10).width == 2**10          # 48 KiB: allowed
+    with pytest.raises(pitgen.ShapeError, match="half of the 0.000977 GiB"):
+        F.ELL.from_csr(_csr(), 2**15)                             # 1.5 MiB
+    with pytest.raises(pitgen.ShapeError, match="half"):
+        F.Hyb.from_csr(_csr(), 2**15, 2)
+
+
 def test_listed_cases_that_now_succeed():
     """10,000 unary minus signs parse (counted, not recursed); a plan of 2^31 x 2^31 without a
     mask is costed in closed form; unsigned CSR indices are taken as int64; a huge affine
