@@ -395,7 +395,7 @@ def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
     acc = bm * (bn + 8) * 4
     stage = (64 + bn) * 64 * size + 16
     fit = (WGMMA_SMEM - ROWS_SM90_STATIC - 1024 - acc) // stage
-    # 4 or 8 stages, each producer warp's own; the consumer holds two k-tiles' stages at once
+    # 4 or 8 stages, each producer warp's own, at least two k-tiles' worth
     stages = 8 if fit >= 8 else 4 if fit >= 4 else 0
     if 2 * (tk // 64) > stages:
         return None
