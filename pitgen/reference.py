@@ -34,6 +34,15 @@ def block_index_reference(mask: np.ndarray, bm: int = BM, bn: int = BN) -> np.nd
     return np.where(any_, np.where(all_, FULL, PARTIAL), EMPTY).astype(np.uint8)
 
 
+def block_layout_mask(layout: np.ndarray, block_size: int | tuple[int, int], sq: int,
+                      sk: int) -> np.ndarray:
+    """The element mask [..., Sq, Sk] a block layout stands for (``sparse_attention``'s
+    block_mask): query i attends key j where ``layout[..., i // bq, j // bk]``."""
+    bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+    m = np.asarray(layout) != 0
+    return m[..., np.arange(sq) // bq, :][..., np.arange(sk) // bk]
+
+
 def count_bins(counts: np.ndarray, n_kb: int) -> np.ndarray:
     """The count class the GPU orders query blocks by: the count itself below ORDER_BINS key
     blocks, else scaled onto ORDER_BINS classes."""

@@ -120,8 +120,11 @@ for d in (64, 128):
         # gathered key tiles and a dense-row tile (global rows)
         m = torch.from_numpy(bigbird_mask(rng, sq, sk, 32, random_global_tokens(rng, sq, 3), 6))
         sparse_attention(q, k, v, m.cuda())
+        # a block layout's index (per-head layout, 128 x 64 blocks, ragged edges)
+        lay = torch.from_numpy(rng.random((2, -(-sq // 128), -(-sk // 64))) < 0.5).cuda()
+        sparse_attention(q, k, v, block_mask=lay, block_size=(128, 64))
 torch.cuda.synchronize()
-print("attention d 64/128, byte and vector mask, gathered keys, dense rows: ok")
+print("attention d 64/128, byte and vector mask, gathered keys, dense rows, block layout: ok")
 
 # D = 200: four 64-deep steps on Hopper's wgmma tiles (the last ragged); a Q view strided in
 # d runs the mma.sync tiles there

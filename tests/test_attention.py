@@ -101,6 +101,47 @@ def test_block_index_flags_full_and_partial_blocks():
 
 
 @settings(max_examples=25, deadline=None)
+@given(sq=st.integers(1, 300), sk=st.integers(1, 300), lead=st.sampled_from([(), (2,), (2, 3)]),
+       block=st.sampled_from([(64, 64), (128, 128), (64, 192)]), density=st.floats(0, 1),
+       seed=st.integers(0, 1000))
+def test_block_layout_mask_and_its_states(sq, sk, lead, block, density, seed):
+    """A layout's mask attends exactly its blocks, and every 64 x 64 block of it is FULL or
+    EMPTY: what the layout index writes without reading a mask."""
+    rng = np.random.default_rng(seed)
+    lay = rng.random((*lead, -(-sq // block[0]), -(-sk // block[1]))) < density
+    mask = R.block_layout_mask(lay, block, sq, sk)
+    assert mask.shape == (*lead, sq, sk)
+    i, j = np.meshgrid(np.arange(sq), np.arange(sk), indexing="ij")
+    np.testing.assert_array_equal(mask, lay[..., i // block[0], j // block[1]])
+    states = R.block_index_reference(mask).reshape(*lead, -(-sq // 64), -(-sk // 64))
+    rq, rk = block[0] // 64, block[1] // 64
+    want = lay[..., np.arange(states.shape[-2]) // rq, :][..., np.arange(states.shape[-1]) // rk]
+    np.testing.assert_array_equal(states, np.where(want, A.FULL, A.EMPTY))
+
+
+@pytest.mark.parametrize("size, match", [(96, "multiples of 64"), ((64,), "a pair"),
+                                         (0, "positive"), (True, "block_size"),
+                                         ((128, 64.0), "block_size")])
+def test_block_size_refused_clearly(size, match):
+    with pytest.raises(pitgen.ShapeError, match=match):
+        A._block_size(size)
+    assert A._block_size(128) == (128, 128) and A._block_size((64, 192)) == (64, 192)
+
+
+def test_layout_shape_stands_for_its_mask():
+    """A block layout plans as the mask it stands for: its leading dims broadcast as a mask's
+    (the slices and strides of the state map), its last two are the block counts."""
+    shape = A._layout_shape((2, 1, 2, 3), 2, 4, 200, 300, (128, 128))
+    assert shape == (2, 1, 200, 300)
+    plan = A.plan_attention(2, 4, 200, 300, 64, "float16", shape)
+    assert (plan.slices, plan.mask_strides) == (2, (1, 0))
+    assert A._layout_shape((4, 7), 1, 2, 256, 448, (64, 64)) == (256, 448)
+    for bad in ((2, 2), (3, 2, 3), (1, 1, 1, 2, 3), (3,)):
+        with pytest.raises(pitgen.ShapeError, match=r"block_mask has shape .* expected \[2, 3\]"):
+            A._layout_shape(bad, 2, 4, 200, 300, (128, 128))
+
+
+@settings(max_examples=25, deadline=None)
 @given(n_qb=st.integers(1, 300), n_kb=st.integers(1, 600), slices=st.integers(1, 3),
        density=st.floats(0, 1), seed=st.integers(0, 1000))
 def test_block_order_reference_puts_longest_rows_first(n_qb, n_kb, slices, density, seed):

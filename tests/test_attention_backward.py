@@ -297,7 +297,7 @@ def test_autograd_reaches_q_k_v_through_the_backward_op(with_lse):
     op = A._ops()
     q = _meta((1, 4, 70, 128), torch.bfloat16, grad=True)
     k, v = (_meta((1, 2, 90, 128), torch.bfloat16, grad=True) for _ in range(2))
-    out, lse, _, _ = op(q, k, v, _meta((70, 90), torch.bool), 0.2, None, False)
+    out, lse, _, _ = op(q, k, v, _meta((70, 90), torch.bool), 0.2, None, False, [])
     loss = out.float().sum() + (lse.sum() if with_lse else 0)
     dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -312,7 +312,7 @@ def test_backward_op_fake_shapes():
     dq, dk, dv = torch.ops.pitgen.sparse_attention_backward(
         _meta((1, 4, 70, 64)), [q, k, v, _meta((1, 4, 70, 64)), _meta((1, 4, 70), torch.float32),
                                 _meta((1, 2, 2), torch.uint8), _meta((1, 2), torch.int32)],
-        _meta((70, 90), torch.bool), 0.125, None)
+        _meta((70, 90), torch.bool), 0.125, None, [])
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 

@@ -490,3 +490,21 @@ def test_dynamic_report_judges_gpu_time_and_names_refusals(tmp_path):
     assert "float32: hyb / SpMM geomean 16.00x, no sync 1.60x, kernels only 2.00x" in md
     doc = json.loads((tmp_path / "dynamic.json").read_text())
     assert doc["summary"][0]["met"] is True and doc["hyb_nosync_ratio_geomean"]["float32"] == 1.6
+
+
+def test_attention_layout_rows_follow_their_masks():
+    """The attention benchmark's block_mask rows come right after the mask they stand for and
+    give pitgen exactly that mask's blocks; a mask not made of whole blocks has no layout."""
+    from pitgen import reference as R
+    from pitgen.bench import attention
+
+    mask_set = attention.masks(np.random.default_rng(0))
+    rows = attention.cases(list(mask_set))
+    for name, (source, block) in attention.LAYOUTS.items():
+        assert rows.index((name, attention.D)) == rows.index((source, attention.D)) + 1
+        layout = attention.layout_of(mask_set[source], block)
+        assert layout.shape == (attention.S // block, attention.S // block)
+        np.testing.assert_array_equal(
+            R.block_layout_mask(layout, block, attention.S, attention.S), mask_set[source])
+    with pytest.raises(ValueError, match="whole 128 x 128 blocks"):
+        attention.layout_of(mask_set[attention.BIGBIRD], 128)

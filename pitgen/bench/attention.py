@@ -32,6 +32,9 @@ WALL_TARGET = 0.6
 #: on Longformer
 FLEX_TARGET = {"BigBird": 0.6, "Longformer": 0.6}
 BIGBIRD = "BigBird w256 + 16 global + 224 random"
+#: rows whose pitgen call takes a mask as its block layout (``block_mask``): name -> (the
+#: mask it stands for, block size); the peers read that mask
+LAYOUTS = {"blocks 128x128, 90% sparse, as block_mask": ("blocks 128x128, 90% sparse", 128)}
 
 
 def masks(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -48,8 +51,24 @@ def masks(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def cases(names: list[str]) -> list[tuple[str, int]]:
-    """(mask name, head dim) of each row: every mask at D=64, BigBird at D=128 too."""
-    return [(n, D) for n in names] + [(n, 128) for n in names if n == BIGBIRD]
+    """(mask name, head dim) of each row: every mask at D=64, each layout of one (LAYOUTS)
+    after it, BigBird at D=128 too."""
+    rows = [(n, D) for n in names]
+    for name, (mask, _) in LAYOUTS.items():
+        if mask in names:
+            rows.insert(rows.index((mask, D)) + 1, (name, D))
+    return rows + [(n, 128) for n in names if n == BIGBIRD]
+
+
+def layout_of(mask: np.ndarray, block: int) -> np.ndarray:
+    """The block layout of a mask made of whole ``block`` x ``block`` blocks (ValueError where
+    it is not)."""
+    from pitgen import reference as R
+
+    layout = mask[::block, ::block]
+    if not np.array_equal(R.block_layout_mask(layout, block, *mask.shape), mask):
+        raise ValueError(f"the mask is not made of whole {block} x {block} blocks")
+    return layout
 
 
 def index_work(key_index: Any) -> dict[str, float]:
@@ -144,10 +163,18 @@ def run(r: Run) -> int:
         q, k, v = peer["qkv"]
         qg, kg, vg, dout = peer["grad"]
         dense_ms, dense_train = peer["ms"], peer["train"]
-        mask_np = mask_set[name]
+        source, block = LAYOUTS.get(name, (name, 0))
+        mask_np = mask_set[source]
         label = name if d == D else f"{name}, D={d}"
         print(f"attention: {label}", file=sys.stderr, flush=True)
         m = torch.from_numpy(mask_np).cuda()
+        # pitgen's call: the mask, or its block layout (the peers read the mask either way)
+        given = ({"mask": m} if not block else
+                 {"block_mask": torch.from_numpy(layout_of(mask_np, block)).cuda(),
+                  "block_size": block})
+
+        def attn(*qkv: Any, **kw: Any) -> Any:
+            return A.sparse_attention(*qkv, **given, **kw)
         block_density = float((R.block_index_reference(mask_np) != A.EMPTY).mean())
         density = float(mask_np.mean())
         row: dict[str, Any] = {"pattern": label, "d": d, "density": density,
@@ -155,12 +182,12 @@ def run(r: Run) -> int:
                                "dense_sdpa_bwd_ms": dense_train[0],
                                "dense_sdpa_fwd_bwd_ms": dense_train[1],
                                **index_work(R.key_index_reference(mask_np))}
-        out = A.sparse_attention(q, k, v, m)
-        total = timer.both(lambda: A.sparse_attention(q, k, v, m))
+        out = attn(q, k, v)
+        total = timer.both(lambda: attn(q, k, v))
         row["pitgen_ms"], row["pitgen_host_ms"] = total.gpu_ms, total.wall_ms
-        row["pitgen_index_ms"] = timer(lambda: A.block_index(q, k, v, m))
-        idx = A.block_index(q, k, v, m)
-        row["pitgen_compute_ms"] = timer(lambda: A.sparse_attention(q, k, v, m, index=idx))
+        row["pitgen_index_ms"] = timer(lambda: A.block_index(q, k, v, **given))
+        idx = A.block_index(q, k, v, **given)
+        row["pitgen_compute_ms"] = timer(lambda: attn(q, k, v, index=idx))
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
         row["sdpa_mask_ms"] = timer(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
         live = m.any(-1)  # SDPA gives NaN on rows that attend to nothing
@@ -168,14 +195,16 @@ def run(r: Run) -> int:
         row["fully_masked_rows_zero"] = bool((out[..., ~live, :] == 0).all())
         (row["pitgen_bwd_ms"], row["pitgen_fwd_bwd_ms"], row["pitgen_bwd_wall_ms"],
          row["pitgen_fwd_bwd_wall_ms"]) = _train_ms(
-            timer, lambda: A.sparse_attention(qg, kg, vg, m), (qg, kg, vg), dout)
+            timer, lambda: attn(qg, kg, vg), (qg, kg, vg), dout)
         row["pitgen_fwd_bwd_wall_vs_dense"] = row["pitgen_fwd_bwd_wall_ms"] / dense_train[3]
         row["pitgen_bwd_vs_dense"] = row["pitgen_bwd_ms"] / dense_train[0]
         row["pitgen_fwd_bwd_vs_dense"] = row["pitgen_fwd_bwd_ms"] / dense_train[1]
         if flex:
             _flex_columns(row, flex, q, k, v, m, timer, ref, live)
         row["flop"] = peer["flop"] * block_density
-        row["bytes_floor"] = 4 * B * H * S * d * 2 + mask_np.size  # q, k, v, out, the mask
+        # q, k, v, out, the mask (or its layout)
+        row["bytes_floor"] = 4 * B * H * S * d * 2 + (mask_np.size // block ** 2 if block
+                                                      else mask_np.size)
         row["bytes_floor_ms"] = r.ceilings.copy_ms(row["bytes_floor"])
         row["ideal_ms"] = max(density * dense_ms, row["bytes_floor_ms"])
         row["pitgen_vs_dense"] = row["pitgen_ms"] / dense_ms

@@ -118,6 +118,7 @@ ATTENTION = OpSpec(
      # sm_90a: K's and V's TMA maps first
      "pit_attention_tma": "MMPPPPPPPPiiiiiiifPPPiPPPiiiPP",
      "pit_attention_tma_vec": "MMPPPPPPPPiiiiiiifPPPiPPPiiiPP",
+     "pit_attn_layout_index": "Piiiii" + "P" * 9 + "i",
      **dict.fromkeys(("pit_attention_fused", "pit_attention_fused_vec"),
                      "Piii" + "P" * 14 + "iP" + "iiii" + "PPPPP" + "iiii" + "f" + "ii" + "PP")},
     permutes=(
@@ -439,14 +440,49 @@ def check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> 
 _CHECKED = cache.memo("attention.checked")
 
 
-def _check(q: Any, k: Any, v: Any, mask: Any) -> tuple[AttentionPlan, Any]:
+def _check(q: Any, k: Any, v: Any, mask: Any,
+           block: tuple[int, ...] = ()) -> tuple[AttentionPlan, Any]:
     """The plan, and the mask as the kernels read it (``_mask_u8``; None stays None: no mask
-    to read, the index says dense or causal)."""
-    plan = validated(_CHECKED, raw_key(q, k, v, mask), lambda: _validate(q, k, v, mask))
+    to read, the index says dense or causal). With ``block`` (query rows, key columns of a
+    layout block) ``mask`` is a block layout (``sparse_attention``'s block_mask), read by the
+    layout index alone."""
+    plan = validated(_CHECKED, (raw_key(q, k, v, mask), block),
+                     lambda: _validate(q, k, v, mask, block))
     return plan, (None if mask is None else _mask_u8(mask))
 
 
-def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
+#: Query rows x key columns of a block layout's block unless ``block_size`` says otherwise
+#: (FlexAttention's BlockMask default).
+BLOCK_SIZE = 128
+
+
+def _block_size(block_size: Any) -> tuple[int, int]:
+    """(rows, columns) of a layout block: an int or a pair, positive multiples of the kernels'
+    64 x 64 blocks (a layout block is then whole 64 x 64 blocks, FULL or EMPTY)."""
+    pair = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    if (len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0
+                              or x % b for x, b in zip(pair, (BM, BN)))):
+        raise ShapeError(f"block_size must be an int or a pair of positive multiples of "
+                         f"{BM} (query rows, key columns), got {block_size!r}")
+    return pair
+
+
+def _layout_shape(shape: tuple[int, ...], batch: int, heads: int, sq: int, sk: int,
+                  block: tuple[int, int]) -> tuple[int, ...]:
+    """The mask shape a block layout of ``shape`` stands for ([..., Sq, Sk], the leading dims
+    kept: what the plan's slices and strides follow), or ShapeError naming the shape it needs."""
+    want = (-(-sq // block[0]), -(-sk // block[1]))
+    lead = shape[:-2]
+    if (len(shape) not in (2, 3, 4) or tuple(shape[-2:]) != want
+            or any(m not in (1, f) for m, f in zip(lead, (batch, heads)[-len(lead):] if lead else ()))):
+        raise ShapeError(f"block_mask has shape {tuple(shape)}; expected [{want[0]}, {want[1]}], "
+                         f"[H|1, {want[0]}, {want[1]}] or [B|1, H|1, {want[0]}, {want[1]}] "
+                         f"(B = {batch}, H = {heads}; ceil(Sq / {block[0]}) x ceil(Sk / "
+                         f"{block[1]}) blocks of block_size {block})")
+    return (*lead, sq, sk)
+
+
+def _validate(q: Any, k: Any, v: Any, mask: Any, block: tuple[int, ...] = ()) -> AttentionPlan:
     """Every check of q, k, v and mask (a pitgen error naming the argument), then the plan."""
     check_tensor("q", q, ATTENTION.dtypes, ndim=4)
     dtype = str(q.dtype).replace("torch.", "")
@@ -456,15 +492,19 @@ def _validate(q: Any, k: Any, v: Any, mask: Any) -> AttentionPlan:
     arch = device_arch()
     if mask is None:
         return plan_attention(b, h, sq, sk, d, dtype, (sq, sk), hkv, arch)
-    check_tensor("mask", mask, ("bool", "uint8"), contiguous=False)
-    for name, x in (("k", k), ("v", v), ("mask", mask)):
+    what = "block_mask" if block else "mask"
+    check_tensor(what, mask, ("bool", "uint8"), contiguous=False)
+    for name, x in (("k", k), ("v", v), (what, mask)):
         if x.device != q.device:
             raise ShapeError(f"{name} is on {x.device} but q is on {q.device}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.data_ptr() % 16:
             raise ShapeError(f"{name} is not 16-byte aligned (a view at an odd offset); "
                              f"pass {name}.clone()")
-    return plan_attention(b, h, sq, sk, d, dtype, _mask_shape(mask), hkv, arch)
+    shape = _mask_shape(mask)
+    if block:
+        shape = _layout_shape(shape, b, h, sq, sk, block)
+    return plan_attention(b, h, sq, sk, d, dtype, shape, hkv, arch)
 
 
 class BlockIndex(NamedTuple):
@@ -605,6 +645,25 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
     return _index_views(plan, buf)
 
 
+def _layout_index(kernels: Any, plan: AttentionPlan, layout: Any, block: tuple[int, int],
+                  launch: Any) -> BlockIndex:
+    """Enqueue the index kernel of a block layout (``_check``'s uint8 bytes, [..., nQL, nKL]) on
+    ``launch``'s stream: one CTA per slice reads the layout, not a mask; returns the index it
+    fills (every block FULL or EMPTY, nothing gathered, no dense rows)."""
+    import torch
+    _, size = _index_layout(plan, plan.gather_cap)
+    buf = torch.empty(size, dtype=torch.uint8, device=layout.device)
+    a = dict(zip(INDEX_ARRAYS, _arrays(buf.data_ptr(), _array_offsets(plan))))
+    n_ql, n_kl = layout.shape[-2:]
+    # finish_slice leaves its done counter zero: a word of the (unused) cols scratch
+    kernels.launch("pit_attn_layout_index", (plan.slices, 1, 1), (INDEX_THREADS, 1, 1),
+                   launch.stream, layout.data_ptr(), n_ql, n_kl, block[0] // plan.bm,
+                   block[1] // plan.bn, plan.n_kb,
+                   *(a[n] for n in ("states", "blocks", "order", "counts", "dense", "drows",
+                                    "dcount", "work", "cols")), plan.n_qb)
+    return _index_views(plan, buf)
+
+
 #: the index buffer's arrays in the index kernels' argument order
 INDEX_ARRAYS = ("states", "blocks", "order", "counts", "keys", "bits", "dense", "drows",
                 "dcount", "cols", "work")
@@ -664,16 +723,23 @@ def _index_args(plan: AttentionPlan, mask: int, counters: int, arrays: list[int]
 
 
 @on_operand_device
-def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> BlockIndex:
+def block_index(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
+                block_mask: Tensor | None = None,
+                block_size: int | tuple[int, int] = BLOCK_SIZE) -> BlockIndex:
     """The block index that ``sparse_attention`` builds, on the GPU, no host sync: the state map
     (as ``block_index_reference``; slices = the mask's leading dims, flattened) and the
     query-block order and the gathered keys (as ``key_index_reference``; the keys of a query
-    block are a set: their order in the list varies between calls)."""
-    if mask is None:
-        raise ShapeError("block_index needs a mask")
-    plan, mask = _check(q, k, v, mask)
+    block are a set: their order in the list varies between calls). Of a ``block_mask`` (as
+    ``sparse_attention`` takes it): the state map of the mask it stands for (FULL or EMPTY) and
+    its order; nothing gathered."""
+    if (mask is None) == (block_mask is None):
+        raise ShapeError("block_index needs a mask or a block_mask (one of them)")
+    block = () if block_mask is None else _block_size(block_size)
+    plan, m = _check(q, k, v, mask if block_mask is None else block_mask, block)
     with TorchLaunch() as launch:
-        return _index(ATTENTION.module(plan), plan, mask, launch)
+        kernels = ATTENTION.module(plan)
+        return (_layout_index(kernels, plan, m, block, launch) if block
+                else _index(kernels, plan, m, launch))
 
 
 def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
@@ -712,11 +778,11 @@ def _scale(plan: AttentionPlan, scale: float | None) -> float:
 
 
 def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: float,
-             index: BlockIndex | None, want_lse: bool,
-             causal: bool = False) -> tuple[Any, Any, BlockIndex]:
+             index: BlockIndex | None, want_lse: bool, causal: bool = False,
+             block: tuple[int, ...] = ()) -> tuple[Any, Any, BlockIndex]:
     """(out, lse or None, the index used): the index pass (unless given, or static where
-    ``mask`` is None: dense, or ``causal``) and the attention kernel, enqueued on torch's
-    stream; ``mask`` as ``_check`` returns it."""
+    ``mask`` is None: dense, or ``causal``; with ``block``, of the block layout ``mask``) and
+    the attention kernel, enqueued on torch's stream; ``mask`` as ``_check`` returns it."""
     import torch
 
     out = torch.empty_like(q)
@@ -732,9 +798,12 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
     with TorchLaunch() as launch:
         if mask is None:
             idx = _static_index(plan, causal, q.device)
+        elif index is not None:
+            idx = _given_index(plan, index, q.device)
         else:
-            idx = (_index(kernels, plan, mask, launch) if index is None
-                   else _given_index(plan, index, q.device))
+            idx = (_layout_index(kernels, plan, mask, block, launch) if block
+                   else _index(kernels, plan, mask, launch))
+        mask = None if block else mask   # a layout's blocks are FULL: the kernel reads no mask
         sb, sh = plan.mask_strides
         name = plan.forward_kernel(_vector_mask(plan, mask))
         dense, _keep = _dense_args(plan, mask, launch.stream, q.device)
@@ -811,44 +880,48 @@ def _ops() -> Any:
     import torch
     from torch import Tensor
 
-    def fake_plan(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> AttentionPlan:
+    def fake_plan(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                  block: list[int]) -> AttentionPlan:
         b, h, hkv, sq, sk, d = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        return plan_attention(b, h, sq, sk, d, str(q.dtype).replace("torch.", ""),
-                              (sq, sk) if mask is None else tuple(_mask_shape(mask)), hkv)
+        shape = (sq, sk) if mask is None else tuple(_mask_shape(mask))
+        if block and mask is not None:
+            shape = _layout_shape(shape, b, h, sq, sk, tuple(block))
+        return plan_attention(b, h, sq, sk, d, str(q.dtype).replace("torch.", ""), shape, hkv)
 
     # Short schemas: torch's custom-op dispatch costs grow with the argument count (its
     # fill_defaults walks the schema per argument), so the index travels as one list.
     @torch.library.custom_op(
         "pitgen::sparse_attention", mutates_args=(),
         schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor[]? index, "
-               "bool is_causal) -> (Tensor, Tensor, Tensor, Tensor)")
+               "bool is_causal, int[] block) -> (Tensor, Tensor, Tensor, Tensor)")
     @on_operand_device
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                index: list[Tensor] | None,
-                is_causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _saving_forward(q, k, v, mask, scale, index, is_causal)
+                index: list[Tensor] | None, is_causal: bool,
+                block: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _saving_forward(q, k, v, mask, scale, index, is_causal, tuple(block))
 
     @forward.register_fake
-    def _(q, k, v, mask, scale, index, is_causal):
-        p = fake_plan(q, k, v, mask)
+    def _(q, k, v, mask, scale, index, is_causal, block):
+        p = fake_plan(q, k, v, mask, block)
         return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
                 q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
                 q.new_empty((p.slices, p.n_qb), dtype=torch.int32))
 
     @torch.library.custom_op(
         "pitgen::sparse_attention_backward", mutates_args=(),
-        schema="(Tensor dout, Tensor[] saved, Tensor? mask, float scale, Tensor? dlse) "
-               "-> (Tensor, Tensor, Tensor)")
+        schema="(Tensor dout, Tensor[] saved, Tensor? mask, float scale, Tensor? dlse, "
+               "int[] block) -> (Tensor, Tensor, Tensor)")
     @on_operand_device
     def backward(dout: Tensor, saved: list[Tensor], mask: Tensor | None, scale: float,
-                 dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                 dlse: Tensor | None, block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """saved: q, k, v, out, lse, and the forward's blocks and order."""
         q, k, v, out, lse, blocks, order = saved
-        plan, m = _check(q, k, v, mask)
-        return _backward(plan, dout, q, k, v, m, out, lse, blocks, order, scale, dlse)
+        plan, m = _check(q, k, v, mask, tuple(block))
+        return _backward(plan, dout, q, k, v, None if block else m, out, lse, blocks, order,
+                         scale, dlse)
 
     @backward.register_fake
-    def _(dout, saved, mask, scale, dlse):
+    def _(dout, saved, mask, scale, dlse, block):
         q, k, v = saved[:3]
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -856,7 +929,7 @@ def _ops() -> Any:
         q, k, v, mask, scale = inputs[:5]
         out, lse, blocks, order = output
         ctx.save_for_backward(q, k, v, mask, out, lse, blocks, order)
-        ctx.scale = scale
+        ctx.scale, ctx.block = scale, inputs[7]
         # outputs without a gradient (lse, the index arrays) come as None, not as zero
         # tensors: materialising them was three allocations and fills per backward
         ctx.set_materialize_grads(False)
@@ -866,9 +939,10 @@ def _ops() -> Any:
         q, k, v, mask, out, lse, blocks, order = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(dout, [q, k, v, out, lse, blocks, order], mask, ctx.scale, dlse)
+        dq, dk, dv = backward(dout, [q, k, v, out, lse, blocks, order], mask, ctx.scale, dlse,
+                              ctx.block)
         index = None if ctx.index is None else [None] * ctx.index
-        return dq, dk, dv, None, None, index, None   # mask, scale, index, is_causal
+        return dq, dk, dv, None, None, index, None, None   # mask, scale, index, is_causal, block
 
     forward.register_autograd(grad, setup_context=setup_context)
     _OPS["forward"] = forward
@@ -876,17 +950,17 @@ def _ops() -> Any:
 
 
 def _saving_forward(q: Any, k: Any, v: Any, mask: Any, scale: float, index: Any,
-                    is_causal: bool) -> tuple[Any, Any, Any, Any]:
+                    is_causal: bool, block: tuple[int, ...] = ()) -> tuple[Any, Any, Any, Any]:
     """The forward that autograd records: (out, lse, blocks, order), the index arrays the
     backward walks, aliasing neither each other, a cached index nor the inputs (the custom
-    op's body, and the eager autograd function's)."""
-    if index is None:
+    op's body, and the eager autograd function's); ``mask`` a block layout with ``block``."""
+    if index is None and not block:
         fast = _eager(q, k, v, mask, is_causal, True)
         if fast is not None:
             return fast(q, k, v, mask, scale, with_index=True)
-    plan, m = _check(q, k, v, mask)
+    plan, m = _check(q, k, v, mask, block)
     given = None if index is None else BlockIndex(*index)
-    out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal)
+    out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal, block)
     if m is None or given is not None:
         # outputs may alias neither the cached static index nor the op's inputs
         return out, lse, idx.blocks.clone(), idx.order.clone()
@@ -906,10 +980,11 @@ def _eager_function() -> type:
     class SparseAttentionFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, scale: float, index: Any,
-                    is_causal: bool) -> tuple[Any, Any]:
-            out, lse, blocks, order = _saving_forward(q, k, v, mask, scale, index, is_causal)
+                    is_causal: bool, block: tuple[int, ...]) -> tuple[Any, Any]:
+            out, lse, blocks, order = _saving_forward(q, k, v, mask, scale, index, is_causal,
+                                                      block)
             ctx.save_for_backward(q, k, v, mask, out, lse, blocks, order)
-            ctx.scale = scale
+            ctx.scale, ctx.block = scale, block
             ctx.set_materialize_grads(False)
             return out, lse
 
@@ -918,10 +993,10 @@ def _eager_function() -> type:
             q, k, v, mask, out, lse, blocks, order = ctx.saved_tensors
             if dout is None:
                 dout = torch.zeros_like(out)
-            plan, m = _check(q, k, v, mask)
-            dq, dk, dv = _backward(plan, dout, q, k, v, m, out, lse, blocks, order, ctx.scale,
-                                   dlse)
-            return dq, dk, dv, None, None, None, None
+            plan, m = _check(q, k, v, mask, ctx.block)
+            dq, dk, dv = _backward(plan, dout, q, k, v, None if ctx.block else m, out, lse,
+                                   blocks, order, ctx.scale, dlse)
+            return dq, dk, dv, None, None, None, None, None
 
     return SparseAttentionFunction
 
@@ -1102,7 +1177,9 @@ def _eager(q: Any, k: Any, v: Any, mask: Any, causal: bool, want_lse: bool,
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                      scale: float | None = None, index: BlockIndex | None = None, *,
-                     is_causal: bool = False, return_lse: bool = False) -> Any:
+                     is_causal: bool = False, return_lse: bool = False,
+                     block_mask: Tensor | None = None,
+                     block_size: int | tuple[int, int] = BLOCK_SIZE) -> Any:
     """out[b,h,i] = sum_j softmax_j(scale * q_i . k_j over {j : mask[.., i, j]}) v_j.
 
     q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (SDPA's layout; Hkv divides H: grouped-query attention,
@@ -1117,6 +1194,12 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     ``block_index`` for this same mask (used to time the two stages apart; any contents stay
     in bounds, but only block_index's give the right answer).
 
+    ``block_mask`` instead of a mask: bool or uint8 [ceil(Sq / bq), ceil(Sk / bk)] (or with
+    [H|1] and [B|1] before, as a mask), (bq, bk) = ``block_size`` (an int: square; multiples of
+    64, default 128, FlexAttention's), key j attended by query i where
+    ``block_mask[..., i // bq, j // bk]``: the mask those blocks make, without reading one (the
+    index reads nQL x nKL bytes, not Sq x Sk).
+
     Differentiable in q, k, v (``torch.library`` op ``pitgen::sparse_attention``): the forward
     then also saves the per-row log-sum-exp and the index, and the backward computes dQ, dK, dV
     over the same blocks. ``return_lse=True`` returns ``(out, lse)``, lse float32 [B, H, Sq]
@@ -1126,38 +1209,48 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     traced = tracing()   # then the op checks and plans when it runs (sympy is not traced)
     grad = traced or (torch.is_grad_enabled()
                       and any(getattr(x, "requires_grad", False) for x in (q, k, v)))
-    if index is None and not grad:   # the key holds the current device: theirs (no guard)
+    block: tuple[int, ...] = ()
+    if block_mask is not None:
+        if mask is not None or is_causal:
+            raise ShapeError("pass one of mask, is_causal=True and block_mask (combine them "
+                             "into a mask)")
+        mask, block = block_mask, _block_size(block_size)
+    elif index is None and not grad:   # the key holds the current device: theirs (no guard)
         fast = _EAGER.get((raw_key(q, k, v, mask), is_causal, return_lse))
         if fast is not None:
             return fast(q, k, v, mask, scale)
-    return _sparse_attention(q, k, v, mask, scale, index, traced, grad, is_causal, return_lse)
+    return _sparse_attention(q, k, v, mask, scale, index, traced, grad, is_causal, return_lse,
+                             block)
 
 
 @on_operand_device
 def _sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, index: Any,
-                      traced: bool, grad: bool, is_causal: bool, return_lse: bool) -> Any:
-    """``sparse_attention`` past its fast path, on the operands' device."""
+                      traced: bool, grad: bool, is_causal: bool, return_lse: bool,
+                      block: tuple[int, ...] = ()) -> Any:
+    """``sparse_attention`` past its fast path, on the operands' device; ``mask`` the block
+    layout where ``block`` is given."""
     if is_causal and mask is not None:
         raise ShapeError("pass a mask or is_causal=True, not both (combine them into the mask)")
     if traced:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     else:
-        plan, m = _check(q, k, v, mask)
+        plan, m = _check(q, k, v, mask, block)
         scale = _scale(plan, scale)
         if index is not None:
             if m is None:
                 raise ShapeError("index is the block index of a mask; a call without one has none")
             _given_index(plan, index, q.device)
     if grad and not traced:   # eager autograd without the custom op's dispatch
-        out, lse = _eager_function().apply(q, k, v, mask, scale, index, is_causal)
+        out, lse = _eager_function().apply(q, k, v, mask, scale, index, is_causal, block)
     elif grad:
         out, lse, _, _ = _ops()(q, k, v, mask, scale, None if index is None else list(index),
-                                is_causal)
+                                is_causal, list(block))
     else:
-        fast = _eager(q, k, v, mask, is_causal, return_lse, plan, m) if index is None else None
+        fast = (_eager(q, k, v, mask, is_causal, return_lse, plan, m)
+                if index is None and not block else None)
         if fast is not None:   # later calls go straight to it (sparse_attention's fast path)
             return fast(q, k, v, mask, scale)
-        out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal)
+        out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal, block)
     return (out, lse) if return_lse else out
 
 
