@@ -954,8 +954,8 @@ def _saving_forward(q: Any, k: Any, v: Any, mask: Any, scale: float, index: Any,
     """The forward that autograd records: (out, lse, blocks, order), the index arrays the
     backward walks, aliasing neither each other, a cached index nor the inputs (the custom
     op's body, and the eager autograd function's); ``mask`` a block layout with ``block``."""
-    if index is None and not block:
-        fast = _eager(q, k, v, mask, is_causal, True)
+    if index is None:
+        fast = _eager(q, k, v, mask, is_causal, True, block=block)
         if fast is not None:
             return fast(q, k, v, mask, scale, with_index=True)
     plan, m = _check(q, k, v, mask, block)
@@ -1014,12 +1014,18 @@ class _EagerForward:
 
     __slots__ = ("plan", "lse_shape", "static", "static_ptrs", "index", "attend", "size",
                  "arrays", "walked", "index_counters", "merge_counters", "sizes", "dense", "ws",
-                 "default_scale", "device", "fused", "grids", "launches")
+                 "default_scale", "device", "fused", "grids", "launches", "layout")
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
-                 device: Any) -> None:
-        vec = _vector_mask(plan, mask)
-        grid = None if mask is None else plan.fused_grid()
+                 device: Any, block: tuple[int, ...] = ()) -> None:
+        #: a block layout's index arguments between the layout and the arrays (``block``:
+        #: ``mask`` is a layout; its kernel reads no mask), else None
+        self.layout = None
+        if block:
+            self.layout = (*mask.shape[-2:], block[0] // plan.bm, block[1] // plan.bn,
+                           plan.n_kb)
+        vec = _vector_mask(plan, None if block else mask)
+        grid = None if mask is None or block else plan.fused_grid()
         #: the one-launch forward of a small problem with a mask (pit_attention_fused*, in a
         #: module of its own), or None: the index pass and the attention kernel
         self.fused = self.index = self.attend = None
@@ -1030,9 +1036,11 @@ class _EagerForward:
                 (INDEX_THREADS, 1, 1), plan.smem)
         else:
             kernels = ATTENTION.module(plan)
-            self.index = None if mask is None else kernels.bind(
-                "pit_attn_index_vec" if vec else "pit_attn_index_byte", plan.index_grid(),
-                (INDEX_THREADS, 1, 1))
+            self.index = (None if mask is None else
+                          kernels.bind("pit_attn_layout_index", (plan.slices, 1, 1),
+                                       (INDEX_THREADS, 1, 1)) if block else
+                          kernels.bind("pit_attn_index_vec" if vec else "pit_attn_index_byte",
+                                       plan.index_grid(), (INDEX_THREADS, 1, 1)))
             self.attend = kernels.bind(plan.forward_kernel(vec),
                                        plan.forward_grid(), (plan.warps * 32, 1, 1), plan.smem,
                                        early=plan.wgmma)
@@ -1135,13 +1143,18 @@ class _EagerForward:
                 states, _, order, counts, keys, bits, dense, drows, dcount = arrays[:9]
                 mptr, cap, ws = mask.data_ptr(), plan.gather_cap, base + self.ws
             with lock or nullcontext():
+                if self.layout is not None:   # the layout's index, then a forward of FULL blocks
+                    work, cols = arrays[INDEX_ARRAYS.index("work")], arrays[INDEX_ARRAYS.index("cols")]
+                    self.index(s, mptr, *self.layout, states, arrays[1], order, counts, dense,
+                               drows, dcount, work, cols, plan.n_qb)
+                    mptr = 0
                 if self.fused is not None:   # one launch (a mask, a small problem)
                     _, _, mid, tail = self._fused_args(base, held)
                     self.fused(s, mptr, *mid, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                                *self.sizes[2:6], scale * LOG2E, *tail)
                 else:
-                    if mask is not None:
+                    if mask is not None and self.layout is None:
                         self.index(s, *_index_args(plan, mptr, counters, arrays))
                     self.attend(s, *self.plan.kv_maps(k, v), q.data_ptr(), k.data_ptr(),
                                 v.data_ptr(), out.data_ptr(),
@@ -1156,22 +1169,25 @@ class _EagerForward:
         return (out, lse) if lse is not None else out
 
 
-#: (raw_key of q, k, v, mask, is_causal, return_lse) -> its _EagerForward
+#: (raw_key of q, k, v, mask, is_causal, return_lse, block) -> its _EagerForward
 _EAGER = cache.memo("attention.eager")
 
 
 def _eager(q: Any, k: Any, v: Any, mask: Any, causal: bool, want_lse: bool,
-           plan: AttentionPlan | None = None, m: Any = None) -> _EagerForward | None:
-    """The cached forward of this call signature, built (after the checks, or from the given
-    plan and checked mask) when the call is eligible; None when it is not."""
-    key = (raw_key(q, k, v, mask), causal, want_lse)
+           plan: AttentionPlan | None = None, m: Any = None,
+           block: tuple[int, ...] = ()) -> _EagerForward | None:
+    """The cached forward of this call signature (``mask`` a block layout with ``block``),
+    built (after the checks, or from the given plan and checked mask) when the call is
+    eligible; None when it is not."""
+    key = (raw_key(q, k, v, mask), causal, want_lse, block)
     fast = _EAGER.get(key)
     if fast is None:
         if plan is None:
-            plan, m = _check(q, k, v, mask)
+            plan, m = _check(q, k, v, mask, block)
         if not _EagerForward.eligible(plan, q, mask, None):
             return None
-        fast = validated(_EAGER, key, lambda: _EagerForward(plan, m, causal, want_lse, q.device))
+        fast = validated(_EAGER, key,
+                         lambda: _EagerForward(plan, m, causal, want_lse, q.device, block))
     return fast
 
 
@@ -1215,8 +1231,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
             raise ShapeError("pass one of mask, is_causal=True and block_mask (combine them "
                              "into a mask)")
         mask, block = block_mask, _block_size(block_size)
-    elif index is None and not grad:   # the key holds the current device: theirs (no guard)
-        fast = _EAGER.get((raw_key(q, k, v, mask), is_causal, return_lse))
+    if index is None and not grad:   # the key holds the current device: theirs (no guard)
+        fast = _EAGER.get((raw_key(q, k, v, mask), is_causal, return_lse, block))
         if fast is not None:
             return fast(q, k, v, mask, scale)
     return _sparse_attention(q, k, v, mask, scale, index, traced, grad, is_causal, return_lse,
@@ -1246,8 +1262,8 @@ def _sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, in
         out, lse, _, _ = _ops()(q, k, v, mask, scale, None if index is None else list(index),
                                 is_causal, list(block))
     else:
-        fast = (_eager(q, k, v, mask, is_causal, return_lse, plan, m)
-                if index is None and not block else None)
+        fast = (_eager(q, k, v, mask, is_causal, return_lse, plan, m, block)
+                if index is None else None)
         if fast is not None:   # later calls go straight to it (sparse_attention's fast path)
             return fast(q, k, v, mask, scale)
         out, lse, _ = _forward(plan, q, k, v, m, scale, index, return_lse, is_causal, block)
