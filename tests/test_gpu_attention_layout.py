@@ -81,7 +81,8 @@ def test_block_mask_matches_float64_reference(loop, b, heads, sq, sk, d, dtype, 
 
 
 @pytest.mark.parametrize("sq, sk, block", [(64 * 12, 64 * 300, 64),      # nKB >= ORDER_BINS
-                                           (64 * 300 + 5, 64 * 3, 128)])  # nQB > a chunk
+                                           (64 * 300 + 5, 64 * 3, 128),   # nQB > a chunk
+                                           (64 * 200, 64 * 50, 64)])      # staged in 2 rounds
 def test_layout_index_orders_long_lists_on_every_call(sq, sk, block):
     rng = np.random.default_rng(3)
     q = torch.randn(1, 2, sq, 64, device="cuda", dtype=torch.float16)
