@@ -65,7 +65,7 @@ def layout_of(mask: np.ndarray, block: int) -> np.ndarray:
     it is not)."""
     from pitgen import reference as R
 
-    layout = mask[::block, ::block]
+    layout = np.ascontiguousarray(mask[::block, ::block])
     if not np.array_equal(R.block_layout_mask(layout, block, *mask.shape), mask):
         raise ValueError(f"the mask is not made of whole {block} x {block} blocks")
     return layout

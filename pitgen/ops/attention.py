@@ -942,7 +942,8 @@ def _ops() -> Any:
         dq, dk, dv = backward(dout, [q, k, v, out, lse, blocks, order], mask, ctx.scale, dlse,
                               ctx.block)
         index = None if ctx.index is None else [None] * ctx.index
-        return dq, dk, dv, None, None, index, None, None   # mask, scale, index, is_causal, block
+        block = [None] * len(ctx.block)   # an int[] input's gradient: its structure, Nones
+        return dq, dk, dv, None, None, index, None, block   # mask, scale, index, causal, block
 
     forward.register_autograd(grad, setup_context=setup_context)
     _OPS["forward"] = forward
