@@ -456,6 +456,7 @@ def _check(q: Any, k: Any, v: Any, mask: Any,
 BLOCK_SIZE = 128
 
 
+@functools.lru_cache(maxsize=64)
 def _block_size(block_size: Any) -> tuple[int, int]:
     """(rows, columns) of a layout block: an int or a pair, positive multiples of the kernels'
     64 x 64 blocks (a layout block is then whole 64 x 64 blocks, FULL or EMPTY)."""
