@@ -141,3 +141,29 @@ def test_bad_layouts_are_refused_clearly():
         A.sparse_attention(q, k, v, is_causal=True, block_mask=good)
     with pytest.raises(pitgen.ShapeError, match="a mask or a block_mask"):
         A.block_index(q, k, v)
+
+
+@pytest.mark.parametrize("sq, sk, heads", [(200, 300, 3),        # one launch (a small problem)
+                                           (64 * 40, 64 * 33, 4)])  # the index, then the forward
+def test_strided_and_expanded_layouts_and_repeated_calls(sq, sk, heads):
+    """A transposed (non-contiguous) layout is read as its values, a layout expanded over heads
+    with stride 0 is one slice, and repeated calls of one signature (the cached eager path:
+    one launch for a small problem) keep giving the right answer as the layout changes."""
+    rng = np.random.default_rng(sq)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, heads, n, 64)).astype(np.float32))
+               .to("cuda", torch.float16) for n in (sq, sk, sk))
+    q64, k64, v64 = (x.double().cpu().numpy() for x in (q, k, v))
+    nq, nk = -(-sq // 64), -(-sk // 64)
+    for density in (0.3, 0.0, 1.0, 0.6):
+        lay = rng.random((nk, nq)) < density
+        t = torch.from_numpy(lay).cuda().t()                  # [nq, nk], not contiguous
+        mask = R.block_layout_mask(lay.T, 64, sq, sk)
+        with pytest.MonkeyPatch.context() as mp:
+            poison(mp)
+            out = A.sparse_attention(q, k, v, block_mask=t, block_size=64)
+            wide = A.sparse_attention(q, k, v, block_mask=t.contiguous().expand(2, heads, nq, nk),
+                                      block_size=64)
+        ref = R.attention_reference(q64, k64, v64, mask)
+        T.assert_close(out, ref, "float16")
+        T.assert_close(wide, ref, "float16", what="expanded layout")
+        assert A._check(q, k, v, t.contiguous().expand(2, heads, nq, nk), (64, 64))[0].slices == 1

@@ -119,6 +119,8 @@ ATTENTION = OpSpec(
      "pit_attention_tma": "MMPPPPPPPPiiiiiiifPPPiPPPiiiPP",
      "pit_attention_tma_vec": "MMPPPPPPPPiiiiiiifPPPiPPPiiiPP",
      "pit_attn_layout_index": "Piiiii" + "P" * 9 + "i",
+     "pit_attention_fused_layout": "P" + "i" * 7 + "P" * 11 + "iP" + "iii" + "P" * 5 + "iiii" + "f"
+                                   + "ii" + "PP",
      **dict.fromkeys(("pit_attention_fused", "pit_attention_fused_vec"),
                      "Piii" + "P" * 14 + "iP" + "iiii" + "PPPPP" + "iiii" + "f" + "ii" + "PP")},
     permutes=(
@@ -286,6 +288,13 @@ class AttentionPlan:
         second driver call."""
         (ix, iy, iz), (ax, ay, _) = self.index_grid(), self.forward_grid()
         ctas = ix * iy * iz + ax * ay
+        return (ctas, 1, 1) if ctas <= lower.FUSED_MAX_CTAS else None
+
+    def fused_layout_grid(self) -> tuple[int, int, int] | None:
+        """``fused_grid`` of a block layout's call: a CTA per layout slice builds its index,
+        then the forward's CTAs; None past lower.FUSED_MAX_CTAS."""
+        ax, ay, _ = self.forward_grid()
+        ctas = self.slices + ax * ay
         return (ctas, 1, 1) if ctas <= lower.FUSED_MAX_CTAS else None
 
     def attention_grid(self) -> tuple[int, int, int]:
@@ -1027,15 +1036,18 @@ class _EagerForward:
             self.layout = (*mask.shape[-2:], block[0] // plan.bm, block[1] // plan.bn,
                            plan.n_kb)
         vec = _vector_mask(plan, None if block else mask)
-        grid = None if mask is None or block else plan.fused_grid()
-        #: the one-launch forward of a small problem with a mask (pit_attention_fused*, in a
-        #: module of its own), or None: the index pass and the attention kernel
+        grid = (None if mask is None else plan.fused_layout_grid() if block
+                else plan.fused_grid())
+        #: the one-launch forward of a small problem with a mask or layout
+        #: (pit_attention_fused*, in a module of its own), or None: the index pass and the
+        #: attention kernel
         self.fused = self.index = self.attend = None
         if grid is not None:
             plan = replace(plan, fused=True)
-            self.fused = ATTENTION.module(plan).bind(
-                "pit_attention_fused_vec" if vec else "pit_attention_fused", grid,
-                (INDEX_THREADS, 1, 1), plan.smem)
+            name = ("pit_attention_fused_layout" if block else
+                    "pit_attention_fused_vec" if vec else "pit_attention_fused")
+            self.fused = ATTENTION.module(plan).bind(name, grid, (INDEX_THREADS, 1, 1),
+                                                     plan.smem)
         else:
             kernels = ATTENTION.module(plan)
             self.index = (None if mask is None else
@@ -1083,7 +1095,15 @@ class _EagerForward:
         plan = self.plan
         c, merge = counters[0].data_ptr(), counters[1].data_ptr()
         arrays = _arrays(base, self.arrays)
-        mid = (*_index_args(plan, 0, c, arrays)[1:], c + 4 * _counter_words(plan), *self.grids)
+        sync = c + 4 * _counter_words(plan)
+        if self.layout is not None:   # pit_attention_fused_layout's: the layout's index arrays
+            a = dict(zip(INDEX_ARRAYS, arrays))
+            mid = (*self.layout[:4], plan.sq, plan.sk, plan.n_kb,
+                   *(a[n] for n in ("states", "blocks", "order", "counts", "keys", "bits",
+                                    "dense", "drows", "dcount", "work", "cols")),
+                   plan.gather_cap, sync, plan.slices, self.grids[-1], plan.n_qb)
+        else:
+            mid = (*_index_args(plan, 0, c, arrays)[1:], sync, *self.grids)
         return base, counters, mid, (*self.dense[1:], base + self.ws, merge)
 
     @staticmethod
@@ -1145,18 +1165,18 @@ class _EagerForward:
                 states, _, order, counts, keys, bits, dense, drows, dcount = arrays[:9]
                 mptr, cap, ws = mask.data_ptr(), plan.gather_cap, base + self.ws
             with lock or nullcontext():
-                if self.layout is not None:   # the layout's index, then a forward of FULL blocks
-                    work, cols = arrays[INDEX_ARRAYS.index("work")], arrays[INDEX_ARRAYS.index("cols")]
-                    self.index(s, mptr, *self.layout, states, arrays[1], order, counts, dense,
-                               drows, dcount, work, cols, plan.n_qb)
-                    mptr = 0
-                if self.fused is not None:   # one launch (a mask, a small problem)
+                if self.fused is not None:   # one launch (a mask or layout, a small problem)
                     _, _, mid, tail = self._fused_args(base, held)
                     self.fused(s, mptr, *mid, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                                *self.sizes[2:6], scale * LOG2E, *tail)
                 else:
-                    if mask is not None and self.layout is None:
+                    if self.layout is not None:   # the layout's index; the forward reads no mask
+                        a = dict(zip(INDEX_ARRAYS, arrays))
+                        self.index(s, mptr, *self.layout, states, a["blocks"], order, counts,
+                                   dense, drows, dcount, a["work"], a["cols"], plan.n_qb)
+                        mptr = 0
+                    elif mask is not None:
                         self.index(s, *_index_args(plan, mptr, counters, arrays))
                     self.attend(s, *self.plan.kv_maps(k, v), q.data_ptr(), k.data_ptr(),
                                 v.data_ptr(), out.data_ptr(),
