@@ -122,7 +122,8 @@ def test_bad_layouts_are_refused_clearly():
     k, v = (torch.randn(2, 3, 300, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     good = torch.ones(2, 3, dtype=torch.bool, device="cuda")   # ceil(200/128) x ceil(300/128)
     A.sparse_attention(q, k, v, block_mask=good)
-    with pytest.raises(pitgen.ShapeError, match=r"block_mask has shape \(2, 2\); expected \[2, 3\]"):
+    with pytest.raises(pitgen.ShapeError,
+                       match=r"block_mask has shape \(2, 2\); expected \[2, 3\]"):
         A.sparse_attention(q, k, v, block_mask=good[:, :2])
     with pytest.raises(pitgen.ShapeError, match="block_mask has shape"):
         A.sparse_attention(q, k, v, block_mask=torch.ones(4, 2, 3, dtype=torch.bool, device="cuda"))

@@ -482,9 +482,10 @@ def _layout_shape(shape: tuple[int, ...], batch: int, heads: int, sq: int, sk: i
     """The mask shape a block layout of ``shape`` stands for ([..., Sq, Sk], the leading dims
     kept: what the plan's slices and strides follow), or ShapeError naming the shape it needs."""
     want = (-(-sq // block[0]), -(-sk // block[1]))
-    lead = shape[:-2]
+    lead = tuple(shape[:-2])
+    full = (batch, heads)[2 - len(lead):] if len(lead) <= 2 else ()
     if (len(shape) not in (2, 3, 4) or tuple(shape[-2:]) != want
-            or any(m not in (1, f) for m, f in zip(lead, (batch, heads)[-len(lead):] if lead else ()))):
+            or any(m not in (1, f) for m, f in zip(lead, full))):
         raise ShapeError(f"block_mask has shape {tuple(shape)}; expected [{want[0]}, {want[1]}], "
                          f"[H|1, {want[0]}, {want[1]}] or [B|1, H|1, {want[0]}, {want[1]}] "
                          f"(B = {batch}, H = {heads}; ceil(Sq / {block[0]}) x ceil(Sk / "
