@@ -422,6 +422,19 @@ def test_small_masked_problems_run_in_one_launch():
     assert A.plan_attention(1, 12, 4096, 4096, 64, "float16", (4096, 4096)).fused_grid() is None
 
 
+def test_small_layout_problems_run_in_one_launch():
+    """fused_layout_grid: a CTA per layout slice and the forward's CTAs within
+    FUSED_MAX_CTAS (pit_attention_fused_layout), else None (the layout index, then the
+    forward)."""
+    from pitgen import lower
+    small = A.plan_attention(2, 3, 200, 300, 64, "float16", (2, 1, 200, 300))
+    ax, ay, _ = small.forward_grid()
+    assert small.fused_layout_grid() == (small.slices + ax * ay, 1, 1) == (2 + ax * ay, 1, 1)
+    assert small.slices + ax * ay <= lower.FUSED_MAX_CTAS
+    big = A.plan_attention(1, 12, 4096, 4096, 64, "float16", (4096, 4096))
+    assert big.fused_layout_grid() is None
+
+
 def _archs(d: int, dtype: str, source: str) -> tuple[str, ...]:
     """A checkerboard over D x dtype; both archs for arch-dependent code."""
     if "__CUDA_ARCH__" in source:
