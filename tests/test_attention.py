@@ -422,6 +422,26 @@ def test_small_masked_problems_run_in_one_launch():
     assert A.plan_attention(1, 12, 4096, 4096, 64, "float16", (4096, 4096)).fused_grid() is None
 
 
+def test_layout_index_arguments_follow_its_parameters():
+    """``_layout_args``: after the layout, its blocks, nKB, the arrays it writes (by name, as the
+    kernel's parameters name them) and nQB, one per parameter of the signature."""
+    plan = A.plan_attention(2, 3, 200, 300, 64, "float16", (3, 200, 300))
+    blocks = A._layout_blocks(plan, np.zeros((3, 2, 3)), (128, 128))
+    assert blocks == (2, 3, 2, 2)
+    arrays = [1000 + i for i in range(len(A.INDEX_ARRAYS))]
+    at = dict(zip(A.INDEX_ARRAYS, arrays))
+    args = A._layout_args(plan, blocks, arrays)
+    assert args == (2, 3, 2, 2, plan.n_kb, at["states"], at["blocks"], at["order"],
+                    at["counts"], at["dense"], at["drows"], at["dcount"], at["work"],
+                    at["cols"], plan.n_qb)
+    assert len(args) + 1 == len(A.ATTENTION.kernels["pit_attn_layout_index"])
+    src = _source(64, "float16")
+    params = src.split("\npit_attn_layout_index(")[1].split(")\n{")[0]
+    names = [p.split()[-1].lstrip("*") for p in params.replace("\n", " ").split(",")]
+    assert names[6:15] == ["states", "blocks", "order", "gcount", "dense", "drows", "dcount",
+                           "work", "done"]
+
+
 def test_small_layout_problems_run_in_one_launch():
     """fused_layout_grid: a CTA per layout slice and the forward's CTAs within
     FUSED_MAX_CTAS (pit_attention_fused_layout), else None (the layout index, then the

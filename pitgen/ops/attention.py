@@ -664,20 +664,35 @@ def _layout_index(kernels: Any, plan: AttentionPlan, layout: Any, block: tuple[i
     import torch
     _, size = _index_layout(plan, plan.gather_cap)
     buf = torch.empty(size, dtype=torch.uint8, device=layout.device)
-    a = dict(zip(INDEX_ARRAYS, _arrays(buf.data_ptr(), _array_offsets(plan))))
-    n_ql, n_kl = layout.shape[-2:]
-    # finish_slice leaves its done counter zero: a word of the (unused) cols scratch
     kernels.launch("pit_attn_layout_index", (plan.slices, 1, 1), (INDEX_THREADS, 1, 1),
-                   launch.stream, layout.data_ptr(), n_ql, n_kl, block[0] // plan.bm,
-                   block[1] // plan.bn, plan.n_kb,
-                   *(a[n] for n in ("states", "blocks", "order", "counts", "dense", "drows",
-                                    "dcount", "work", "cols")), plan.n_qb)
+                   launch.stream, layout.data_ptr(),
+                   *_layout_args(plan, _layout_blocks(plan, layout, block),
+                                 _arrays(buf.data_ptr(), _array_offsets(plan))))
     return _index_views(plan, buf)
 
 
 #: the index buffer's arrays in the index kernels' argument order
 INDEX_ARRAYS = ("states", "blocks", "order", "counts", "keys", "bits", "dense", "drows",
                 "dcount", "cols", "work")
+#: positions in INDEX_ARRAYS of the arrays the layout index writes, in its argument order
+#: (finish_slice's done counter, which it leaves zero: a word of the unused cols scratch)
+LAYOUT_ARRAYS = tuple(INDEX_ARRAYS.index(n) for n in ("states", "blocks", "order", "counts",
+                                                      "dense", "drows", "dcount", "work",
+                                                      "cols"))
+
+
+def _layout_blocks(plan: AttentionPlan, layout: Any,
+                   block: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(nQL, nKL, query blocks per layout row, key blocks per layout column) of a layout."""
+    n_ql, n_kl = layout.shape[-2:]
+    return n_ql, n_kl, block[0] // plan.bm, block[1] // plan.bn
+
+
+def _layout_args(plan: AttentionPlan, blocks: tuple[int, int, int, int],
+                 arrays: list[int]) -> tuple:
+    """The layout index kernel's arguments after the layout: its ``_layout_blocks``, nKB,
+    the buffer's arrays (``_arrays``) it writes, nQB."""
+    return (*blocks, plan.n_kb, *(arrays[i] for i in LAYOUT_ARRAYS), plan.n_qb)
 
 
 def _array_offsets(plan: AttentionPlan) -> tuple[int, ...]:
@@ -1030,12 +1045,9 @@ class _EagerForward:
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
                  device: Any, block: tuple[int, ...] = ()) -> None:
-        #: a block layout's index arguments between the layout and the arrays (``block``:
-        #: ``mask`` is a layout; its kernel reads no mask), else None
-        self.layout = None
-        if block:
-            self.layout = (*mask.shape[-2:], block[0] // plan.bm, block[1] // plan.bn,
-                           plan.n_kb)
+        #: a block layout's ``_layout_blocks`` (``block``: ``mask`` is a layout; its kernel
+        #: reads no mask), else None
+        self.layout = _layout_blocks(plan, mask, block) if block else None
         vec = _vector_mask(plan, None if block else mask)
         grid = (None if mask is None else plan.fused_layout_grid() if block
                 else plan.fused_grid())
@@ -1099,7 +1111,7 @@ class _EagerForward:
         sync = c + 4 * _counter_words(plan)
         if self.layout is not None:   # pit_attention_fused_layout's: the layout's index arrays
             a = dict(zip(INDEX_ARRAYS, arrays))
-            mid = (*self.layout[:4], plan.sq, plan.sk, plan.n_kb,
+            mid = (*self.layout, plan.sq, plan.sk, plan.n_kb,
                    *(a[n] for n in ("states", "blocks", "order", "counts", "keys", "bits",
                                     "dense", "drows", "dcount", "work", "cols")),
                    plan.gather_cap, sync, plan.slices, self.grids[-1], plan.n_qb)
@@ -1173,9 +1185,7 @@ class _EagerForward:
                                *self.sizes[2:6], scale * LOG2E, *tail)
                 else:
                     if self.layout is not None:   # the layout's index; the forward reads no mask
-                        a = dict(zip(INDEX_ARRAYS, arrays))
-                        self.index(s, mptr, *self.layout, states, a["blocks"], order, counts,
-                                   dense, drows, dcount, a["work"], a["cols"], plan.n_qb)
+                        self.index(s, mptr, *_layout_args(plan, self.layout, arrays))
                         mptr = 0
                     elif mask is not None:
                         self.index(s, *_index_args(plan, mptr, counters, arrays))
