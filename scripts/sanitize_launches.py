@@ -126,6 +126,17 @@ for d in (64, 128):
 torch.cuda.synchronize()
 print("attention d 64/128, byte and vector mask, gathered keys, dense rows, block layout: ok")
 
+# the backward over gathered key tiles (their dK, dV sums) and dense-row tiles, GQA
+for d in (64, 128):
+    for sq, sk in ((300, 200), (300, 256)):
+        q = torch.randn(1, 4, sq, d, device="cuda", dtype=torch.float16, requires_grad=True)
+        k, v = (torch.randn(1, 2, sk, d, device="cuda", dtype=torch.float16, requires_grad=True)
+                for _ in range(2))
+        m = torch.from_numpy(bigbird_mask(rng, sq, sk, 32, random_global_tokens(rng, sq, 5), 6))
+        sparse_attention(q, k, v, m.cuda()).float().sum().backward()
+torch.cuda.synchronize()
+print("attention backward d 64/128, gathered keys, dense rows, GQA: ok")
+
 # D = 200: four 64-deep steps on Hopper's wgmma tiles (the last ragged); a Q view strided in
 # d runs the mma.sync tiles there
 for dt in (torch.float16, torch.bfloat16):

@@ -34,7 +34,7 @@ def test_plan_decisions():
     assert (p.bm, p.bn, p.warps) == (64, 64, 4)
     assert (p.n_qb, p.n_kb, p.slices) == (16, 64, 12)
     assert p.mask_strides == (0, 1)
-    assert p.index_grid() == (8, 16, 12) and p.attention_grid() == (24, 16, 1)
+    assert p.index_grid() == (8, 16, 12) and p.dq_grid(False) == (24, 16, 1)
     # the parts of dense-row tiles first (16 blocks x 4 rows / 64 = 1 tile x 8 parts), then
     # the 16 query blocks
     assert (p.dense_tiles, p.dense_split) == (1, 8) and p.forward_grid() == (24, 24, 1)

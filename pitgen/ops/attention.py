@@ -137,8 +137,10 @@ GRAD_K = "G[b,h,j,d] += T[b,h,i,j] * Q[b,h,i,d]"
 
 ATTENTION_BWD = OpSpec(
     "attention backward", "attention_bwd.cu.j2",
-    {"pit_attn_bwd_dq": "PPPPPPPPPPPPiiiiiiiff", "pit_attn_bwd_dq_vec": "PPPPPPPPPPPPiiiiiiiff",
-     "pit_attn_bwd_dkv": "PPPPPPPPPPPiiiiiiiiff", "pit_attn_bwd_dkv_vec": "PPPPPPPPPPPiiiiiiiiff"},
+    {**dict.fromkeys(("pit_attn_bwd_dq", "pit_attn_bwd_dq_vec"),
+                     "P" * 12 + "i" * 7 + "ff" + "PPPi" + "PPP" + "iii" + "PP" + "PPP"),
+     **dict.fromkeys(("pit_attn_bwd_dkv", "pit_attn_bwd_dkv_vec"),
+                     "P" * 11 + "i" * 8 + "ff" + "PPP" + "i" + "PPP")},
     permutes=(
         # dQ: a CTA per (batch, head, query block) in the forward's order, walking its key
         # blocks in any order (j reduces)
@@ -297,10 +299,12 @@ class AttentionPlan:
         ctas = self.slices + ax * ay
         return (ctas, 1, 1) if ctas <= lower.FUSED_MAX_CTAS else None
 
-    def attention_grid(self) -> tuple[int, int, int]:
-        """(batch x head, rank in the query-block order): every head's longest rows first (the
-        backward's dQ kernel)."""
-        return (self.batch * self.heads, self.n_qb, 1)
+    def dq_grid(self, dense: bool) -> tuple[int, int, int]:
+        """The backward's dQ kernel: (batch x head, y): with ``dense`` (a mask: the index may
+        have moved rows) y < dense_tiles * dense_split the dense-row tiles' parts, then the
+        query blocks by rank in the forward's order."""
+        parts = self.dense_tiles * self.dense_split if dense else 0
+        return (self.batch * self.heads, parts + self.n_qb, 1)
 
     def forward_grid(self) -> tuple[int, int, int]:
         """(batch x head, y, 1): y < dense_split the parts of dense-row tile 0 (dispatched
@@ -321,10 +325,17 @@ class AttentionPlan:
 
     @property
     def smem_dq(self) -> int:
-        """Dynamic shared memory of the dQ kernel: K, V and mask-tile stages + the key-block
-        list (the forward's layout)."""
+        """Dynamic shared memory of the dQ kernel: K, V and mask-tile stages, the query block's
+        Q and dO tiles (its gathered keys' dK and dV products) + the key-block list."""
         st = STAGES_BWD[self.d]
-        return 2 * st * self.bn * self.d * 2 + st * self.bm * MASK_ROW + 4 * self.n_kb
+        return (2 * st * self.bn * self.d * 2 + 2 * self.bm * self.d * 2 + st * self.bm * MASK_ROW
+                + 4 * self.n_kb)
+
+    @property
+    def gathered_workspace(self) -> int:
+        """int32 words of the backward's gathered-key sums: float32 dK and dV rows per (batch x
+        K/V head, key) and a flag per (batch x K/V head, key block) (zero between launches)."""
+        return self.batch * self.kv_heads * (2 * self.sk * self.d + self.n_kb)
 
     @property
     def smem_dkv(self) -> int:
@@ -609,14 +620,21 @@ def causal_states(sq: int, sk: int, bm: int = BM, bn: int = BN) -> np.ndarray:
     return np.where(c0 > r1, EMPTY, np.where(c1 <= r0, FULL, PARTIAL)).astype(np.uint8)[None]
 
 
-#: (Sq, Sk, causal, device index) -> the BlockIndex of a call without a mask (dense: every
-#: block FULL; causal: causal_states), built on the host once per shape
+#: (Sq, Sk, causal, device index) -> (BlockIndex, its buffer) of a call without a mask (dense:
+#: every block FULL; causal: causal_states), built on the host once per shape
 _STATIC = cache.memo("attention.static_index")
 
 
-def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
-    """The index of a mask-free call; the kernels then read no mask (a null mask with a
-    PARTIAL block is the causal element test)."""
+def _saved_size(plan: AttentionPlan) -> int:
+    """Bytes of the index the backward walks: the index buffer's arrays (``_index_layout``)
+    before its scratch, the buffer a differentiable forward saves."""
+    return next(off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]
+                if name == "cols")
+
+
+def _static(plan: AttentionPlan, causal: bool, device: Any) -> tuple[BlockIndex, Any]:
+    """The index of a mask-free call and the buffer (``_saved_size``) its arrays view; the
+    kernels then read no mask (a null mask with a PARTIAL block is the causal element test)."""
     import torch
 
     key = (plan.sq, plan.sk, causal, device.index)
@@ -626,26 +644,42 @@ def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
                   else np.full((1, plan.n_qb, plan.n_kb), FULL, np.uint8))
         # longest rows first, ties in block order (exact counts: the GPU's order bins them)
         order = np.argsort(-(states != EMPTY).sum(-1), axis=-1, kind="stable").astype(np.int32)
-        n_qb = states.shape[1]
-        st = torch.from_numpy(states).to(device)
-
-        def zeros(*shape: int, dtype: Any = torch.int32) -> Any:
-            return torch.zeros(shape, dtype=dtype, device=device)
-        # nothing gathered (no key list), no dense rows
-        hit = _STATIC[key] = BlockIndex(
-            st, st, torch.from_numpy(order).to(device), zeros(1, n_qb), zeros(1, n_qb, 0),
-            zeros(1, n_qb, 0, dtype=torch.int64), zeros(1, n_qb, dtype=torch.int64),
-            zeros(1, n_qb * plan.bm), zeros(1))
+        buf = torch.zeros(_saved_size(plan), dtype=torch.uint8, device=device)
+        idx = _index_views(plan, buf)   # nothing gathered, no dense rows: zeros
+        for name, x in (("states", states), ("blocks", states), ("order", order)):
+            getattr(idx, name).copy_(torch.from_numpy(x))
+        hit = _STATIC[key] = (idx, buf)
     return hit
 
 
-def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIndex:
-    """Enqueue the index kernel on ``launch``'s stream; returns the index it fills."""
+def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
+    """The index of a mask-free call (``_static``)."""
+    return _static(plan, causal, device)[0]
+
+
+def _pack_index(plan: AttentionPlan, index: BlockIndex) -> Any:
+    """A given index's arrays copied into one buffer as a differentiable forward saves it
+    (``_saved_size``)."""
     import torch
+    buf = torch.empty(_saved_size(plan), dtype=torch.uint8, device=index.states.device)
+    for dst, src in zip(_index_views(plan, buf), index):
+        dst.copy_(src)
+    return buf
+
+
+def _index_buffer(plan: AttentionPlan, device: Any) -> Any:
+    """A fresh buffer of the index pass (``_index_layout``: the arrays, then its scratch)."""
+    import torch
+    return torch.empty(_index_layout(plan, plan.gather_cap)[1], dtype=torch.uint8, device=device)
+
+
+def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any,
+           buf: Any = None) -> BlockIndex:
+    """Enqueue the index kernel on ``launch``'s stream; returns the index it fills (views of
+    ``buf``, an ``_index_buffer``, or of a fresh one)."""
     if mask is None:
         raise PlanError("the index of a call without a mask is not built on the GPU")
-    _, size = _index_layout(plan, plan.gather_cap)
-    buf = torch.empty(size, dtype=torch.uint8, device=mask.device)
+    buf = _index_buffer(plan, mask.device) if buf is None else buf
     counters = _counters(plan, _COUNTERS.setdefault(mask.device.index, {}), launch.stream,
                          mask.device)
     vec = _vector_mask(plan, mask)
@@ -657,13 +691,12 @@ def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any) -> BlockIn
 
 
 def _layout_index(kernels: Any, plan: AttentionPlan, layout: Any, block: tuple[int, int],
-                  launch: Any) -> BlockIndex:
+                  launch: Any, buf: Any = None) -> BlockIndex:
     """Enqueue the index kernel of a block layout (``_check``'s uint8 bytes, [..., nQL, nKL]) on
     ``launch``'s stream: one CTA per slice reads the layout, not a mask; returns the index it
-    fills (every block FULL or EMPTY, nothing gathered, no dense rows)."""
-    import torch
-    _, size = _index_layout(plan, plan.gather_cap)
-    buf = torch.empty(size, dtype=torch.uint8, device=layout.device)
+    fills (every block FULL or EMPTY, nothing gathered, no dense rows; views of ``buf`` as
+    ``_index``'s)."""
+    buf = _index_buffer(plan, layout.device) if buf is None else buf
     kernels.launch("pit_attn_layout_index", (plan.slices, 1, 1), (INDEX_THREADS, 1, 1),
                    launch.stream, layout.data_ptr(),
                    *_layout_args(plan, _layout_blocks(plan, layout, block),
@@ -805,10 +838,11 @@ def _scale(plan: AttentionPlan, scale: float | None) -> float:
 
 def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: float,
              index: BlockIndex | None, want_lse: bool, causal: bool = False,
-             block: tuple[int, ...] = ()) -> tuple[Any, Any, BlockIndex]:
+             block: tuple[int, ...] = (), buf: Any = None) -> tuple[Any, Any, BlockIndex]:
     """(out, lse or None, the index used): the index pass (unless given, or static where
-    ``mask`` is None: dense, or ``causal``; with ``block``, of the block layout ``mask``) and
-    the attention kernel, enqueued on torch's stream; ``mask`` as ``_check`` returns it."""
+    ``mask`` is None: dense, or ``causal``; with ``block``, of the block layout ``mask``; into
+    ``buf``, an ``_index_buffer``, where given) and the attention kernel, enqueued on torch's
+    stream; ``mask`` as ``_check`` returns it."""
     import torch
 
     out = torch.empty_like(q)
@@ -827,8 +861,8 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
         elif index is not None:
             idx = _given_index(plan, index, q.device)
         else:
-            idx = (_layout_index(kernels, plan, mask, block, launch) if block
-                   else _index(kernels, plan, mask, launch))
+            idx = (_layout_index(kernels, plan, mask, block, launch, buf) if block
+                   else _index(kernels, plan, mask, launch, buf))
         mask = None if block else mask   # a layout's blocks are FULL: the kernel reads no mask
         sb, sh = plan.mask_strides
         name = plan.forward_kernel(_vector_mask(plan, mask))
@@ -845,15 +879,23 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
     return out, lse, idx
 
 
+#: device index -> runtime.stream_counters cache of the backward's gathered-key sums (the dK/dV
+#: kernel zeroes what the dQ kernel added)
+_GATHERED = cache.memo("attention.gathered_sums")
+
+
 def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any, out: Any,
-              lse: Any, blocks: Any, order: Any, scale: float,
-              dlse: Any = None) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) over the forward's plain block states (``BlockIndex.blocks``: every row of
-    a query block in it, no gathered keys or dense rows) and query-block order: delta = rowsum(dO * O) - dlse and the key-block
-    order (most non-empty blocks over all slices first, so the longest columns do not finish
-    last) as torch reductions on the stream, then the dQ kernel over query blocks in the
-    forward's order and the dK/dV kernel over key blocks (each walking the column of the state
-    map); no atomics, no host sync."""
+              lse: Any, saved: Any, scale: float, dlse: Any = None) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) over the forward's index (``saved``: its buffer, ``_saved_size`` bytes), as
+    the forward ran it: the dQ kernel over the query blocks in the forward's order walks their
+    FULL and PARTIAL blocks, then their gathered key tiles, whose keys' dK and dV it adds by
+    float32 atomics to per-key sums; its first CTAs are the dense-row tiles' parts (dQ of the
+    rows that allow every key, over split key ranges, summed in order by the tile's last part).
+    The dK/dV kernel over key blocks (most non-empty FULL/PARTIAL blocks over all slices first)
+    walks the column of the state map, then the slice's dense-row tiles, and adds the gathered
+    sums where its key block has any. delta = rowsum(dO * O) - dlse comes from the dQ kernel.
+    No host sync; the only atomics are the gathered keys' (so their dK, dV sums are not
+    bit-for-bit repeatable)."""
     import torch
 
     plan.check_backward()
@@ -861,30 +903,43 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    idx = _index_views(plan, saved)
     # rowsum(dO * O) - dlse per query row (d lse_i / d s_ij = P_ij: the lse gradient shifts
     # it), computed and stored by the dQ kernel for the dK/dV kernel
     delta = torch.empty((plan.batch, plan.heads, plan.sq), dtype=torch.float32, device=q.device)
     dlse = None if dlse is None else dlse.float().contiguous()
     out = out.contiguous()
-    columns = (blocks != EMPTY).sum(dim=(0, 1), dtype=torch.int32)
+    # FULL (2) and PARTIAL (1) blocks per key block: the dK/dV kernel's column walk
+    columns = (idx.states % 3 != 0).sum(dim=(0, 1), dtype=torch.int32)
     kv_order = torch.argsort(columns, descending=True, stable=True).to(torch.int32)
     kernels = ATTENTION_BWD.module(plan.backward_context())
     vec = "_vec" if _vector_mask(plan, mask) else ""
     sb, sh = plan.mask_strides
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr())
     consts = (scale * LOG2E, scale)
+    rows = (idx.dense.data_ptr(), idx.drows.data_ptr(), idx.dcount.data_ptr())
     with TorchLaunch() as launch:
-        kernels.launch("pit_attn_bwd_dq" + vec, plan.attention_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, out.data_ptr(),
+        # a mask's index may gather keys and move rows; a static or layout index does neither
+        dense, _keep = _dense_args(plan, mask, launch.stream, q.device)
+        dtiles = plan.dense_tiles if mask is not None else 0
+        held = (stream_counters(_GATHERED.setdefault(q.device.index, {}), launch.stream,
+                                plan.gathered_workspace, q.device) if mask is not None else None)
+        sums = 0 if held is None else held.data_ptr()
+        kv_rows = plan.batch * plan.kv_heads * plan.sk * plan.d
+        gathered = ((sums, sums + 4 * kv_rows, sums + 8 * kv_rows) if sums else (0, 0, 0))
+        kernels.launch("pit_attn_bwd_dq" + vec, plan.dq_grid(mask is not None),
+                       (plan.warps * 32, 1, 1), launch.stream, *args, out.data_ptr(),
                        0 if dlse is None else dlse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
-                       _ptr(mask),
-                       blocks.data_ptr(), order.data_ptr(), plan.sq, plan.sk,
-                       plan.heads, plan.group, sb, sh, plan.n_kb, *consts, smem=plan.smem_dq)
+                       _ptr(mask), idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk,
+                       plan.heads, plan.group, sb, sh, plan.n_kb, *consts,
+                       idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
+                       plan.gather_cap, *rows, plan.n_qb, plan.dense_split, dtiles,
+                       *dense[3:], *gathered, smem=plan.smem_dq)
         kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
                        launch.stream, *args, delta.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                       _ptr(mask),
-                       blocks.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk, plan.heads,
-                       plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, smem=plan.smem_dkv)
+                       _ptr(mask), idx.states.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk,
+                       plan.heads, plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, *rows,
+                       dtiles, *gathered, smem=plan.smem_dkv)
     return dq, dk, dv
 
 
@@ -896,8 +951,8 @@ _OPS: dict[str, Any] = {}
 
 
 def _ops() -> Any:
-    """The ``pitgen::sparse_attention`` op (forward: out, lse, and for the backward the plain
-    block states and the order; a given index comes as its arrays) with its fake and
+    """The ``pitgen::sparse_attention`` op (forward: out, lse, and for the backward the index
+    as one buffer, ``_saved_size`` bytes; a given index comes as its arrays) with its fake and
     autograd (``pitgen::sparse_attention_backward``), registered once per process on first use
     so that importing pitgen needs no torch."""
     hit = _OPS.get("forward")
@@ -919,19 +974,18 @@ def _ops() -> Any:
     @torch.library.custom_op(
         "pitgen::sparse_attention", mutates_args=(),
         schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor[]? index, "
-               "bool is_causal, int[] block) -> (Tensor, Tensor, Tensor, Tensor)")
+               "bool is_causal, int[] block) -> (Tensor, Tensor, Tensor)")
     @on_operand_device
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
                 index: list[Tensor] | None, is_causal: bool,
-                block: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         return _saving_forward(q, k, v, mask, scale, index, is_causal, tuple(block))
 
     @forward.register_fake
     def _(q, k, v, mask, scale, index, is_causal, block):
         p = fake_plan(q, k, v, mask, block)
         return (torch.empty_like(q), q.new_empty((p.batch, p.heads, p.sq), dtype=torch.float32),
-                q.new_empty((p.slices, p.n_qb, p.n_kb), dtype=torch.uint8),
-                q.new_empty((p.slices, p.n_qb), dtype=torch.int32))
+                q.new_empty((_saved_size(p),), dtype=torch.uint8))
 
     @torch.library.custom_op(
         "pitgen::sparse_attention_backward", mutates_args=(),
@@ -940,11 +994,10 @@ def _ops() -> Any:
     @on_operand_device
     def backward(dout: Tensor, saved: list[Tensor], mask: Tensor | None, scale: float,
                  dlse: Tensor | None, block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """saved: q, k, v, out, lse, and the forward's blocks and order."""
-        q, k, v, out, lse, blocks, order = saved
+        """saved: q, k, v, out, lse, and the forward's index buffer."""
+        q, k, v, out, lse, index = saved
         plan, m = _check(q, k, v, mask, tuple(block))
-        return _backward(plan, dout, q, k, v, None if block else m, out, lse, blocks, order,
-                         scale, dlse)
+        return _backward(plan, dout, q, k, v, None if block else m, out, lse, index, scale, dlse)
 
     @backward.register_fake
     def _(dout, saved, mask, scale, dlse, block):
@@ -953,20 +1006,19 @@ def _ops() -> Any:
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         q, k, v, mask, scale = inputs[:5]
-        out, lse, blocks, order = output
-        ctx.save_for_backward(q, k, v, mask, out, lse, blocks, order)
+        out, lse, index = output
+        ctx.save_for_backward(q, k, v, mask, out, lse, index)
         ctx.scale, ctx.block = scale, inputs[7]
         # outputs without a gradient (lse, the index arrays) come as None, not as zero
         # tensors: materialising them was three allocations and fills per backward
         ctx.set_materialize_grads(False)
         ctx.index = None if inputs[5] is None else len(inputs[5])   # a list: a list of Nones
 
-    def grad(ctx: Any, dout: Tensor, dlse: Tensor | None, _s: Any, _o: Any) -> tuple:
-        q, k, v, mask, out, lse, blocks, order = ctx.saved_tensors
+    def grad(ctx: Any, dout: Tensor, dlse: Tensor | None, _i: Any) -> tuple:
+        q, k, v, mask, out, lse, index = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(dout, [q, k, v, out, lse, blocks, order], mask, ctx.scale, dlse,
-                              ctx.block)
+        dq, dk, dv = backward(dout, [q, k, v, out, lse, index], mask, ctx.scale, dlse, ctx.block)
         index = None if ctx.index is None else [None] * ctx.index
         block = [None] * len(ctx.block)   # an int[] input's gradient: its structure, Nones
         return dq, dk, dv, None, None, index, None, block   # mask, scale, index, causal, block
@@ -977,22 +1029,25 @@ def _ops() -> Any:
 
 
 def _saving_forward(q: Any, k: Any, v: Any, mask: Any, scale: float, index: Any,
-                    is_causal: bool, block: tuple[int, ...] = ()) -> tuple[Any, Any, Any, Any]:
-    """The forward that autograd records: (out, lse, blocks, order), the index arrays the
-    backward walks, aliasing neither each other, a cached index nor the inputs (the custom
-    op's body, and the eager autograd function's); ``mask`` a block layout with ``block``."""
+                    is_causal: bool, block: tuple[int, ...] = ()) -> tuple[Any, Any, Any]:
+    """The forward that autograd records: (out, lse, the index buffer the backward walks,
+    ``_saved_size`` bytes, aliasing neither a cached index nor the inputs) (the custom op's
+    body, and the eager autograd function's); ``mask`` a block layout with ``block``."""
     if index is None:
         fast = _eager(q, k, v, mask, is_causal, True, block=block)
         if fast is not None:
             return fast(q, k, v, mask, scale, with_index=True)
     plan, m = _check(q, k, v, mask, block)
     given = None if index is None else BlockIndex(*index)
-    out, lse, idx = _forward(plan, q, k, v, m, scale, given, True, is_causal, block)
-    if m is None or given is not None:
-        # outputs may alias neither the cached static index nor the op's inputs
-        return out, lse, idx.blocks.clone(), idx.order.clone()
-    # blocks and order are views of one index buffer; outputs may not alias each other
-    return out, lse, idx.blocks, idx.order.clone()
+    if m is None:   # the cached static index: a copy
+        out, lse, _ = _forward(plan, q, k, v, m, scale, given, True, is_causal, block)
+        return out, lse, _static(plan, is_causal, q.device)[1].clone()
+    if given is not None:   # the caller's arrays: packed into a buffer of their own
+        out, lse, _ = _forward(plan, q, k, v, m, scale, given, True, is_causal, block)
+        return out, lse, _pack_index(plan, given)
+    buf = _index_buffer(plan, q.device)
+    out, lse, _ = _forward(plan, q, k, v, m, scale, None, True, is_causal, block, buf)
+    return out, lse, buf[:_saved_size(plan)]
 
 
 @functools.cache
@@ -1008,21 +1063,20 @@ def _eager_function() -> type:
         @staticmethod
         def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, scale: float, index: Any,
                     is_causal: bool, block: tuple[int, ...]) -> tuple[Any, Any]:
-            out, lse, blocks, order = _saving_forward(q, k, v, mask, scale, index, is_causal,
-                                                      block)
-            ctx.save_for_backward(q, k, v, mask, out, lse, blocks, order)
+            out, lse, saved = _saving_forward(q, k, v, mask, scale, index, is_causal, block)
+            ctx.save_for_backward(q, k, v, mask, out, lse, saved)
             ctx.scale, ctx.block = scale, block
             ctx.set_materialize_grads(False)
             return out, lse
 
         @staticmethod
         def backward(ctx: Any, dout: Any, dlse: Any) -> tuple:
-            q, k, v, mask, out, lse, blocks, order = ctx.saved_tensors
+            q, k, v, mask, out, lse, saved = ctx.saved_tensors
             if dout is None:
                 dout = torch.zeros_like(out)
             plan, m = _check(q, k, v, mask, ctx.block)
             dq, dk, dv = _backward(plan, dout, q, k, v, None if ctx.block else m, out, lse,
-                                   blocks, order, ctx.scale, dlse)
+                                   saved, ctx.scale, dlse)
             return dq, dk, dv, None, None, None, None, None
 
     return SparseAttentionFunction
@@ -1040,7 +1094,7 @@ class _EagerForward:
     stream (zero between launches; fresh while the stream captures a graph)."""
 
     __slots__ = ("plan", "lse_shape", "static", "static_ptrs", "index", "attend", "size",
-                 "arrays", "walked", "index_counters", "merge_counters", "sizes", "dense", "ws",
+                 "arrays", "saved", "index_counters", "merge_counters", "sizes", "dense", "ws",
                  "default_scale", "device", "fused", "grids", "launches", "layout")
 
     def __init__(self, plan: AttentionPlan, mask: Any, causal: bool, want_lse: bool,
@@ -1075,10 +1129,11 @@ class _EagerForward:
         self.grids = (*plan.index_grid(), plan.forward_grid()[0])
         self.plan, self.device = plan, device
         self.lse_shape = (plan.batch, plan.heads, plan.sq) if want_lse else None
-        self.static = None if mask is not None else _static_index(plan, causal, device)
+        #: the static index of a call without a mask and its buffer (``_static``)
+        self.static = None if mask is not None else _static(plan, causal, device)
         #: the attention kernel's index addresses of a call without a mask (the static index)
         self.static_ptrs = None if mask is not None else tuple(
-            getattr(self.static, n).data_ptr() for n in ("states", "order", "counts", "keys",
+            getattr(self.static[0], n).data_ptr() for n in ("states", "order", "counts", "keys",
                                                          "bits", "dense", "drows", "dcount"))
         #: the index buffer (_index_layout), then the dense rows' float32 workspace (a call
         #: with a mask); the arrays' offsets in the index kernel's argument order
@@ -1086,8 +1141,8 @@ class _EagerForward:
         self.arrays = _array_offsets(plan)
         self.ws = -(-index_bytes // 256) * 256
         self.size = self.ws + 4 * plan.dense_workspace
-        #: the layout entries of the arrays the custom op returns for the backward
-        self.walked = [entry[1:] for entry in layout if entry[0] in ("blocks", "order")]
+        #: bytes of the index buffer the custom op returns for the backward
+        self.saved = _saved_size(plan)
         #: stream handle -> this forward's index and merge counters there (stream_counters)
         self.index_counters: dict[int, Any] = {}
         self.merge_counters: dict[int, Any] = {}
@@ -1138,8 +1193,7 @@ class _EagerForward:
     def __call__(self, q: Any, k: Any, v: Any, mask: Any, scale: float | None,
                  with_index: bool = False) -> Any:
         """out, or (out, lse) when built with want_lse; with_index (the custom op's forward,
-        want_lse): (out, lse, blocks, order), the index arrays the backward walks, aliasing
-        neither each other nor a cached index."""
+        want_lse): (out, lse, the index buffer the backward walks), aliasing no cached index."""
         import torch
         plan = self.plan
         scale = self.default_scale if scale is None else _scale(plan, scale)
@@ -1196,9 +1250,8 @@ class _EagerForward:
                                 dense, drows, dcount, *self.dense, ws, merge)
         if with_index:
             if mask is None:
-                return out, lse, self.static.blocks.clone(), self.static.order.clone()
-            blocks, order = (_index_view(buf, *entry) for entry in self.walked)
-            return out, lse, blocks, order.clone()   # order and blocks share buf
+                return out, lse, self.static[1].clone()
+            return out, lse, buf[:self.saved]
         return (out, lse) if lse is not None else out
 
 
@@ -1292,8 +1345,8 @@ def _sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, in
     if grad and not traced:   # eager autograd without the custom op's dispatch
         out, lse = _eager_function().apply(q, k, v, mask, scale, index, is_causal, block)
     elif grad:
-        out, lse, _, _ = _ops()(q, k, v, mask, scale, None if index is None else list(index),
-                                is_causal, list(block))
+        out, lse, _ = _ops()(q, k, v, mask, scale, None if index is None else list(index),
+                              is_causal, list(block))
     else:
         fast = (_eager(q, k, v, mask, is_causal, return_lse, plan, m, block)
                 if index is None else None)
