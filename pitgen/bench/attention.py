@@ -243,8 +243,8 @@ def run(r: Run) -> int:
     lines += ["", "Training: dense SDPA (flash) " + "; ".join(
         f"D={d}: backward {p['train'][0]:.3f} ms, forward + backward {p['train'][1]:.3f} ms "
         f"(eager wall {p['train'][3]:.3f} ms)"
-        for d, p in dense_by_d.items()) + ". pitgen's backward reuses the forward's plain block "
-        "states and lse; its forward + backward includes the index build. Device times hide "
+        for d, p in dense_by_d.items()) + ". pitgen's backward reuses the forward's index (blocks, "
+        "gathered key tiles, dense-row tiles) and lse; its forward + backward includes the index build. Device times hide "
         "the host's launches; wall times are eager calls back to back.", ""]
     lines += md_table(
         ["pattern", "pitgen bwd ms", "pitgen bwd / dense bwd", "pitgen fwd+bwd ms",

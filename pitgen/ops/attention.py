@@ -79,7 +79,7 @@ SMEM_LIMIT = 227 * 1024
 #: Shared memory of an SM (sm_80 / sm_90), and what it keeps per resident CTA.
 SM_SMEM, CTA_SMEM_RESERVED = 228 * 1024, 1024
 #: Index state bytes. GATHERED: a partial block whose allowed columns went to the gathered key
-#: tiles (the backward reads it as PARTIAL).
+#: tiles (so does the backward).
 EMPTY, PARTIAL, FULL, GATHERED = 0, 1, 2, 3
 #: A partial 64x64 block with at most this many allowed columns (keys allowed for at least one
 #: row of the query block) is gathered. Cost per visit: a partial block costs one block
@@ -532,8 +532,8 @@ def _validate(q: Any, k: Any, v: Any, mask: Any, block: tuple[int, ...] = ()) ->
 class BlockIndex(NamedTuple):
     """What the index pass builds on the GPU. ``states`` uint8 [slices, nQB, nKB]: the forward's
     decision per 64x64 block over the query block's rows that stay in it (EMPTY, PARTIAL, FULL
-    or GATHERED); ``blocks``: the plain block states over all rows (EMPTY, PARTIAL, FULL; what
-    the backward walks); ``order`` int32 [slices, nQB]: each slice's query blocks by descending
+    or GATHERED; what the backward walks too); ``blocks``: the plain block states over all rows
+    (EMPTY, PARTIAL, FULL: ``block_index_reference``); ``order`` int32 [slices, nQB]: each slice's query blocks by descending
     work (visited blocks + gathered tiles), the order the attention CTAs take them in; the
     gathered keys of each query block: ``counts`` int32 [slices, nQB], ``keys`` int32
     [slices, nQB, cap] (ascending key ids, the first ``counts`` valid) and ``bits`` int64
