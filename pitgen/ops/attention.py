@@ -1137,7 +1137,7 @@ class _EagerForward:
                                                          "bits", "dense", "drows", "dcount"))
         #: the index buffer (_index_layout), then the dense rows' float32 workspace (a call
         #: with a mask); the arrays' offsets in the index kernel's argument order
-        layout, index_bytes = _index_layout(plan, plan.gather_cap)
+        index_bytes = _index_layout(plan, plan.gather_cap)[1]
         self.arrays = _array_offsets(plan)
         self.ws = -(-index_bytes // 256) * 256
         self.size = self.ws + 4 * plan.dense_workspace
