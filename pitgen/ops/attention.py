@@ -562,13 +562,14 @@ def _cols_row(plan: AttentionPlan) -> int:
     return plan.n_kb * plan.bn + 2 * gx + 2 * -(-plan.n_kb // 16) + gx * stage * 3 // 2
 
 
-def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple, str, int]], int]:
-    """(field, shape, torch dtype name, byte offset) of each BlockIndex array, then the index
-    pass's scratch (``cols``: per (slice, query block) a ``_cols_row``, an even count so rows
-    stay 16-byte aligned; ``work``: per query block its visited blocks + gathered tiles), in one
-    buffer, each at a 16-byte boundary (the gathered row masks load with cp.async); and its
-    size."""
-    s, nq, nk = plan.slices, plan.n_qb, plan.n_kb
+@cache.lru("attention.index_layout")
+def _index_layout(plan: AttentionPlan) -> tuple[tuple[tuple[str, tuple, str, int], ...], int]:
+    """(field, shape, torch dtype name, byte offset) of each BlockIndex array (gathered lists of
+    ``gather_cap`` slots), then the index pass's scratch (``cols``: per (slice, query block) a
+    ``_cols_row``, an even count so rows stay 16-byte aligned; ``work``: per query block its
+    visited blocks + gathered tiles), in one buffer, each at a 16-byte boundary (the gathered
+    row masks load with cp.async); and its size. Cached: every call of a shape reads it."""
+    s, nq, nk, cap = plan.slices, plan.n_qb, plan.n_kb, plan.gather_cap
     fields = [("states", (s, nq, nk), "uint8", 1), ("blocks", (s, nq, nk), "uint8", 1),
               ("order", (s, nq), "int32", 4), ("counts", (s, nq), "int32", 4),
               ("keys", (s, nq, cap), "int32", 4), ("bits", (s, nq, cap), "int64", 8),
@@ -580,7 +581,7 @@ def _index_layout(plan: AttentionPlan, cap: int) -> tuple[list[tuple[str, tuple,
     for name, shape, dtype, size in fields:
         out.append((name, shape, dtype, off))
         off += -(-math.prod(shape) * size // 16) * 16
-    return out, off
+    return tuple(out), off
 
 
 def _index_view(buf: Any, shape: tuple, dtype: str, off: int) -> Any:
@@ -594,7 +595,7 @@ def _index_views(plan: AttentionPlan, buf: Any) -> BlockIndex:
     """The BlockIndex arrays as views of one uint8 buffer of ``_index_layout``'s size (the
     scratch stays in the buffer, alive with the views)."""
     return BlockIndex(**{name: _index_view(buf, shape, dtype, off)
-                         for name, shape, dtype, off in _index_layout(plan, plan.gather_cap)[0]
+                         for name, shape, dtype, off in _index_layout(plan)[0]
                          if name in BlockIndex._fields})
 
 
@@ -628,7 +629,7 @@ _STATIC = cache.memo("attention.static_index")
 def _saved_size(plan: AttentionPlan) -> int:
     """Bytes of the index the backward walks: the index buffer's arrays (``_index_layout``)
     before its scratch, the buffer a differentiable forward saves."""
-    return next(off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]
+    return next(off for name, _, _, off in _index_layout(plan)[0]
                 if name == "cols")
 
 
@@ -652,11 +653,6 @@ def _static(plan: AttentionPlan, causal: bool, device: Any) -> tuple[BlockIndex,
     return hit
 
 
-def _static_index(plan: AttentionPlan, causal: bool, device: Any) -> BlockIndex:
-    """The index of a mask-free call (``_static``)."""
-    return _static(plan, causal, device)[0]
-
-
 def _pack_index(plan: AttentionPlan, index: BlockIndex) -> Any:
     """A given index's arrays copied into one buffer as a differentiable forward saves it
     (``_saved_size``)."""
@@ -670,7 +666,7 @@ def _pack_index(plan: AttentionPlan, index: BlockIndex) -> Any:
 def _index_buffer(plan: AttentionPlan, device: Any) -> Any:
     """A fresh buffer of the index pass (``_index_layout``: the arrays, then its scratch)."""
     import torch
-    return torch.empty(_index_layout(plan, plan.gather_cap)[1], dtype=torch.uint8, device=device)
+    return torch.empty(_index_layout(plan)[1], dtype=torch.uint8, device=device)
 
 
 def _index(kernels: Any, plan: AttentionPlan, mask: Any, launch: Any,
@@ -730,7 +726,7 @@ def _layout_args(plan: AttentionPlan, blocks: tuple[int, int, int, int],
 
 def _array_offsets(plan: AttentionPlan) -> tuple[int, ...]:
     """Byte offset of each of INDEX_ARRAYS in the index buffer (``_index_layout``)."""
-    offsets = {name: off for name, _, _, off in _index_layout(plan, plan.gather_cap)[0]}
+    offsets = {name: off for name, _, _, off in _index_layout(plan)[0]}
     return tuple(offsets[n] for n in INDEX_ARRAYS)
 
 
@@ -805,7 +801,7 @@ def _given_index(plan: AttentionPlan, index: Any, device: Any) -> BlockIndex:
     """Check an index passed to sparse_attention (shapes, dtypes, device; its contents are
     never trusted by the kernel: ids and counts are range-checked before any address)."""
     import torch
-    layout, _ = _index_layout(plan, plan.gather_cap)
+    layout, _ = _index_layout(plan)
     want = {name: (shape, getattr(torch, dtype)) for name, shape, dtype, _ in layout
             if name in BlockIndex._fields}
     if not isinstance(index, BlockIndex):
@@ -851,13 +847,13 @@ def _forward(plan: AttentionPlan, q: Any, k: Any, v: Any, mask: Any, scale: floa
     if out.numel() == 0 or plan.sk == 0:   # nothing to attend: zeros, lse -inf
         if lse is not None:
             lse.fill_(-math.inf)
-        empty = index or _index_views(plan, torch.zeros(_index_layout(plan, plan.gather_cap)[1],
+        empty = index or _index_views(plan, torch.zeros(_index_layout(plan)[1],
                                                         dtype=torch.uint8, device=q.device))
         return out.zero_(), lse, empty
     kernels = ATTENTION.module(plan)
     with TorchLaunch() as launch:
         if mask is None:
-            idx = _static_index(plan, causal, q.device)
+            idx = _static(plan, causal, q.device)[0]
         elif index is not None:
             idx = _given_index(plan, index, q.device)
         else:
@@ -1039,14 +1035,12 @@ def _saving_forward(q: Any, k: Any, v: Any, mask: Any, scale: float, index: Any,
             return fast(q, k, v, mask, scale, with_index=True)
     plan, m = _check(q, k, v, mask, block)
     given = None if index is None else BlockIndex(*index)
+    buf = None if m is None or given is not None else _index_buffer(plan, q.device)
+    out, lse, _ = _forward(plan, q, k, v, m, scale, given, True, is_causal, block, buf)
     if m is None:   # the cached static index: a copy
-        out, lse, _ = _forward(plan, q, k, v, m, scale, given, True, is_causal, block)
         return out, lse, _static(plan, is_causal, q.device)[1].clone()
     if given is not None:   # the caller's arrays: packed into a buffer of their own
-        out, lse, _ = _forward(plan, q, k, v, m, scale, given, True, is_causal, block)
         return out, lse, _pack_index(plan, given)
-    buf = _index_buffer(plan, q.device)
-    out, lse, _ = _forward(plan, q, k, v, m, scale, None, True, is_causal, block, buf)
     return out, lse, buf[:_saved_size(plan)]
 
 
@@ -1137,7 +1131,7 @@ class _EagerForward:
                                                          "bits", "dense", "drows", "dcount"))
         #: the index buffer (_index_layout), then the dense rows' float32 workspace (a call
         #: with a mask); the arrays' offsets in the index kernel's argument order
-        index_bytes = _index_layout(plan, plan.gather_cap)[1]
+        index_bytes = _index_layout(plan)[1]
         self.arrays = _array_offsets(plan)
         self.ws = -(-index_bytes // 256) * 256
         self.size = self.ws + 4 * plan.dense_workspace
