@@ -2,8 +2,9 @@
 copy of the package, each in its own process, the copies alternating round by round (so that a
 drift of the lent GPU's clocks or of its host falls on every copy alike). A copy is a directory
 holding ``pitgen/`` and ``templates/``; its child runs in that directory, which leads the import
-path (so run it without the package installed in editable mode), and prints one line
-``RESULT <json of {case: row}>``."""
+path, and its templates are the copy's own (``PREAMBLE``: an editable install of the package,
+as ``device_session.sh`` makes, would otherwise serve ``pitgen.templates`` from the checkout);
+it prints one line ``RESULT <json of {case: row}>``."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,15 @@ import os
 import subprocess
 import sys
 from typing import Any, Callable
+
+
+#: Run before each child: the copy's templates, whatever ``pitgen.templates`` resolves to.
+PREAMBLE = """
+import sys as _sys
+from pathlib import Path as _Path
+import pitgen.render as _render
+_render.template_dir = lambda: _Path(_sys.argv[1]) / "templates"
+"""
 
 
 def main(child: str, show: Callable[[str, Any], str], doc: str,
@@ -30,7 +40,7 @@ def main(child: str, show: Callable[[str, Any], str], doc: str,
     failed = 0
     for rnd in range(args.rounds):
         for tree in trees:
-            p = subprocess.run([sys.executable, "-c", child, tree, str(args.repeats)],
+            p = subprocess.run([sys.executable, "-c", PREAMBLE + child, tree, str(args.repeats)],
                                capture_output=True, text=True, cwd=tree)
             lines = [ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if p.returncode or not lines:

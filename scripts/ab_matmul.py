@@ -8,8 +8,8 @@ working tree:
     cp -r pitgen templates /tmp/new
     python3 scripts/ab_matmul.py /tmp/base /tmp/new [--rounds 2] [--repeats 30]
 
-Each child runs in its copy's directory, which leads its import path; run it without the
-package installed in editable mode, and each child checks that it imported its own copy. The
+Each child runs in its copy's directory, which leads its import path, reads the copy's
+templates (``ab.PREAMBLE``) and checks that it imported its own copy. The
 cells (4096³ fp16, masks at exactly their density, the benchmark's L2 flush before each run):
 32×1 micro-tiles along k at 50, 90 and 99% sparsity, 16/64/128×1 at 90%, 1×64 rows at 90 and
 99%, 128×128 blocks at 90%, each with its own micro-tile as the explicit plan. Per cell: the

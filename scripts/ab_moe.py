@@ -7,8 +7,8 @@ lent GPU's clocks or of its host falls on every copy alike). Each copy is a dire
     cp -r pitgen templates /tmp/new
     python3 scripts/ab_moe.py /tmp/base /tmp/new [--rounds 2] [--repeats 30]
 
-Each child runs in its copy's directory, which leads its import path; run it without the
-package installed in editable mode, and each child checks that it imported its own copy. The
+Each child runs in its copy's directory, which leads its import path, reads the copy's
+templates (``ab.PREAMBLE``) and checks that it imported its own copy. The
 routings (T 4096, H 768, F 3072, fp16, GELU, biases) separate the costs: the benchmark's Zipf
 routing at E 64 and 128 and top-2; 64 tokens an expert; 8 tokens an expert (512 tokens: every
 weight streamed, almost no tensor work); every token to one expert (a dense GEMM pair). Per
