@@ -8,9 +8,10 @@ holding ``pitgen/`` and ``templates/``, e.g. the committed tree and a working tr
     python3 scripts/ab_attention.py /tmp/base /tmp/new [--rounds 2] [--repeats 30]
 
 Each child runs in its copy's directory, which leads its import path, reads the copy's
-templates (``ab.PREAMBLE``) and checks that it imported its own copy. Per case it prints the whole call (index and forward) and
-the forward alone with the index given, in microseconds (median of ``repeats`` after the
-benchmark's L2 flush), and the forward's error against float32 SDPA with the mask.
+templates (``ab.PREAMBLE``) and checks that it imported its own copy. Per case it prints the
+whole call (index and forward) and the forward alone with the index given, in microseconds
+(median of ``repeats`` after the benchmark's L2 flush), and the forward's error against float32
+SDPA with the mask.
 """
 from __future__ import annotations
 
