@@ -1,19 +1,13 @@
-"""A/B of the SpMM kernels: hyb with one column part (``c=1``, the split-row form whose cut rows
-run as pieces that store partial rows, the last piece summing them) on a power-law graph, timed
-in several copies of the package, each copy in its own process, the copies alternating round by
-round (so that a drift of the lent GPU's clocks or of its host falls on every copy alike). Each
-copy is a directory holding ``pitgen/`` and ``templates/``, e.g. the committed tree and a
-working tree:
+"""A/B of the SpMM kernels on hyb with one column part (``c=1``: the split-row form, whose cut
+rows run as pieces storing partial rows that the last piece sums), with the driver of
+scripts/ab.py (copies of ``pitgen/`` and ``templates/`` given as directories, each timed in its
+own process, alternating round by round):
 
-    git archive HEAD pitgen templates | tar -x -C /tmp/base     # on the machine with git
-    cp -r pitgen templates /tmp/new
     python3 scripts/ab_spmm.py /tmp/base /tmp/new [--rounds 2] [--repeats 30]
 
-Each child runs in its copy's directory, which leads its import path, reads the copy's
-templates (``ab.PREAMBLE``) and checks that it imported its own copy. Per case (ogbn-proteins'
-synthetic stand-in at a quarter of its size, 9.9 M edges, every row cut; fp16 and fp32; F 64
-and 128) it prints the call in microseconds (median of ``repeats`` after the benchmark's L2
-flush) and the relative error against torch's CSR product in float32.
+The case: ogbn-proteins' synthetic stand-in at a quarter of its size (9.9 M edges, every row
+cut), fp16 and fp32, F 64 and 128; per case the call in microseconds (median of ``repeats``
+after the benchmark's L2 flush) and the relative error against torch's CSR product in float32.
 """
 from __future__ import annotations
 
