@@ -344,6 +344,37 @@ def test_dense_row_decisions_on_every_finishing_path():
     T.assert_close(A.sparse_attention(q, k, v, tmask), ref, "float16")
 
 
+@pytest.mark.parametrize("sk", [4000, 8704])   # 8 index CTAs a query block; 17 (no quiet CTAs)
+def test_quiet_index_ctas_beside_gathering_and_candidate_ones(sk):
+    """Index CTAs with no row allowing all of their keys and nothing gathered arrive without
+    a release (at most 16 CTAs a query block); their query block's last CTA then reads only
+    the gathering CTAs' sums and takes the visited blocks from the arrivals. Query blocks
+    mixing them with CTAs that gather keys, hold full or partial blocks, or see a row allowing
+    all of their keys, finished either way, against the NumPy index and float64 outputs."""
+    rng = np.random.default_rng(sk)
+    sq = 5 * 64
+    mask = np.zeros((sq, sk), bool)
+    mask[0:64, 700:703] = True                  # qb 0: quiet CTAs and one gathering three keys
+    mask[64:128, 0:640] = True                  # qb 1: a full block, a partial one (no gather)
+    mask[64:80, 2000:2064] = True               # ... a partial block in another CTA
+    mask[128:192, 1500] = True                  # qb 2: one key allowed by every row (gathered)
+    mask[130, :] = True                         # ... and a row allowing every key
+    mask[192:256, sk - 512:] = True             # qb 3: the last CTA's keys all allowed
+    mask[260, ::97] = True                      # qb 4: scattered keys of one row
+    q, k, v = operands(rng, 1, 2, sq, sk, 64, "float16")
+    tmask = torch.from_numpy(mask).cuda()
+    for _ in range(3):                          # the counters left zero for the next launch
+        check_index(A.block_index(q, k, v, tmask), mask)
+    ref = R.attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), mask)
+    with pytest.MonkeyPatch.context() as mp:
+        poison(mp)
+        out = A.sparse_attention(q, k, v, tmask)
+    live = mask.any(-1)
+    tlive = torch.from_numpy(live).cuda()
+    T.assert_close(out[..., tlive, :], ref[..., live, :], "float16")
+    assert bool((out[..., ~tlive, :] == 0).all())   # rows attending nothing are zeros
+
+
 def test_corrupt_gathered_and_dense_entries_stay_in_bounds():
     """Ids and counts of a given index are range-checked before any address: key ids outside
     [0, Sk) are masked zero rows, counts are clamped, dense row ids outside [0, Sq) are neither
