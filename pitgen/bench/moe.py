@@ -90,52 +90,60 @@ def grouped_peer(x, ids, gates, w1, w2, b1, b2):
     return y
 
 
-def stk_peer(x, ids, gates, w1c, w2c, b1, b2, E, F_, blk=128):
-    """MegaBlocks-style dMoE on stk: tokens sorted and padded per expert to 128-row blocks, a
-    block-diagonal topology [padded tokens, E*F], sdd then dsd (topology built with one sync)."""
+def stk_dmoe(x, flat_ids, w1c, w2c, E, F_, act, blk=128):
+    """MegaBlocks' dMoE on stk for top-1 routing (pair i is token i): tokens sorted and padded
+    per expert to blk-row blocks, a block-diagonal topology [padded tokens, E*F] built on the GPU
+    (the padded count comes to the host: one sync, as in MegaBlocks), sdd for W1, ``act(blocks,
+    block columns)`` on the intermediate's blocks, dsd for W2. Returns (o, order): o[i] is
+    token order[i]'s output row.
+
+    The block indices are int32, not stk's usual int16: its sdd kernel computes
+    ``column index * BLOCK_N``, which Triton 3 keeps in the index's type, so an int16 index past
+    255 block columns (E * F > 32K: E 64 at F 3072) wraps and reads out of bounds (NaN or an
+    illegal address)."""
     import torch
-    import torch.nn.functional as Fn
     import stk
-    flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=E)
-    padded = (counts + blk - 1) // blk * blk
-    pend = torch.cumsum(padded, 0)
-    pstart = pend - padded
-    order = torch.argsort(flat)
-    se = flat[order]
-    start = torch.cumsum(counts, 0) - counts
-    dest = pstart[se] + (torch.arange(flat.numel(), device=x.device) - start[se])
-    nb = (padded // blk).tolist()
-    rows_total = int(sum(nb)) * blk
-    xp = torch.zeros(rows_total, x.shape[1], dtype=x.dtype, device=x.device)
-    xp[dest] = x[order]
-    cb = F_ // blk
-    row_idx, col_idx, row_blk = [], [], 0
-    for e, n in enumerate(nb):
-        for r in range(n):
-            row_idx.extend([row_blk + r] * cb)
-            col_idx.extend(range(e * cb, (e + 1) * cb))
-        row_blk += n
     dev = x.device
-    ri = torch.tensor(row_idx, dtype=torch.int16, device=dev)
-    ci = torch.tensor(col_idx, dtype=torch.int16, device=dev)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev),
-                         torch.cumsum(torch.full((rows_total // blk,), cb, device=dev), 0).to(torch.int32)])
-    gather = torch.argsort(ci.long(), stable=True)
-    ci_t = ri.gather(0, gather)
-    offsets_t = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev),
-                           torch.cumsum(torch.bincount(ci.long(), minlength=E * cb), 0).to(torch.int32)])
-    data = torch.empty(len(row_idx), blk, blk, dtype=x.dtype, device=dev)
-    topo = stk.Matrix((rows_total, E * F_), data, ri, ci, offsets, ci_t, offsets_t,
-                      gather.to(torch.int32))
-    h = stk.ops.sdd(xp, w1c, topo)
-    hb = h.data.view(-1, blk, blk)
-    bias = b1.reshape(E * cb, blk)[ci.long()]  # per block column
-    hd = Fn.gelu(hb + bias[:, None, :], approximate="tanh")
-    h = stk.Matrix(topo.size(), hd, ri, ci, offsets, ci_t, offsets_t, gather.to(torch.int32))
-    o = stk.ops.dsd(h, w2c)
-    y = torch.empty_like(x)
-    y[order] = (o[dest] + b2[se]) * gates.reshape(-1)[order, None].to(x.dtype)
+    counts = torch.bincount(flat_ids, minlength=E)
+    padded = (counts + blk - 1) // blk * blk
+    pstart = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    rows_total = int(padded.sum())
+    order = torch.argsort(flat_ids)
+    se = flat_ids[order]
+    dest = pstart[se] + torch.arange(flat_ids.numel(), device=dev) - start[se]
+    xp = x.new_zeros(rows_total, x.shape[1])
+    xp[dest] = x[order]
+    nrows, fb = rows_total // blk, F_ // blk
+    row_expert = torch.repeat_interleave(torch.arange(E, device=dev), padded // blk,
+                                         output_size=nrows)
+    cols = (row_expert[:, None] * fb + torch.arange(fb, device=dev)).reshape(-1).int()
+    rows = torch.arange(nrows, device=dev, dtype=torch.int32).repeat_interleave(fb)
+    offsets = torch.arange(nrows + 1, device=dev, dtype=torch.int32) * fb
+    gather = torch.argsort(cols, stable=True)
+    meta = (rows, cols, offsets, rows.gather(0, gather),
+            torch.cat([offsets.new_zeros(1),
+                       torch.cumsum(torch.bincount(cols, minlength=E * fb), 0).int()]),
+            gather.int())
+    data = torch.empty(nrows * fb, blk, blk, dtype=x.dtype, device=dev)
+    h = stk.ops.sdd(xp, w1c, stk.Matrix((rows_total, E * F_), data, *meta))
+    h = stk.Matrix((rows_total, E * F_), act(h.data.view(-1, blk, blk), cols), *meta)
+    return stk.ops.dsd(h, w2c)[dest], order
+
+
+def stk_peer(x, ids, gates, w1c, w2c, b1, b2, E, F_, blk=128):
+    """The layer on stk (:func:`stk_dmoe`): bias and GELU on the intermediate's blocks, then
+    the second bias and the gate per token (top-1)."""
+    import torch.nn.functional as Fn
+    flat = ids.reshape(-1)
+    bias = b1.reshape(-1, blk)  # per block column
+
+    def act(blocks, cols):
+        return Fn.gelu(blocks + bias[cols.long()][:, None, :], approximate="tanh")
+
+    o, order = stk_dmoe(x, flat, w1c, w2c, E, F_, act, blk)
+    y = x.new_empty(x.shape)
+    y[order] = (o + b2[flat[order]]) * gates.reshape(-1)[order, None].to(x.dtype)
     return y
 
 

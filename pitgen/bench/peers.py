@@ -35,12 +35,14 @@ NAMES = {
     "stk": "stk (MegaBlocks)", "pitgen-auto": "pitgen auto", "pitgen-tile": "pitgen micro-tile",
     "loop": "torch loop over experts", "grouped-fp16": "torch._grouped_mm fp16",
     "grouped-bf16": "torch._grouped_mm bf16", "pitgen-experts": "pitgen per expert (public API)",
-    "pitgen-shared": "pitgen shared routing index", "packed": "torch unpadded (gather+mm+scatter)",
+    "pitgen-shared": "pitgen shared routing index", "pitgen-fused": "pitgen fused layer (moe_ffn)",
+    "packed": "torch unpadded (gather+mm+scatter)",
 }
 #: One colour per system in every plot.
 COLORS = {"dense": "C7", "loop": "C7", "cusparse": "C0", "grouped-fp16": "C0", "bsr": "C1",
           "grouped-bf16": "C1", "packed": "C1", "stk": "C2", "pitgen-auto": "C3",
-          "pitgen-shared": "C3", "pitgen-tile": "C4", "pitgen-experts": "C4"}
+          "pitgen-shared": "C3", "pitgen-tile": "C4", "pitgen-experts": "C4",
+          "pitgen-fused": "C5"}
 #: Peers a pitgen row is compared with ("best peer"); in micro the sparse libraries only.
 PEERS = {"micro": ("cusparse", "bsr", "stk"),
          "moe": ("loop", "grouped-fp16", "grouped-bf16", "stk"),
@@ -50,7 +52,8 @@ BASELINE = {"micro": "dense", "moe": "loop", "seqlen": "dense", "ffn": "dense"}
 CELL = {"micro": ("size", "granularity", "sparsity"), "moe": ("experts",),
         "seqlen": ("pad", "out_features"), "ffn": ("bias",)}
 ORDER = {"micro": ("dense", "cusparse", "bsr", "stk", "pitgen-auto", "pitgen-tile"),
-         "moe": ("loop", "grouped-fp16", "grouped-bf16", "stk", "pitgen-experts", "pitgen-shared"),
+         "moe": ("loop", "grouped-fp16", "grouped-bf16", "stk", "pitgen-fused", "pitgen-experts",
+                 "pitgen-shared"),
          "seqlen": ("dense", "packed", "pitgen-auto", "pitgen-tile"),
          "ffn": ("dense", "pitgen-auto", "pitgen-tile")}
 

@@ -224,7 +224,8 @@ def micro(ctx: Ctx, rows: list[dict], sizes: list[int], grans: list[str],
 
 # -- 2a. MoE ----------------------------------------------------------------------------------
 
-MOE_SYSTEMS = ("loop", "grouped-fp16", "grouped-bf16", "pitgen-experts", "pitgen-shared", "stk")
+MOE_SYSTEMS = ("loop", "grouped-fp16", "grouped-bf16", "pitgen-fused", "pitgen-experts",
+               "pitgen-shared", "stk")
 
 
 def _timed_layer(ctx: Ctx, fn: Callable[[], torch.Tensor]) -> dict:
@@ -286,11 +287,7 @@ def _moe_grouped(m: _Moe, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -
 
 
 class _StkMoe:
-    """MegaBlocks' dMoE on stk: each expert's tokens padded to a multiple of 128 rows, a
-    block-diagonal topology built on the GPU, sdd for W1, relu, dsd for W2. The padded token
-    count comes to the host (one sync), as in MegaBlocks."""
-
-    BLOCK = 128
+    """MegaBlocks' dMoE on stk (:func:`pitgen.bench.moe.stk_dmoe`), ReLU between the GEMMs."""
 
     def __init__(self, m: _Moe):
         self.m = m
@@ -298,33 +295,13 @@ class _StkMoe:
         self.w2 = m.w2.reshape(m.E * m.F, m.H)  # [E*F, H]
 
     def __call__(self) -> torch.Tensor:
-        import stk
+        from .moe import stk_dmoe
 
-        m, bl, dev = self.m, self.BLOCK, self.m.x.device
-        counts = torch.bincount(m.eid, minlength=m.E)
-        padded = (counts + bl - 1) // bl * bl
-        pstart = torch.cumsum(padded, 0) - padded
-        start = torch.cumsum(counts, 0) - counts
-        t_pad = int(padded.sum())
-        order = torch.argsort(m.eid)
-        se = m.eid[order]
-        pos = pstart[se] + torch.arange(m.T, device=dev) - start[se]
-        xp = m.x.new_zeros(t_pad, m.H)
-        xp[pos] = m.x[order]
-        nrows, fb = t_pad // bl, m.F // bl
-        row_expert = torch.repeat_interleave(torch.arange(m.E, device=dev), padded // bl,
-                                             output_size=nrows)
-        cols = (row_expert[:, None] * fb + torch.arange(fb, device=dev)).reshape(-1)
-        rows = torch.arange(nrows, device=dev).repeat_interleave(fb)
-        offsets = torch.arange(nrows + 1, device=dev, dtype=torch.int32) * fb
-        topo = stk.Matrix(torch.Size((t_pad, m.E * m.F)),
-                          torch.empty(nrows * fb, bl, bl, dtype=m.x.dtype, device=dev),
-                          rows.to(torch.int16), cols.to(torch.int16), offsets)
-        h = stk.ops.sdd(xp, self.w1, topo)
-        torch.relu_(h.data)
-        yp = stk.ops.dsd(h, self.w2)
+        m = self.m
+        o, order = stk_dmoe(m.x, m.eid, self.w1, self.w2, m.E, m.F,
+                            lambda blocks, cols: torch.relu(blocks))
         y = torch.empty_like(m.x)
-        y[order] = yp[pos]
+        y[order] = o
         return y
 
 
@@ -445,6 +422,17 @@ def moe(ctx: Ctx, rows: list[dict], experts_list: list[int], tokens: int, hidden
                     "note": "inputs converted to bf16 outside the timing"}
 
         attempt(ctx, rows, base, "grouped-bf16", grouped_bf16)
+
+        def fused() -> dict:
+            from pitgen.ops.moe import moe_ffn
+
+            ids, gates = m.eid[:, None], torch.ones(m.T, 1, device=m.x.device)
+            return {**measure(lambda: moe_ffn(m.x, ids, gates, m.w1, m.w2, activation="relu",
+                                              check=False)),
+                    "note": "pitgen.ops.moe.moe_ffn: the layer in one op (routing index, both "
+                            "expert GEMMs, scatter)"}
+
+        attempt(ctx, rows, base, "pitgen-fused", fused)
         attempt(ctx, rows, base, "pitgen-experts",
                 lambda: {**measure(_PitgenExperts(m)),
                          "note": "per expert: masked copy of X / H, index build, GEMM"})
