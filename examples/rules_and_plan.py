@@ -14,9 +14,9 @@ print(pitgen.analyse(EXPR).explain())
 
 # 2. Plan: A is 95% sparse in 32x1 micro-tiles (extent 1 along the reduction axis k).
 rng = np.random.default_rng(0)
-mask = np.kron(rng.random((16, 512)) < 0.05, np.ones((32, 1), bool))
-A = rng.standard_normal((512, 512)).astype(np.float32) * mask
-B = rng.standard_normal((512, 256)).astype(np.float32)
+mask = np.kron(rng.random((64, 1024)) < 0.05, np.ones((32, 1), bool))
+A = rng.standard_normal((2048, 1024)).astype(np.float32) * mask
+B = rng.standard_normal((1024, 256)).astype(np.float32)
 plan = pitgen.plan(EXPR, sparse="A", mask=mask)
 print(plan.table())
 

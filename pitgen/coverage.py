@@ -42,10 +42,12 @@ def _tile_counts_torch(mask, specs, chunks):
     return torch.stack(rows)
 
 
-def plan_on_device(op: Operator, sparse: str, operand: Operand, tile: Any = None) -> Plan:
-    """Plan for ``operand``'s actual sparsity: counts reduced on the GPU, one copy back."""
+def plan_on_device(op: Operator, sparse: str, operand: Operand, tile: Any = None,
+                   width: int | None = None) -> Plan:
+    """Plan for ``operand``'s actual sparsity: counts reduced on the GPU, one copy back.
+    ``width``: the product's N (see :func:`pitgen.planner.make_plan`)."""
     if not operand.is_torch:  # a GPUArray: without torch's reductions, plan from one host copy
-        return make_plan(op, sparse, mask=operand.obj.get() != 0, tile=tile)
+        return make_plan(op, sparse, mask=operand.obj.get() != 0, tile=tile, width=width)
     import torch
 
     tile_map = parse_tile(op, tile)
@@ -59,4 +61,4 @@ def plan_on_device(op: Operator, sparse: str, operand: Operand, tile: Any = None
                        mask.sum().reshape(1).to(torch.int64)]).cpu().numpy()
     counts = {spec: tuple(int(v) for v in table[3 * i: 3 * i + 3]) for i, spec in enumerate(specs)}
     return make_plan(op, sparse, tile=tile, shape=operand.shape,
-                     coverage={"counts": counts, "nnz": int(table[-1])})
+                     coverage={"counts": counts, "nnz": int(table[-1])}, width=width)

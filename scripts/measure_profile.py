@@ -10,7 +10,9 @@ row-owner kernel walks every k-tile of every row block; densities down to 1% pin
 kind and once per shape (``shapes``: one shape's tiles and elements are proportional, so its fit
 is ``ns_per_element`` and ``walk_ns_per_element``; a kind's shapes may run on different
 mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The index pass is priced per element
-of S, per kind and per shape (the median of their runs). Micro-tiles along m are timed on the
+of S, per kind and per shape (the median of their runs), beyond its launch, which is priced once
+(``index_fixed_ns``: the pass alone on a 256^2 S less a 16-float fill alone, the timer's own
+cost). ``width`` records B's width: the planner scales the kernels' terms by a product's own. Micro-tiles along m are timed on the
 row-owner kernel at every density (the kind's fit is that kernel's: ``pitgen.compile`` would run
 the sparsest masks on the products kernel, whose compute cannot be timed without its index); the
 products kernel gets its own fit (``products``: whole calls at densities it takes, less the
@@ -49,6 +51,8 @@ KINDS = {  # profile key -> [(micro_tile, S shape)]
 
 #: Densities the products kernel is fitted at (each within products_fit for every shape timed).
 PRODUCTS_DENSITIES = (0.02, 0.01, 0.005)
+#: The side of the small S whose index pass prices the pass's launch, one shape per sparse kind.
+SMALL, SMALL_SHAPES = 256, ("32x64", "32x1", "1x64")
 
 UNIT_PROFILE = {"device": "unit costs (counts work)", "measured": False, "index_ns_per_element": 0.0,
                 "kinds": {k: {"fixed_ns": 0.0, "ns_per_element": 1.0} for k in KINDS}}
@@ -85,8 +89,29 @@ def rows_call(micro: str, A: torch.Tensor, B: torch.Tensor, schedule: Schedule) 
     return GemmCall(launcher, A, B, out, reuse=True)
 
 
+def index_launch(A0: torch.Tensor, B: torch.Tensor, gen: torch.Generator,
+                 timer: Timer) -> tuple[float, float]:
+    """(index pass alone on a SMALL^2 S, a 16-float fill alone), ns, medians over
+    SMALL_SHAPES: their difference is what a sparse plan's index launch adds to a call beyond
+    the timer's own cost, which the per-element prices measured at --size^2 would otherwise
+    spread over S (a 768-wide BERT layer's pass: 7.5 us on its 3 M elements, not 3.4)."""
+    z = torch.zeros(16, device="cuda")
+    fill = timer(z.zero_) * 1e6
+    pts = []
+    for micro in SMALL_SHAPES:
+        unit = tuple(int(v) for v in micro.split("x"))
+        mask = block_mask((SMALL, SMALL), unit, 0.5, gen)
+        A = A0[:SMALL, :SMALL] * mask.to(A0.dtype)
+        Bs = B[:SMALL, :SMALL].contiguous()
+        call = (rows_call(micro, A, Bs, Schedule()) if unit[0] == 1 else
+                pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro).prepare(A, Bs))
+        call.build_index(None)
+        pts.append(timer(lambda: call.build_index(None)) * 1e6)
+    return float(np.median(pts)), fill
+
+
 def products_profile(micros: list[str], shapes: dict, A0: torch.Tensor, B: torch.Tensor,
-                     gen: torch.Generator, timer: Timer) -> dict:
+                     gen: torch.Generator, timer: Timer, index_fixed: float) -> dict:
     """The products kernel's fit: whole calls (index, products, finishing pass) at
     PRODUCTS_DENSITIES on the shapes it runs, less each shape's index price, fitted to
     ``ns_per_element * elements + walk_ns_per_element * |S|`` as the planner prices it."""
@@ -107,7 +132,7 @@ def products_profile(micros: list[str], shapes: dict, A0: torch.Tensor, B: torch
                 continue
             t = timer(call.run) * 1e6  # ns
             rows.append((cand.cost, A.numel()))
-            times.append(t - A.numel() * shapes[micro]["index_ns_per_element"])
+            times.append(t - index_fixed - A.numel() * shapes[micro]["index_ns_per_element"])
             print(f"products         {micro:>7} density {density:.3f}: {t / 1e3:8.1f} us", flush=True)
     if not rows:
         raise SystemExit("measure_profile: no shape ran on the products kernel")
@@ -127,6 +152,10 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     B = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
     A0 = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=gen)
+    small, fill = index_launch(A0, B, gen, timer)
+    index_fixed = max(0.0, small - fill)
+    print(f"index launch: {small / 1e3:.1f} us alone on {SMALL}^2, fill {fill / 1e3:.1f} us",
+          flush=True)
     kinds, index_pts = {}, []
     for key, micros in KINDS.items():
         rows, times, shapes, kind_index = [], [], {}, []
@@ -150,7 +179,8 @@ def main() -> None:
                 rows.append((cand.dense_tiles, elements, A.numel()))
                 times.append(t)
                 if key != "dense":
-                    shape_index.append(timer(lambda: call.build_index(None)) * 1e6 / A.numel())
+                    t_index = timer(lambda: call.build_index(None)) * 1e6
+                    shape_index.append(max(0.0, t_index - small) / A.numel())
                 print(f"{key:16} {micro:>7} density {density:.2f}: {t / 1e3:8.1f} us, "
                       f"{cand.dense_tiles} dense tiles", flush=True)
             if key != "dense":
@@ -169,7 +199,8 @@ def main() -> None:
             kinds[key].update(index_ns_per_element=float(np.median(kind_index)), shapes=shapes)
             index_pts += kind_index
         if key == "micro-spatial":
-            kinds[key]["products"] = products_profile(micros, shapes, A0, B, gen, timer)
+            kinds[key]["products"] = products_profile(micros, shapes, A0, B, gen, timer,
+                                                      index_fixed)
     profile = {
         "device": torch.cuda.get_device_name(), "measured": True, "dtype": "float16",
         "note": f"measured by scripts/measure_profile.py: A {n}x{n}, B {n} wide, fp16, "
@@ -177,11 +208,17 @@ def main() -> None:
         "units": {"fixed_ns": "ns per dense tile", "ns_per_element": "ns per element of S computed",
                   "walk_ns_per_element": "ns per element of S, paid whatever the density",
                   "index_ns_per_element": "ns per element of S, paid once by every non-dense kind",
+                  "index_fixed_ns": f"ns per call, paid once by every non-dense kind: the index "
+                                    f"pass alone on a {SMALL}x{SMALL} S less a 16-float fill "
+                                    f"alone (the timer's own cost)",
+                  "width": "B's width the times were measured at; the planner scales the kernels' "
+                           "terms (not the index's) by a product's own width over it",
                   "shapes": "a shape's own fit and index, which override its kind's",
                   "products": "micro-spatial only: the products kernel's fit (ns per element of S "
                               "computed, and per element of S whatever the density), for masks of at "
                               "most two micro-tiles per row of S on average (lower.PRODUCTS_SLOTS_PER_ROW)"},
         "kinds": kinds, "index_ns_per_element": float(np.median(index_pts)),
+        "index_fixed_ns": index_fixed, "width": n,
     }
     text = json.dumps(profile, indent=2) + "\n"
     with open(args.write, "w") as f:

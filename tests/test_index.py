@@ -116,7 +116,7 @@ def test_dense_index_is_one_full_group():
 
 
 def test_index_from_plan_uses_its_choice():
-    mask = np.repeat(np.random.default_rng(0).random((16, 512)) < 0.05, 32, axis=0)
+    mask = np.repeat(np.random.default_rng(0).random((64, 1024)) < 0.05, 32, axis=0)
     plan = make_plan(MATMUL, "A", mask=mask)
     index = build_index(mask, MATMUL, "A", plan)
     assert (index.kind, index.axis, index.tile) == ("micro", "k", (32, 1)) == (

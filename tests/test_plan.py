@@ -60,9 +60,9 @@ def test_all_ones_is_dense_for_tensor_core_tiles(expr_sparse, rows, cols, data):
 
 
 def test_all_zero_mask():
-    plan = make_plan(MATMUL, "A", mask=np.zeros((256, 256)))
+    plan = make_plan(MATMUL, "A", mask=np.zeros((1024, 1024)))
     dense = find(plan, "dense", (64, 32))
-    assert dense.waste is None and dense.dense_tiles == 32
+    assert dense.waste is None and dense.dense_tiles == 512
     assert plan.choice.kind != "dense" and plan.choice.dense_tiles == 0
     assert plan.choice.waste == 0.0 and dense.to_json()["waste"] is None
 
@@ -195,6 +195,25 @@ def brute_stats(mask, cand, chunk):
     return nonzero, covered, tiles, tiles * math.prod(cand.shape) * chunk
 
 
+#: Every element of S computed costs 1: a candidate's cost is then its work count.
+UNIT_PROFILE = {"device": "unit costs", "measured": False, "index_ns_per_element": 0.0,
+                "kinds": {k: {"fixed_ns": 0.0, "ns_per_element": 1.0}
+                          for k in ("dense", "block", "micro-reduction", "micro-spatial")}}
+
+
+def nearest_measured(kind: dict, shape: tuple) -> dict:
+    """The rates of the measured shape the planner must price ``shape`` by: its own, else the
+    measured one whose extents are nearest (sum of log ratios), the slowest on a tie."""
+    shapes = kind.get("shapes", {})
+    if not shapes:
+        return {}
+    ranked = sorted(shapes, key=lambda name: (
+        round(sum(abs(math.log(int(d) / t)) for d, t in zip(name.split("x"), shape)), 9),
+        -shapes[name]["ns_per_element"]))
+    own = "x".join(map(str, shape))
+    return shapes[own] if own in shapes else shapes[ranked[0]]
+
+
 @settings(max_examples=25, deadline=None)
 @given(drawn=T.masks(max_side=70, densities=(0.02, 0.2, 0.7)), tk=st.integers(1, 40))
 def test_statistics_match_brute_force(drawn, tk):
@@ -216,15 +235,14 @@ def test_statistics_match_brute_force(drawn, tk):
         assert (c.nonzero, c.dense_tiles) == (nonzero, tiles), c
         assert c.waste == pytest.approx((covered - nnz) / nnz if nnz else 0.0)
         key = {"block": "block", "k": "micro-reduction", "m": "micro-spatial"}[c.axis or c.kind]
-        kind = prof["kinds"][key]
-        kind = {**kind, **kind.get("shapes", {}).get("x".join(map(str, c.shape)), {})}
+        kind = {**prof["kinds"][key], **nearest_measured(prof["kinds"][key], c.shape)}
         index = kind.get("index_ns_per_element", prof["index_ns_per_element"])
         want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
-            + m * k * (index + kind.get("walk_ns_per_element", 0.0))
+            + prof.get("index_fixed_ns", 0.0) + m * k * (index + kind.get("walk_ns_per_element", 0.0))
         products = prof["kinds"][key].get("products")
         if products and c.axis == "m" and nonzero <= m * PRODUCTS_SLOTS_PER_ROW \
                 and c.shape[1] in PRODUCTS_EXTENTS:
-            want = min(want, elements * products["ns_per_element"]
+            want = min(want, prof.get("index_fixed_ns", 0.0) + elements * products["ns_per_element"]
                        + m * k * (index + products["walk_ns_per_element"]))
         assert c.cost == pytest.approx(want)
     costs = [c.cost for c in plan.candidates]
@@ -297,10 +315,11 @@ def test_rows_of_at_most_one_micro_tile_are_priced_on_the_products_kernel():
         plan = make_plan(MATMUL, "A", mask=mask, profile=prof)
         c = next(c for c in plan.candidates if c.label == "micro 1x64 along m")
         elements, total = c.dense_tiles * 64 * min(64, 1024), mask.size
-        owner = (c.dense_tiles * fit["fixed_ns"] + elements * fit["ns_per_element"]
+        launch = prof.get("index_fixed_ns", 0.0)
+        owner = (launch + c.dense_tiles * fit["fixed_ns"] + elements * fit["ns_per_element"]
                  + total * (fit["index_ns_per_element"] + fit["walk_ns_per_element"]))
-        cheaper = elements * p["ns_per_element"] + total * (fit["index_ns_per_element"]
-                                                            + p["walk_ns_per_element"])
+        cheaper = launch + elements * p["ns_per_element"] + total * (
+            fit["index_ns_per_element"] + p["walk_ns_per_element"])
         assert (c.nonzero <= 1024 * PRODUCTS_SLOTS_PER_ROW) == products
         assert c.cost == pytest.approx(min(owner, cheaper) if products else owner)
         chosen = replace(plan, choice=c)
@@ -313,23 +332,32 @@ def test_rows_of_at_most_one_micro_tile_are_priced_on_the_products_kernel():
 def test_a_measured_shape_and_a_kinds_index_override_the_kind_fit():
     """One kind may run on two mainloops (blocks of 32 x 32 on mma.sync, 128 x 128 on wgmma) and
     its index cost differently from another kind's: a shape's own entry and a kind's own index
-    price replace the kind's fit and the profile's index, and only for that shape."""
+    price replace the kind's fit and the profile's index; a shape no kernel was timed at takes
+    the rates of the measured one nearest in its extents, the slower on a tie."""
     mask = micro_mask((512, 512), (128, 128), 0.05)
     prof = json.loads(json.dumps(load_profile("analytic")))
+    unit = {c.label: c.cost for c in make_plan(MATMUL, "A", mask=mask,
+                                               profile=UNIT_PROFILE).candidates}
     base = {c.label: c.cost for c in make_plan(MATMUL, "A", mask=mask, profile=prof).candidates}
     block = prof["kinds"]["block"]
-    block["shapes"] = {"128x128": {"fixed_ns": 0.0, "ns_per_element": 0.0, "walk_ns_per_element": 0.0,
-                                   "index_ns_per_element": 0.0}}
+    zero = {"fixed_ns": 0.0, "ns_per_element": 0.0, "walk_ns_per_element": 0.0,
+            "index_ns_per_element": 0.0}
+    block["shapes"] = {"128x128": zero, "32x32": {**zero, "ns_per_element": 5.0}}
     prof["kinds"]["micro-reduction"]["index_ns_per_element"] = 1.0
     plan = make_plan(MATMUL, "A", mask=mask, profile=prof)
     cost = {c.label: c.cost for c in plan.candidates}
-    assert plan.choice.label == "block 128x128" and cost["block 128x128"] == 0.0
-    assert cost["block 64x64"] == pytest.approx(base["block 64x64"])
+    assert plan.choice.cost == 0.0 and cost["block 128x128"] == 0.0
+    assert cost["block 128x64"] == 0.0   # nearest 128x128 (log 2 away; 32x32 is log 8)
+    assert cost["block 32x64"] == pytest.approx(5.0 * unit["block 32x64"])   # 32x32's rates
+    assert cost["block 64x64"] == pytest.approx(5.0 * unit["block 64x64"])   # a tie: the slower
     micro = next(c for c in plan.candidates if c.kind == "micro" and c.axis == "k")
     assert cost[micro.label] == pytest.approx(
         base[micro.label] + 512 * 512 * (1.0 - prof["index_ns_per_element"]))
     with pytest.raises(PlanError, match=r"kinds.block.shapes.128x128.ns_per_element"):
         block["shapes"]["128x128"]["ns_per_element"] = -1
+        load_profile(prof)
+    with pytest.raises(PlanError, match=r"kinds.block.shapes.32 by 32 \(a tile shape"):
+        block["shapes"] = {"32 by 32": zero}
         load_profile(prof)
     with pytest.raises(PlanError, match=r"kinds.block.shapes"):
         block["shapes"] = [1]
@@ -337,12 +365,12 @@ def test_a_measured_shape_and_a_kinds_index_override_the_kind_fit():
 
 
 def test_to_json_schema_and_table():
-    plan = make_plan(MATMUL, "A", mask=micro_mask((256, 512)))
+    plan = make_plan(MATMUL, "A", mask=micro_mask((1024, 1024)))
     assert isinstance(plan, Plan)
     doc = json.loads(json.dumps(plan.to_json()))
     assert set(doc) == {"expression", "sparse", "shape", "masked", "tile", "compute_tile",
                         "profile", "choice", "candidates"}
-    assert (doc["expression"], doc["sparse"], doc["shape"], doc["masked"]) == (MATMUL, "A", [256, 512], True)
+    assert (doc["expression"], doc["sparse"], doc["shape"], doc["masked"]) == (MATMUL, "A", [1024, 1024], True)
     assert doc["tile"] == {"m": 64, "n": 64, "k": 32}
     assert doc["profile"] == load_profile()["device"]
     for c in [doc["choice"], *doc["candidates"]]:
@@ -399,3 +427,48 @@ def test_clipped_micro_tiles_and_blocks_lower_to_the_next_kernel_extent():
     assert (spec.gemm.bm, spec.index.block_cols) == (16, 16)
     with pytest.raises(PlanError, match="mma"):  # not clipped: a 15-row tile has no kernel
         lower(op, "A", "micro", "k", (15, 1), "float16", Layout(64, 64, 64, (64, 1), (64, 1), (64, 1)))
+
+
+def test_width_scales_the_kernels_not_the_index():
+    """A product's width (N) scales every kernel term of a candidate's cost, never the index
+    pass (its launch and its read of S): costs are affine in the width, dense's proportional."""
+    mask = micro_mask((1024, 1024), (32, 64), 0.1)
+    prof = load_profile()
+    costs = {w: {c.label: c.cost for c in make_plan(MATMUL, "A", mask=mask, width=w).candidates}
+             for w in (1024, 2048, 3072, prof.get("width", 4096))}
+    default = {c.label: c.cost for c in make_plan(MATMUL, "A", mask=mask).candidates}
+    assert costs[prof.get("width", 4096)] == pytest.approx(default)
+    for c in make_plan(MATMUL, "A", mask=mask).candidates:
+        label = c.label
+        assert costs[1024][label] + costs[3072][label] == pytest.approx(2 * costs[2048][label])
+        index = costs[1024][label] - (costs[2048][label] - costs[1024][label])   # at width 0
+        if c.kind == "dense":
+            assert index == pytest.approx(0.0, abs=1e-6)
+            continue
+        key = {"block": "block", "k": "micro-reduction", "m": "micro-spatial"}[c.axis or c.kind]
+        kind = {**prof["kinds"][key], **nearest_measured(prof["kinds"][key], c.shape)}
+        want = prof.get("index_fixed_ns", 0.0) + mask.size * kind.get(
+            "index_ns_per_element", prof["index_ns_per_element"])
+        products = prof["kinds"][key].get("products")
+        if not (products and c.axis == "m" and c.shape[1] in PRODUCTS_EXTENTS
+                and c.nonzero <= 1024 * PRODUCTS_SLOTS_PER_ROW):
+            assert index == pytest.approx(want, rel=1e-6), label
+
+
+@pytest.mark.parametrize("pad, width, dense", [(128, 768, True), (128, 3072, True),
+                                               (512, 3072, False)])
+def test_bert_padding_plans_by_its_own_width(pad, width, dense):
+    """BERT-base's linear layers on a batch of 32 padded sequences (docs/bench/seqlen.md, H200):
+    at 15% valid tokens of 128 the layers are small enough that dense cuBLAS (12 and 32 us) beats
+    any sparse plan, whose index launch alone is priced; at 512 the 768 -> 3072 layer's block
+    plan is 1.6x faster. Planned at a 4096-wide product's prices, the 128-token cells chose
+    blocks 2.6x and 1.9x slower than dense."""
+    rng = np.random.default_rng(7)
+    for p in (128, 512):   # the benchmark's draws, in its order
+        lengths = np.clip(np.ceil(np.exp(rng.normal(math.log(p / 6), 0.9, size=32))), 1, p)
+        if p == pad:
+            break
+    valid = (np.arange(pad)[None, :] < lengths[:, None]).reshape(-1)
+    plan = make_plan("Y[t,n] += X[t,k] * W[k,n]", "X", mask=np.repeat(valid[:, None], 768, 1),
+                     width=width)
+    assert (plan.choice.kind == "dense") == dense, plan.table()

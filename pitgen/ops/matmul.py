@@ -571,7 +571,9 @@ class SparseKernel:
             raise ShapeError(f"mask has shape {m_op.shape} but {self.sparse} has shape "
                              f"{ops[self.sparse].shape}")
         if self._plan is None:
-            self._plan = plan_on_device(self.operator, self.sparse, m_op or ops[self.sparse], self.tile)
+            width = ops[self.form.dense].shape[self.form.b_dims[1]]
+            self._plan = plan_on_device(self.operator, self.sparse, m_op or ops[self.sparse],
+                                        self.tile, width)
         c_op = as_operand("out", out) if out is not None else None
         key = signature(ops, c_op, accumulate, m_op), device_index()   # its modules' device
         launcher = self._launchers.get(key)
