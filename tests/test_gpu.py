@@ -265,9 +265,11 @@ def test_rows_index_built_once_serves_kernels_of_the_same_rows():
 
 
 def test_auto_picks_the_micro_tile_of_the_pattern_and_dense_when_full():
+    """Large enough that the sparse plan's index launch pays (at 1024 x 256 x 1024 dense
+    cuBLAS is the faster plan, and `auto` runs it)."""
     rng = np.random.default_rng(3)
-    mask = T.granular_mask(rng, (1024, 1024), "micro", (32, 1), 0.05)
-    op, sparse, arrays, ref = operands(rng, "A", 1024, 256, 1024, "float16", lambda s: mask)
+    mask = T.granular_mask(rng, (2048, 2048), "micro", (32, 1), 0.05)
+    op, sparse, arrays, ref = operands(rng, "A", 2048, 1024, 2048, "float16", lambda s: mask)
     kern = pitgen.compile(op, sparse=sparse, dtype="float16")
     check(kern(**arrays), ref, "float16", gemm_scale(op, arrays))
     assert kern.plan.choice.kind == "micro" and kern.plan.choice.axis == "k"
