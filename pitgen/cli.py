@@ -62,7 +62,7 @@ def _plan(args: argparse.Namespace) -> None:
         mask = np.load(args.mask)
     except (OSError, ValueError, EOFError) as e:
         raise FileError(f"cannot read mask {args.mask!r}: {e}") from None
-    plan = make_plan(parse(args.expr), args.sparse, mask=mask, tile=args.tile)
+    plan = make_plan(parse(args.expr), args.sparse, mask=mask, tile=args.tile, width=args.width)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
 
 
@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sparse", required=True, help="name of the sparse operand, e.g. A")
     pl.add_argument("--mask", required=True, help=".npy file: boolean mask of the operand's shape")
     pl.add_argument("--tile", default=None, help="dense compute tile, e.g. 64x64x32 (axis order)")
+    pl.add_argument("--width", type=_at_least(1, int), default=None,
+                    help="the product's other extent (N of a matmul), which the kernels' costs "
+                         "scale with (default: the profile's own, 4096)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
 
     e = _subcommand(sub, "emit", "write standalone kernels (.cu + .h with a C API) for other projects",

@@ -84,6 +84,21 @@ def test_plan_json_finds_the_32x1_micro_tile(capsys, tmp_path):
     assert any(c["kind"] == "dense" for c in doc["candidates"])
 
 
+def test_plan_width_prices_a_narrow_product(capsys, tmp_path):
+    """The same 95%-sparse mask: a 4096-wide product runs 32x1 micro-tiles, a 64-wide one is
+    too small for the index pass's launch to pay, so dense; a width below 1 is refused."""
+    mask = micro_32x1_mask(tmp_path)
+    choices = []
+    for width in ("4096", "64"):
+        assert main(["plan", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A", "--mask", mask,
+                     "--json", "--width", width]) == 0
+        choices.append(json.loads(capsys.readouterr().out)["choice"]["kind"])
+    assert choices == ["micro", "dense"]
+    assert main(["plan", "C[m,n] += A[m,k] * B[k,n]", "--sparse", "A", "--mask", mask,
+                 "--width", "0"]) == 2
+    assert "--width: must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_plan_table_and_tile(capsys, tmp_path):
     import numpy as np
 
