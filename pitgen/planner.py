@@ -573,7 +573,10 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
         stats = _Stats(mask, size)
         nnz = int(np.count_nonzero(mask)) if mask is not None else math.prod(size)
         counts = {s: stats.counts(s, _chunk(s, acc, tile, size), acc) for s in specs}
-    scale = width / prof.get("width", PROFILE_WIDTH) if width else 1.0
+    if width is not None and (isinstance(width, bool) or not isinstance(width, (int, np.integer))
+                              or width < 1):
+        raise PlanError(f"width must be a positive integer (the product's N), got {width!r}")
+    scale = width / prof.get("width", PROFILE_WIDTH) if width is not None else 1.0
     cands = {s: _costed(s, counts[s], nnz, size, _chunk(s, acc, tile, size), rules, prof,
                         size[acc.bare_dim(s[1])] if s[0] == "micro" else 0, scale)
              for s in specs}

@@ -438,6 +438,9 @@ def test_width_scales_the_kernels_not_the_index():
              for w in (1024, 2048, 3072, prof.get("width", 4096))}
     default = {c.label: c.cost for c in make_plan(MATMUL, "A", mask=mask).candidates}
     assert costs[prof.get("width", 4096)] == pytest.approx(default)
+    for bad in (0, -3, 2.5, True, "768"):
+        with pytest.raises(PlanError, match="width must be a positive integer"):
+            make_plan(MATMUL, "A", mask=mask, width=bad)
     for c in make_plan(MATMUL, "A", mask=mask).candidates:
         label = c.label
         assert costs[1024][label] + costs[3072][label] == pytest.approx(2 * costs[2048][label])
