@@ -378,14 +378,14 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
         # the index pass (its launch, and its read of S), and the part of the kernel that visits
         # all of S whatever its density (the row-owner kernel walks every k-tile of every row
         # block: optional, default 0)
-        index = k.get("index_ns_per_element", profile["index_ns_per_element"])
-        cost += profile.get("index_fixed_ns", 0.0)
-        cost += total * (index + scale * k.get("walk_ns_per_element", 0.0))
+        index = profile.get("index_fixed_ns", 0.0) + total * k.get(
+            "index_ns_per_element", profile["index_ns_per_element"])
+        cost += index + scale * total * k.get("walk_ns_per_element", 0.0)
         p = profile["kinds"][key].get("products")
         if (p is not None and products_fit(nonzero, extent)
                 and math.prod(shape) in PRODUCTS_EXTENTS and 1 in shape):
-            cost = min(cost, profile.get("index_fixed_ns", 0.0) + scale * elements
-                       * p["ns_per_element"] + total * (index + scale * p["walk_ns_per_element"]))
+            cost = min(cost, index + scale * (elements * p["ns_per_element"]
+                                              + total * p["walk_ns_per_element"]))
     waste = (covered - nnz) / nnz if nnz else (0.0 if covered == 0 else None)
     return Candidate(kind, axis, shape, nonzero, waste, dense_tiles, float(cost))
 
