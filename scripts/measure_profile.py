@@ -12,12 +12,12 @@ is ``ns_per_element`` and ``walk_ns_per_element``; a kind's shapes may run on di
 mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The index pass is priced per element
 of S, per kind and per shape (the median of their runs), beyond its launch, which is priced once
 (``index_fixed_ns``: the pass alone on a 256^2 S less a 16-float fill alone, the timer's own
-cost). ``width`` records B's width: the planner scales the kernels' terms by a product's own. Micro-tiles along m are timed on the
-row-owner kernel at every density (the kind's fit is that kernel's: ``pitgen.compile`` would run
-the sparsest masks on the products kernel, whose compute cannot be timed without its index); the
-products kernel gets its own fit (``products``: whole calls at densities it takes, less the
-shape's index price, over elements of S computed and |S|), which the planner weighs against it.
-The file names the device it was measured on.
+cost). ``width`` records B's width: the planner scales the kernels' terms by a product's own.
+Micro-tiles along m are timed on the row-owner kernel at every density (the kind's fit is that
+kernel's: ``pitgen.compile`` would run the sparsest masks on the products kernel, whose compute
+cannot be timed without its index); the products kernel gets its own fit (``products``: whole
+calls at densities it takes, less the shape's index price, over elements of S computed and |S|),
+which the planner weighs against it. The file names the device it was measured on.
 """
 from __future__ import annotations
 
@@ -89,6 +89,14 @@ def rows_call(micro: str, A: torch.Tensor, B: torch.Tensor, schedule: Schedule) 
     return GemmCall(launcher, A, B, out, reuse=True)
 
 
+def timed_call(micro: str, A: torch.Tensor, B: torch.Tensor) -> GemmCall:
+    """The call the profile times for ``micro``: micro-tiles along m (1 x n) on the row-owner
+    kernel whatever the density, every other shape as ``pitgen.compile`` runs it."""
+    if micro.startswith("1x"):
+        return rows_call(micro, A, B, Schedule())
+    return pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro).prepare(A, B)
+
+
 def index_launch(A0: torch.Tensor, B: torch.Tensor, gen: torch.Generator,
                  timer: Timer) -> tuple[float, float]:
     """(index pass alone on a SMALL^2 S, a 16-float fill alone), ns, medians over
@@ -103,8 +111,7 @@ def index_launch(A0: torch.Tensor, B: torch.Tensor, gen: torch.Generator,
         mask = block_mask((SMALL, SMALL), unit, 0.5, gen)
         A = A0[:SMALL, :SMALL] * mask.to(A0.dtype)
         Bs = B[:SMALL, :SMALL].contiguous()
-        call = (rows_call(micro, A, Bs, Schedule()) if unit[0] == 1 else
-                pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro).prepare(A, Bs))
+        call = timed_call(micro, A, Bs)
         call.build_index(None)
         pts.append(timer(lambda: call.build_index(None)) * 1e6)
     return float(np.median(pts)), fill
@@ -165,11 +172,7 @@ def main() -> None:
             for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1, 0.01)):
                 mask = block_mask((n, n), unit, density, gen)
                 A = A0 * mask.to(A0.dtype)
-                if key == "micro-spatial":   # the row-owner kernel, whatever the density
-                    call = rows_call(micro, A, B, Schedule())
-                else:
-                    kern = pitgen.compile(EXPR, sparse="A", dtype="float16", micro_tile=micro)
-                    call = kern.prepare(A, B)
+                call = timed_call(micro, A, B)
                 # the planner's own work count: with unit per-element costs, cost == elements
                 cand = make_plan(EXPR, "A", mask=mask.cpu().numpy(), micro_tile=micro,
                                  profile=UNIT_PROFILE).choice
