@@ -4,8 +4,10 @@ generator, which reads ``operator``, ``sparse``, ``choice`` (kind, axis, shape) 
 ``compute_tile``.
 
 Candidates are costed from S's mask with a per-device profile (see ``profiles/``): a dense
-tile costs ``fixed_ns + elements * ns_per_element``, and every sparse kind also pays for the
-online index (one pass over S). A kind's costs are one fit over its shapes; a shape the profile
+tile costs ``fixed_ns + elements * ns_per_element``, every plan pays ``out_ns_per_element`` per
+element of the product it writes (S's rows times the product's width, whatever the density),
+the dense kernel saves ``zeros_discount`` of its element time in proportion to S's zeros, and
+every sparse kind also pays for the online index (one pass over S). A kind's costs are one fit over its shapes; a shape the profile
 measured on its own has its own.
 """
 from __future__ import annotations
@@ -38,6 +40,12 @@ KIND_RANK = {"dense": 0, "block": 1, "micro": 2}
 #: The product width (B's columns) a profile's times were measured at, unless it names one.
 PROFILE_WIDTH = 4096
 PROFILE_KINDS = ("dense", "block", "micro-reduction", "micro-spatial")
+#: ``auto`` takes a sparse plan over dense only when it is priced at least this much cheaper. A
+#: sparse plan's price is a linear fit that does not see its waves or its index's shape, and
+#: errs by 5-15% where the dense kernel's does not (H200: BERT's 768 -> 768 layer on 16 K
+#: tokens, 128 x 128 blocks priced 1.6% under cuBLAS ran 8% over it); a gain smaller than the
+#: error is not worth the risk, and passing it up costs at most this fraction.
+DENSE_MARGIN = 0.04
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def _check_profile(prof: Any, src: str) -> None:
         problems.append("index_fixed_ns")
     if "width" in prof and not (number(prof["width"]) and prof["width"] > 0):
         problems.append("width")
-    optional = ("walk_ns_per_element", "index_ns_per_element")
+    optional = ("walk_ns_per_element", "index_ns_per_element", "out_ns_per_element")
     for k in PROFILE_KINDS:
         entry = prof.get("kinds", {}).get(k, {})
         problems += [f"kinds.{k}.{f}" for f in ("fixed_ns", "ns_per_element")
@@ -192,6 +200,12 @@ def _check_profile(prof: Any, src: str) -> None:
             problems += [f"kinds.{k}.products.{f}" for f in ("ns_per_element",
                                                             "walk_ns_per_element")
                          if not isinstance(p, dict) or not number(p.get(f))]
+            if isinstance(p, dict) and "out_ns_per_element" in p and not number(
+                    p["out_ns_per_element"]):
+                problems.append(f"kinds.{k}.products.out_ns_per_element")
+    zeros = prof.get("kinds", {}).get("dense", {}).get("zeros_discount", 0.0)
+    if not (number(zeros) and zeros < 1):
+        problems.append("kinds.dense.zeros_discount (a fraction below 1)")
     if problems:
         raise PlanError(f"profile {src} lacks or has invalid: {', '.join(problems)}")
 
@@ -351,14 +365,18 @@ def _shape_rates(kind: Mapping, shape: Sequence[int]) -> Mapping:
 
 
 def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: int,
-            rules: Rules, profile: Mapping, extent: int = 0, scale: float = 1.0) -> Candidate:
+            rules: Rules, profile: Mapping, extent: int = 0, scale: float = 1.0,
+            outputs: float = 0.0) -> Candidate:
     """A candidate from its counts. Work is counted in elements of S computed: dense and block
     tiles clipped at S's edges; a micro candidate's dense tile always counts its full extent
     (the last chunk of a group is padded with unused slots). A spatial micro-tile that fits the
     products kernel (``lower.products_fit`` over ``extent``, S's extent along the micro axis)
     may run on it instead of the row-owner one, where the profile prices it (``products``); the
     cheaper of the two counts. ``scale``: the product's width over the profile's (the kernels'
-    work and walk grow with it; the index pass reads S alone)."""
+    work and walk grow with it; the index pass reads S alone). ``outputs``: elements of the
+    product written (S's rows times its width), priced apart from S's elements: per element of
+    S, a 768-deep product writes 5.3 times what the 4096-deep profile did (BERT's 768 -> 768
+    layer, 16 K tokens: 128 x 128 blocks priced 20 us, measured 35)."""
     kind, axis, shape = spec
     nonzero, dense_tiles, covered = counts
     total = math.prod(size)
@@ -370,10 +388,14 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
     else:  # dense computes (and wastes) all of S, zero tiles included
         key, elements = kind, total
         covered = total
+        # ... and runs faster on zeros: tensor cores draw less power, so the clock holds higher
+        elements *= 1.0 - profile["kinds"]["dense"].get("zeros_discount", 0.0) * (
+            1.0 - nnz / total if total else 0.0)
     # a shape measured on its own overrides its kind's fit (one kind may run on two mainloops:
     # 32 x 32 blocks on mma.sync, 128 x 128 on wgmma), and a kind's index its profile's
     k = _shape_rates(profile["kinds"][key], shape)
-    cost = scale * (dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"])
+    cost = scale * (dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"]) + outputs * k.get(
+        "out_ns_per_element", 0.0)
     if kind != "dense":
         # the index pass (its launch, and its read of S), and the part of the kernel that visits
         # all of S whatever its density (the row-owner kernel walks every k-tile of every row
@@ -385,7 +407,8 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
         if (p is not None and products_fit(nonzero, extent)
                 and math.prod(shape) in PRODUCTS_EXTENTS and 1 in shape):
             cost = min(cost, index + scale * (elements * p["ns_per_element"]
-                                              + total * p["walk_ns_per_element"]))
+                                              + total * p["walk_ns_per_element"])
+                       + outputs * p.get("out_ns_per_element", 0.0))
     waste = (covered - nnz) / nnz if nnz else (0.0 if covered == 0 else None)
     return Candidate(kind, axis, shape, nonzero, waste, dense_tiles, float(cost))
 
@@ -527,7 +550,7 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
               shape: Sequence[int] | None = None,
               coverage: Mapping | None = None, width: int | None = None) -> Plan:
     """Cost every candidate of ``sparse`` on ``mask`` and choose the cheapest (ties: dense, then
-    block, then micro). Without a mask the plan is dense (nothing known to skip) unless
+    block, then micro), unless it saves less than ``DENSE_MARGIN`` of dense's price. Without a mask the plan is dense (nothing known to skip) unless
     ``micro_tile`` asks otherwise: 'auto' (default), 'dense', a shape in S's dim order such as
     (32, 1) or "32x1", or a :class:`Candidate` (its kind, axis and shape are used).
 
@@ -561,7 +584,7 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
     real = mask is not None or shape is not None
     measured = mask is not None or coverage is not None
     specs = _specs(op, acc, rules, tile, size if real else None)
-    chosen = specs[-1]
+    chosen = dense = specs[-1]
     if not isinstance(want, str):
         kind, axis, req = _requested(op, acc, rules, want, size)
         if kind != "dense":
@@ -576,10 +599,17 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
     if width is not None and (isinstance(width, bool) or not isinstance(width, (int, np.integer))
                               or width < 1):
         raise PlanError(f"width must be a positive integer (the product's N), got {width!r}")
-    scale = width / prof.get("width", PROFILE_WIDTH) if width is not None else 1.0
+    full = prof.get("width", PROFILE_WIDTH)
+    scale = width / full if width is not None else 1.0
+    # S's rows: its extents along dimensions that no reduction axis indexes (A[m,k]: M)
+    rows = math.prod(n for d, n in enumerate(size) if not any(
+        rules.axes[a].role == "reduction" for a in op.axes if d in acc.dims_of(a)))
+    outputs = rows * (width if width is not None else full)
     cands = {s: _costed(s, counts[s], nnz, size, _chunk(s, acc, tile, size), rules, prof,
-                        size[acc.bare_dim(s[1])] if s[0] == "micro" else 0, scale)
+                        size[acc.bare_dim(s[1])] if s[0] == "micro" else 0, scale, outputs)
              for s in specs}
     ordered = sorted(cands.values(), key=lambda c: (c.cost, KIND_RANK[c.kind]))
     choice = ordered[0] if want == "auto" and measured else cands[chosen]
+    if want == "auto" and measured and choice.cost > (1 - DENSE_MARGIN) * cands[dense].cost:
+        choice = cands[dense]
     return Plan(op, rules, sparse, tile, choice, tuple(ordered), prof, size, measured)

@@ -5,11 +5,16 @@ For every kernel kind the tile kernel is timed (CUDA events, median, L2 flushed)
 --size^2 (fp16, B --size wide) at several micro-tile/block shapes and densities; the planner's
 own counts (dense tiles, elements of S computed, elements of S) for each run are fitted by
 non-negative least squares to ``time = fixed_ns * dense_tiles + ns_per_element * elements +
-walk_ns_per_element * |S|`` (the last term: what a kernel pays whatever the density, as the
-row-owner kernel walks every k-tile of every row block; densities down to 1% pin it), once per
-kind and once per shape (``shapes``: one shape's tiles and elements are proportional, so its fit
-is ``ns_per_element`` and ``walk_ns_per_element``; a kind's shapes may run on different
-mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The index pass is priced per element
+walk_ns_per_element * |S| + out_ns_per_element * |C|`` (the walk: what a kernel pays whatever the
+density, as the row-owner kernel walks every k-tile of every row block, densities down to 1% pin
+it; the output term: what it pays per element of C written, its epilogues and stores, which
+A[m,k] at k = --size alone cannot tell from the walk, |S| = |C| there, so every shape is also
+timed at k = --size / 4), once per kind and once per shape (``shapes``: one shape's tiles and
+elements are proportional, so its fit is ``ns_per_element``, ``walk_ns_per_element`` and
+``out_ns_per_element``; a kind's shapes may run on different mainloops, 32x32 blocks on
+mma.sync and 128x128 on wgmma). The dense kernel is also timed on S with zeros, whose share of
+its element time saved is ``zeros_discount`` (tensor cores fed zeros draw less power and the
+clock holds higher: cuBLAS's 8192^3 product 16% faster at 90% zeros, H200). The index pass is priced per element
 of S, per kind and per shape (the median of their runs), beyond its launch, which is priced once
 (``index_fixed_ns``: the pass alone on a 256^2 S less a 16-float fill alone, the timer's own
 cost). ``width`` records B's width: the planner scales the kernels' terms by a product's own.
@@ -49,6 +54,9 @@ KINDS = {  # profile key -> [(micro_tile, S shape)]
 }
 
 
+#: (k as a fraction of --size, densities) each shape is timed at: the short k tells the output's
+#: price from the walk's.
+DEPTHS = ((1, (1.0, 0.3, 0.1, 0.01)), (4, (1.0, 0.1, 0.01)))
 #: Densities the products kernel is fitted at (each within products_fit for every shape timed).
 PRODUCTS_DENSITIES = (0.02, 0.01, 0.005)
 #: The side of the small S whose index pass prices the pass's launch, one shape per sparse kind.
@@ -121,7 +129,9 @@ def products_profile(micros: list[str], shapes: dict, A0: torch.Tensor, B: torch
                      gen: torch.Generator, timer: Timer, index_fixed: float) -> dict:
     """The products kernel's fit: whole calls (index, products, finishing pass) at
     PRODUCTS_DENSITIES on the shapes it runs, less each shape's index price, fitted to
-    ``ns_per_element * elements + walk_ns_per_element * |S|`` as the planner prices it."""
+    ``ns_per_element * elements + out_ns_per_element * |C|`` as the planner prices it (its
+    finishing pass writes C; it walks nothing of S beyond the index, so its walk is 0; the
+    row-owner kernel's output price is not its own)."""
     rows, times = [], []
     for micro in micros:
         unit = tuple(int(v) for v in micro.split("x"))
@@ -138,13 +148,13 @@ def products_profile(micros: list[str], shapes: dict, A0: torch.Tensor, B: torch
             if call.L.spec.gemm.a_mode != "products":   # lowering kept the row-owner kernel
                 continue
             t = timer(call.run) * 1e6  # ns
-            rows.append((cand.cost, A.numel()))
+            rows.append((cand.cost, A.shape[0] * B.shape[1]))
             times.append(t - index_fixed - A.numel() * shapes[micro]["index_ns_per_element"])
             print(f"products         {micro:>7} density {density:.3f}: {t / 1e3:8.1f} us", flush=True)
     if not rows:
         raise SystemExit("measure_profile: no shape ran on the products kernel")
-    per, walk = nonnegative_fit(np.asarray(rows, float), np.asarray(times))
-    return {"ns_per_element": per, "walk_ns_per_element": walk}
+    per, out = nonnegative_fit(np.asarray(rows, float), np.asarray(times))
+    return {"ns_per_element": per, "walk_ns_per_element": 0.0, "out_ns_per_element": out}
 
 
 def main() -> None:
@@ -165,39 +175,54 @@ def main() -> None:
           flush=True)
     kinds, index_pts = {}, []
     for key, micros in KINDS.items():
-        rows, times, shapes, kind_index = [], [], {}, []
+        rows, times, dens, shapes, kind_index = [], [], [], {}, []
         for micro in micros:
             first, shape_index = len(rows), []
             unit = (1, 1) if micro == "dense" else tuple(int(v) for v in micro.split("x"))
-            for density in ((1.0,) if micro == "dense" else (1.0, 0.3, 0.1, 0.01)):
-                mask = block_mask((n, n), unit, density, gen)
-                A = A0 * mask.to(A0.dtype)
-                call = timed_call(micro, A, B)
-                # the planner's own work count: with unit per-element costs, cost == elements
-                cand = make_plan(EXPR, "A", mask=mask.cpu().numpy(), micro_tile=micro,
-                                 profile=UNIT_PROFILE).choice
-                elements = cand.cost
-                call.build_index(None)
-                t = timer(lambda: call.compute(None)) * 1e6  # ns
-                rows.append((cand.dense_tiles, elements, A.numel()))
-                times.append(t)
-                if key != "dense":
-                    t_index = timer(lambda: call.build_index(None)) * 1e6
-                    shape_index.append(max(0.0, t_index - small) / A.numel())
-                print(f"{key:16} {micro:>7} density {density:.2f}: {t / 1e3:8.1f} us, "
-                      f"{cand.dense_tiles} dense tiles", flush=True)
+            for split, densities in DEPTHS:
+                k = n // split
+                Bk = B[:k].contiguous()
+                for density in (densities if split == 1 else (1.0,)) if micro == "dense" \
+                        else densities:
+                    mask = block_mask((n, k), unit, density, gen)
+                    A = A0[:, :k] * mask.to(A0.dtype)
+                    call = timed_call(micro, A, Bk)
+                    # the planner's own work count: with unit per-element costs, cost == elements
+                    cand = make_plan(EXPR, "A", mask=mask.cpu().numpy(), micro_tile=micro,
+                                     profile=UNIT_PROFILE).choice
+                    call.build_index(None)
+                    t = timer(lambda: call.compute(None)) * 1e6  # ns
+                    rows.append((cand.dense_tiles, cand.cost, A.numel(), n * n))
+                    times.append(t)
+                    dens.append(density)
+                    if key != "dense" and split == 1:
+                        t_index = timer(lambda: call.build_index(None)) * 1e6
+                        shape_index.append(max(0.0, t_index - small) / A.numel())
+                    print(f"{key:16} {micro:>7} k {k:5} density {density:.2f}: "
+                          f"{t / 1e3:8.1f} us, {cand.dense_tiles} dense tiles", flush=True)
             if key != "dense":
-                per, walk = nonnegative_fit(np.asarray(rows[first:], float)[:, 1:],
-                                            np.asarray(times[first:]))
+                per, walk, out = nonnegative_fit(np.asarray(rows[first:], float)[:, 1:],
+                                                 np.asarray(times[first:]))
                 shapes[micro] = {"fixed_ns": 0.0, "ns_per_element": per, "walk_ns_per_element": walk,
+                                 "out_ns_per_element": out,
                                  "index_ns_per_element": float(np.median(shape_index))}
                 kind_index += shape_index
         X, y = np.asarray(rows, float), np.asarray(times)
-        if len(set(map(tuple, rows))) < 2:  # dense: one point, all per element
-            fixed, per, walk = 0.0, float(y[0] / X[0, 1]), 0.0
+        extra = {}
+        if key == "dense":
+            # every element computed (|S| is the elements; tiles are not fitted) on all-non-zero
+            # S, and then the share of that time S's zeros save (cuBLAS 4096^3: 11% at 99%)
+            zeros = 1.0 - np.asarray(dens)
+            full = zeros == 0
+            (per, out), fixed, walk = nonnegative_fit(X[full][:, [1, 3]], y[full]), 0.0, 0.0
+            gain = X[:, 1] * per * zeros   # the element time the zeros could save
+            saved = X[:, 1] * per + X[:, 3] * out - y
+            z = float(np.dot(gain, saved) / np.dot(gain, gain)) if gain.any() else 0.0
+            extra = {"zeros_discount": min(max(z, 0.0), 0.5)}
         else:
-            fixed, per, walk = nonnegative_fit(X, y)
-        kinds[key] = {"fixed_ns": fixed, "ns_per_element": per, "walk_ns_per_element": walk}
+            fixed, per, walk, out = nonnegative_fit(X, y)
+        kinds[key] = {"fixed_ns": fixed, "ns_per_element": per, "walk_ns_per_element": walk,
+                      "out_ns_per_element": out, **extra}
         if key != "dense":
             kinds[key].update(index_ns_per_element=float(np.median(kind_index)), shapes=shapes)
             index_pts += kind_index
@@ -206,10 +231,15 @@ def main() -> None:
                                                       index_fixed)
     profile = {
         "device": torch.cuda.get_device_name(), "measured": True, "dtype": "float16",
-        "note": f"measured by scripts/measure_profile.py: A {n}x{n}, B {n} wide, fp16, "
+        "note": f"measured by scripts/measure_profile.py: A {n}x{n} and {n}x{n // 4}, B {n} "
+                f"wide, fp16, "
                 f"median of {args.repeats}, L2 flushed; torch {torch.__version__}, pitgen {pitgen.__version__}",
         "units": {"fixed_ns": "ns per dense tile", "ns_per_element": "ns per element of S computed",
                   "walk_ns_per_element": "ns per element of S, paid whatever the density",
+                  "out_ns_per_element": "ns per element of the product written (S's rows times "
+                                        "B's width), paid whatever the density",
+                  "zeros_discount": "dense only: the share of its element time the dense kernel "
+                                    "saves on an all-zero S, in proportion to S's zeros",
                   "index_ns_per_element": "ns per element of S, paid once by every non-dense kind",
                   "index_fixed_ns": f"ns per call, paid once by every non-dense kind: the index "
                                     f"pass alone on a {SMALL}x{SMALL} S less a 16-float fill "

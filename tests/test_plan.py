@@ -13,7 +13,7 @@ from pitgen import parse
 from pitgen import testing as T
 from pitgen.errors import PlanError, RuleError
 from pitgen.lower import PRODUCTS_EXTENTS, PRODUCTS_SLOTS_PER_ROW
-from pitgen.planner import (Candidate, Plan, batch_axes, candidate_specs, list_candidates,
+from pitgen.planner import (DENSE_MARGIN, Candidate, Plan, batch_axes, candidate_specs, list_candidates,
                             load_profile, make_plan, parse_tile)
 
 
@@ -222,12 +222,16 @@ def test_statistics_match_brute_force(drawn, tk):
     plan = make_plan(MATMUL, "A", mask=mask, tile={"k": tk})
     nnz = int(mask.sum())
     prof = plan.profile
+    outputs = m * prof.get("width", 4096)   # C's elements: A's rows times B's width
     for c in plan.candidates:
         if c.kind == "dense":
             tiles = math.ceil(m / c.shape[0]) * math.ceil(k / c.shape[1])
             assert c.dense_tiles == tiles
             dense = prof["kinds"]["dense"]
-            assert c.cost == pytest.approx(tiles * dense["fixed_ns"] + m * k * dense["ns_per_element"])
+            zeros = 1 - nnz / (m * k)
+            assert c.cost == pytest.approx(
+                tiles * dense["fixed_ns"] + outputs * dense.get("out_ns_per_element", 0.0)
+                + m * k * dense["ns_per_element"] * (1 - dense.get("zeros_discount", 0.0) * zeros))
             assert c.waste == ((m * k - nnz) / nnz if nnz else None)
             continue
         chunk = min(tk, k) if c.axis == "k" else min(64, m)
@@ -238,15 +242,20 @@ def test_statistics_match_brute_force(drawn, tk):
         kind = {**prof["kinds"][key], **nearest_measured(prof["kinds"][key], c.shape)}
         index = kind.get("index_ns_per_element", prof["index_ns_per_element"])
         want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
-            + prof.get("index_fixed_ns", 0.0) + m * k * (index + kind.get("walk_ns_per_element", 0.0))
+            + prof.get("index_fixed_ns", 0.0) + m * k * (index + kind.get("walk_ns_per_element", 0.0)) \
+            + outputs * kind.get("out_ns_per_element", 0.0)
         products = prof["kinds"][key].get("products")
         if products and c.axis == "m" and nonzero <= m * PRODUCTS_SLOTS_PER_ROW \
                 and c.shape[1] in PRODUCTS_EXTENTS:
             want = min(want, prof.get("index_fixed_ns", 0.0) + elements * products["ns_per_element"]
-                       + m * k * (index + products["walk_ns_per_element"]))
+                       + m * k * (index + products["walk_ns_per_element"])
+                       + outputs * products.get("out_ns_per_element", 0.0))
         assert c.cost == pytest.approx(want)
     costs = [c.cost for c in plan.candidates]
-    assert costs == sorted(costs) and plan.choice is plan.candidates[0]
+    dense = next(c for c in plan.candidates if c.kind == "dense")
+    best = plan.candidates[0]
+    assert costs == sorted(costs)
+    assert plan.choice is (best if best.cost <= (1 - DENSE_MARGIN) * dense.cost else dense)
 
 
 def test_coverage_counts_plan_like_the_mask():
@@ -315,11 +324,13 @@ def test_rows_of_at_most_one_micro_tile_are_priced_on_the_products_kernel():
         plan = make_plan(MATMUL, "A", mask=mask, profile=prof)
         c = next(c for c in plan.candidates if c.label == "micro 1x64 along m")
         elements, total = c.dense_tiles * 64 * min(64, 1024), mask.size
-        launch = prof.get("index_fixed_ns", 0.0)
+        launch, outputs = prof.get("index_fixed_ns", 0.0), 1024 * prof.get("width", 4096)
         owner = (launch + c.dense_tiles * fit["fixed_ns"] + elements * fit["ns_per_element"]
-                 + total * (fit["index_ns_per_element"] + fit["walk_ns_per_element"]))
+                 + total * (fit["index_ns_per_element"] + fit["walk_ns_per_element"])
+                 + outputs * fit.get("out_ns_per_element", 0.0))
         cheaper = launch + elements * p["ns_per_element"] + total * (
-            fit["index_ns_per_element"] + p["walk_ns_per_element"])
+            fit["index_ns_per_element"] + p["walk_ns_per_element"]) + outputs * p.get(
+            "out_ns_per_element", 0.0)
         assert (c.nonzero <= 1024 * PRODUCTS_SLOTS_PER_ROW) == products
         assert c.cost == pytest.approx(min(owner, cheaper) if products else owner)
         chosen = replace(plan, choice=c)
@@ -459,13 +470,15 @@ def test_width_scales_the_kernels_not_the_index():
 
 
 @pytest.mark.parametrize("pad, width, dense", [(128, 768, True), (128, 3072, True),
-                                               (512, 3072, False)])
+                                               (512, 768, True), (512, 3072, False)])
 def test_bert_padding_plans_by_its_own_width(pad, width, dense):
     """BERT-base's linear layers on a batch of 32 padded sequences (docs/bench/seqlen.md, H200):
     at 15% valid tokens of 128 the layers are small enough that dense cuBLAS (12 and 32 us) beats
     any sparse plan, whose index launch alone is priced; at 512 the 768 -> 3072 layer's block
-    plan is 1.6x faster. Planned at a 4096-wide product's prices, the 128-token cells chose
-    blocks 2.6x and 1.9x slower than dense."""
+    plan is 1.6x faster, and the 768 -> 768 layer's 8% slower (35.4 us against 32.6: each of its
+    blocks' tiles runs 6 k-steps, so C's stores weigh 5.3 times what they do at k = 4096).
+    Planned at a 4096-wide product's prices, the 128-token cells chose blocks 2.6x and 1.9x
+    slower than dense; priced without C's stores, the 512-token 768 -> 768 cell chose blocks."""
     rng = np.random.default_rng(7)
     for p in (128, 512):   # the benchmark's draws, in its order
         lengths = np.clip(np.ceil(np.exp(rng.normal(math.log(p / 6), 0.9, size=32))), 1, p)
@@ -475,3 +488,53 @@ def test_bert_padding_plans_by_its_own_width(pad, width, dense):
     plan = make_plan("Y[t,n] += X[t,k] * W[k,n]", "X", mask=np.repeat(valid[:, None], 768, 1),
                      width=width)
     assert (plan.choice.kind == "dense") == dense, plan.table()
+
+
+def test_auto_takes_a_sparse_plan_only_for_more_than_the_margin():
+    """``auto`` runs dense unless the cheapest sparse plan is priced at least DENSE_MARGIN
+    under it (a sparse plan's fit errs by more than dense's: 8192^2 1x1 at 99%, 32x1 priced 5%
+    under cuBLAS ran 2-3% over it); explicit requests and the candidates' order are untouched."""
+    mask = micro_mask((2048, 2048), (128, 128), 0.1)
+    prof = json.loads(json.dumps(load_profile()))
+    base = make_plan(MATMUL, "A", mask=mask, profile=prof)
+    best = base.candidates[0]
+    assert best.kind == "block"
+    dense = next(c for c in base.candidates if c.kind == "dense")
+    for ratio, want in ((1 - DENSE_MARGIN / 2, "dense"), (1 - 2 * DENSE_MARGIN, "block")):
+        # scale dense's prices so that the best block plan costs `ratio` of dense
+        d = prof["kinds"]["dense"]
+        p2 = {**prof, "kinds": {**prof["kinds"], "dense": {
+            **d, "ns_per_element": d["ns_per_element"] * best.cost / ratio / dense.cost,
+            "out_ns_per_element": d.get("out_ns_per_element", 0.0) * best.cost / ratio
+            / dense.cost}}}
+        plan = make_plan(MATMUL, "A", mask=mask, profile=p2)
+        assert plan.candidates[0].kind == "block" and plan.choice.kind == want, plan.table()
+        assert make_plan(MATMUL, "A", mask=mask, profile=p2, micro_tile=best.shape).choice.kind \
+            == "block"
+
+
+def test_a_short_product_pays_for_its_output_and_dense_for_less_on_zeros():
+    """C's elements are priced per element written (S's rows times B's width), not per element of
+    S: at k = 1024 a 4096-row product writes as much as at k = 4096; dense saves
+    ``zeros_discount`` of its element time in proportion to S's zeros."""
+    prof = json.loads(json.dumps(load_profile("analytic")))
+    for kind in prof["kinds"].values():
+        kind.update(fixed_ns=0.0, ns_per_element=0.0, walk_ns_per_element=0.0,
+                    out_ns_per_element=1.0)
+    prof.update(index_ns_per_element=0.0, index_fixed_ns=0.0)
+    for k in (256, 1024):
+        mask = micro_mask((512, k), (32, 1), 0.1)
+        costs = {c.kind: c.cost for c in make_plan(MATMUL, "A", mask=mask, profile=prof,
+                                                   width=300).candidates}
+        assert set(costs.values()) == {512 * 300}, costs
+    prof["kinds"]["dense"].update(ns_per_element=1.0, out_ns_per_element=0.0,
+                                  zeros_discount=0.2)
+    mask = np.zeros((64, 64), bool)
+    mask[:16] = True   # 75% zeros
+    dense = next(c for c in make_plan(MATMUL, "A", mask=mask, profile=prof).candidates
+                 if c.kind == "dense")
+    assert dense.cost == pytest.approx(64 * 64 * (1 - 0.2 * 0.75))
+    for bad in (1.0, -0.1, "0.1"):
+        prof["kinds"]["dense"]["zeros_discount"] = bad
+        with pytest.raises(PlanError, match="zeros_discount"):
+            load_profile(prof)
