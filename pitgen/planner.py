@@ -7,8 +7,8 @@ Candidates are costed from S's mask with a per-device profile (see ``profiles/``
 tile costs ``fixed_ns + elements * ns_per_element``, every plan pays ``out_ns_per_element`` per
 element of the product it writes (S's rows times the product's width, whatever the density),
 the dense kernel saves ``zeros_discount`` of its element time in proportion to S's zeros, and
-every sparse kind also pays for the online index (one pass over S). A kind's costs are one fit over its shapes; a shape the profile
-measured on its own has its own.
+every sparse kind also pays for the online index (one pass over S). A kind's costs are one fit
+over its shapes; a shape the profile measured on its own has its own.
 """
 from __future__ import annotations
 
@@ -394,8 +394,8 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
     # a shape measured on its own overrides its kind's fit (one kind may run on two mainloops:
     # 32 x 32 blocks on mma.sync, 128 x 128 on wgmma), and a kind's index its profile's
     k = _shape_rates(profile["kinds"][key], shape)
-    cost = scale * (dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"]) + outputs * k.get(
-        "out_ns_per_element", 0.0)
+    cost = (scale * (dense_tiles * k["fixed_ns"] + elements * k["ns_per_element"])
+            + outputs * k.get("out_ns_per_element", 0.0))
     if kind != "dense":
         # the index pass (its launch, and its read of S), and the part of the kernel that visits
         # all of S whatever its density (the row-owner kernel walks every k-tile of every row
@@ -550,9 +550,10 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
               shape: Sequence[int] | None = None,
               coverage: Mapping | None = None, width: int | None = None) -> Plan:
     """Cost every candidate of ``sparse`` on ``mask`` and choose the cheapest (ties: dense, then
-    block, then micro), unless it saves less than ``DENSE_MARGIN`` of dense's price. Without a mask the plan is dense (nothing known to skip) unless
-    ``micro_tile`` asks otherwise: 'auto' (default), 'dense', a shape in S's dim order such as
-    (32, 1) or "32x1", or a :class:`Candidate` (its kind, axis and shape are used).
+    block, then micro), unless it saves less than ``DENSE_MARGIN`` of dense's price. Without a
+    mask the plan is dense (nothing known to skip) unless ``micro_tile`` asks otherwise: 'auto'
+    (default), 'dense', a shape in S's dim order such as (32, 1) or "32x1", or a
+    :class:`Candidate` (its kind, axis and shape are used).
 
     ``shape`` is S's shape when known without a mask (or to check the mask against);
     ``coverage`` replaces the mask by counts made elsewhere (on the GPU):

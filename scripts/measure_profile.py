@@ -14,15 +14,15 @@ elements are proportional, so its fit is ``ns_per_element``, ``walk_ns_per_eleme
 ``out_ns_per_element``; a kind's shapes may run on different mainloops, 32x32 blocks on
 mma.sync and 128x128 on wgmma). The dense kernel is also timed on S with zeros, whose share of
 its element time saved is ``zeros_discount`` (tensor cores fed zeros draw less power and the
-clock holds higher: cuBLAS's 8192^3 product 16% faster at 90% zeros, H200). The index pass is priced per element
-of S, per kind and per shape (the median of their runs), beyond its launch, which is priced once
-(``index_fixed_ns``: the pass alone on a 256^2 S less a 16-float fill alone, the timer's own
-cost). ``width`` records B's width: the planner scales the kernels' terms by a product's own.
-Micro-tiles along m are timed on the row-owner kernel at every density (the kind's fit is that
-kernel's: ``pitgen.compile`` would run the sparsest masks on the products kernel, whose compute
-cannot be timed without its index); the products kernel gets its own fit (``products``: whole
-calls at densities it takes, less the shape's index price, over elements of S computed and |S|),
-which the planner weighs against it. The file names the device it was measured on.
+clock holds higher: cuBLAS's 8192^3 product 16% faster at 90% zeros, H200). The index pass is
+priced per element of S, per kind and per shape (the median of their runs), beyond its launch,
+which is priced once (``index_fixed_ns``: the pass alone on a 256^2 S less a 16-float fill
+alone, the timer's own cost). ``width`` records B's width: the planner scales the kernels'
+terms by a product's own. Micro-tiles along m are timed on the row-owner kernel at every
+density (the kind's fit is that kernel's: ``pitgen.compile`` would run the sparsest masks on the
+products kernel, whose compute cannot be timed without its index); the products kernel gets its
+own fit (``products``: whole calls at densities it takes, less the shape's index price, over
+elements of S computed and |C|), which the planner weighs against it. The file names the device it was measured on.
 """
 from __future__ import annotations
 

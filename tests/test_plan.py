@@ -13,8 +13,8 @@ from pitgen import parse
 from pitgen import testing as T
 from pitgen.errors import PlanError, RuleError
 from pitgen.lower import PRODUCTS_EXTENTS, PRODUCTS_SLOTS_PER_ROW
-from pitgen.planner import (DENSE_MARGIN, Candidate, Plan, batch_axes, candidate_specs, list_candidates,
-                            load_profile, make_plan, parse_tile)
+from pitgen.planner import (DENSE_MARGIN, Candidate, Plan, batch_axes, candidate_specs,
+                            list_candidates, load_profile, make_plan, parse_tile)
 
 
 MATMUL = "C[m,n] += A[m,k] * B[k,n]"
@@ -241,9 +241,10 @@ def test_statistics_match_brute_force(drawn, tk):
         key = {"block": "block", "k": "micro-reduction", "m": "micro-spatial"}[c.axis or c.kind]
         kind = {**prof["kinds"][key], **nearest_measured(prof["kinds"][key], c.shape)}
         index = kind.get("index_ns_per_element", prof["index_ns_per_element"])
-        want = tiles * kind["fixed_ns"] + elements * kind["ns_per_element"] \
-            + prof.get("index_fixed_ns", 0.0) + m * k * (index + kind.get("walk_ns_per_element", 0.0)) \
-            + outputs * kind.get("out_ns_per_element", 0.0)
+        want = (tiles * kind["fixed_ns"] + elements * kind["ns_per_element"]
+                + prof.get("index_fixed_ns", 0.0)
+                + m * k * (index + kind.get("walk_ns_per_element", 0.0))
+                + outputs * kind.get("out_ns_per_element", 0.0))
         products = prof["kinds"][key].get("products")
         if products and c.axis == "m" and nonzero <= m * PRODUCTS_SLOTS_PER_ROW \
                 and c.shape[1] in PRODUCTS_EXTENTS:
