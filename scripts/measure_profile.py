@@ -22,7 +22,8 @@ terms by a product's own. Micro-tiles along m are timed on the row-owner kernel 
 density (the kind's fit is that kernel's: ``pitgen.compile`` would run the sparsest masks on the
 products kernel, whose compute cannot be timed without its index); the products kernel gets its
 own fit (``products``: whole calls at densities it takes, less the shape's index price, over
-elements of S computed and |C|), which the planner weighs against it. The file names the device it was measured on.
+elements of S computed and |C|), which the planner weighs against it. The file names the
+device it was measured on.
 """
 from __future__ import annotations
 
