@@ -122,7 +122,12 @@ class Plan:
         lines = [f"plan for {self.operator.text}",
                  f"  sparse {acc} of shape {list(self.shape)} ({src}); tile {tile}",
                  f"  profile: {self.profile['device']}",
-                 f"  choice: {self.choice.label}; compute tile {ct}", ""]
+                 f"  choice: {self.choice.label}; compute tile {ct}"]
+        best = self.candidates[0]
+        if best is not self.choice and self.choice.kind == "dense" and best.cost > 0:
+            lines.append(f"  (kept over {best.label}, priced {1 - best.cost / self.choice.cost:.1%} "
+                         f"cheaper: under the {DENSE_MARGIN:.0%} margin a sparse plan must save)")
+        lines.append("")
         head = ("", "kind", "axis", "shape", "nonzero", "waste", "dense tiles", "cost (ns)")
         rows = [head] + [("*" if c is self.choice else "", c.kind, c.axis or "-",
                           "x".join(map(str, c.shape)), str(c.nonzero),

@@ -510,6 +510,7 @@ def test_auto_takes_a_sparse_plan_only_for_more_than_the_margin():
             / dense.cost}}}
         plan = make_plan(MATMUL, "A", mask=mask, profile=p2)
         assert plan.candidates[0].kind == "block" and plan.choice.kind == want, plan.table()
+        assert ("under the 4% margin" in plan.table()) == (want == "dense")
         assert make_plan(MATMUL, "A", mask=mask, profile=p2, micro_tile=best.shape).choice.kind \
             == "block"
 
