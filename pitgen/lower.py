@@ -93,7 +93,8 @@ class GemmSpec:
     gather: int = 0  # rows: active rows gathered per step (m16 groups of G // 16)
     c_mfast: bool = False  # rows: C written with adjacent threads on adjacent m (m contiguous)
     tk: int = 0  # rows: the k-tile, the micro-tile's extent along k (a compile-time constant)
-    pingpong: bool = False  # wgmma: two consumers take alternate tiles whole (wm x 64 rows, wn 1)
+    pingpong: bool = False  # wgmma: two consumers take alternate tiles whole (wm x 64 rows, wn 1;
+    # rows: alternate steps)
     order_local: int = 0  # wgmma block plans: up to this many m-tiles, ordered by the kernel itself
     #: mma.sync tile kernel: launched as a programmatic dependent of the index pass (sm_90), so
     #: it waits for that grid first
@@ -370,9 +371,9 @@ def _fit(gemm: GemmSpec, dtype: str, stages: bool = True, bn: bool = True,
 
 
 #: Static shared memory of the wgmma row-owner kernel beside its dynamic stages and accumulator
-#: (the step's row slots, its ids in flight, a window of counts, a flag per owned row), with room
-#: to spare.
-ROWS_SM90_STATIC = 7168
+#: (the producers' ids in flight, a window of counts for the producers and for each consumer
+#: warpgroup, a flag per owned row), with room to spare.
+ROWS_SM90_STATIC = 8192
 
 
 def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
@@ -381,8 +382,8 @@ def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
     one fits: fp16 and bf16, k-tiles of whole 64-deep stages, A' rows gathered in 16-byte
     copies (k contiguous, rows 16-byte aligned, K a multiple of 8), B' mapped by TMA, and no
     schedule knob but BM and BN. A producer warpgroup (up to four warps, each filling its own
-    stages) and one consumer warpgroup per CTA, BN = 64 by default; at BM = 512 the fp32
-    accumulator takes 144 KiB, four stages most of the rest."""
+    stages) and two consumer warpgroups taking the steps in turn (`pingpong`), BN = 64 by
+    default; at BM = 512 the fp32 accumulator takes 144 KiB, four stages most of the rest."""
     size = DTYPES[dtype]
     if (dtype == "float32" or tk not in (64, 128, 256) or layout.sa[1] != 1
             or (layout.sa[0] * size) % 16 or layout.align_a % 16 or layout.K % 8
@@ -401,7 +402,7 @@ def _hopper_rows(tk: int, bm: int, dtype: str, layout: Layout, accumulate: bool,
         return None
     c_vec = _c_rows_vec(layout, size, accumulate)
     return GemmSpec("pit_gemm", "rows", False, 1, False, accumulate, bm, bn, 64, 1, 1, stages,
-                    16 // size, 16 // size, True, db == 1, "wgmma", c_vec, gather=64,
+                    16 // size, 16 // size, True, db == 1, "wgmma", c_vec, gather=64, pingpong=True,
                     c_mfast=not c_vec and layout.sc[0] == 1 and layout.sc[1] != 1, tk=tk)
 
 

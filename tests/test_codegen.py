@@ -194,13 +194,14 @@ def hopper_rows_variant(dtype: str, form_name: str, tk: int, accumulate: bool,
 
 
 def test_rows_plans_take_the_wgmma_row_owner_kernel_where_rows_can_be_gathered():
-    """One producer warp (of a warpgroup) and one consumer warpgroup, BN 64, as many stages as
-    fit beside the accumulator; a CTA per output tile (no persistent grid); mma.sync where A'
-    rows cannot be gathered in 16-byte copies or the k-tile is not whole 64-deep stages."""
+    """A producer warpgroup and two consumer warpgroups taking the steps in turn, BN 64, as many
+    stages as fit beside the accumulator; a CTA per output tile (no persistent grid); mma.sync
+    where A' rows cannot be gathered in 16-byte copies or the k-tile is not whole 64-deep
+    stages."""
     for v in HOPPER_ROWS_VARIANTS:
         g = hopper_rows_variant(*v).gemm
         assert (g.a_mode, g.mainloop, g.threads, g.bn, g.bk, g.gather, g.tk) == (
-            "rows", "wgmma", 256, 64, 64, 64, v[2])
+            "rows", "wgmma", 384, 64, 64, 64, v[2])
         assert g.b_smem_ncontig == (v[1] == "AB") and g.c_vec == (not v[3])
     big = Layout(4096, 4096, 4096, (4096, 1), (4096, 1), (4096, 1))
     spec = hopper_rows_variant("float16", "AB", 64, False, big)
