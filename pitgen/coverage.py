@@ -6,16 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from .expr import Operator
-from .planner import Plan, candidate_specs, make_plan, parse_tile
+from .planner import Plan, candidate_counting, make_plan
 from .operands import Operand
 
 
-def _tile_counts_torch(mask, specs, chunks):
-    """[len(specs), 3] int64 tensor of (nonzero tiles, dense tiles, covered elements)."""
+def _tile_counts_torch(mask, counting):
+    """[len(counting), 3] int64 tensor of (nonzero tiles, dense tiles, covered elements)."""
     import torch
 
     rows = []
-    for (kind, axis_dim, shape), chunk in zip(specs, chunks):
+    for (kind, _, shape), axis_dim, (chunk, run) in counting:
         t = [min(s, n) for s, n in zip(shape, mask.shape)]
         grid_shape = [-(-n // s) for n, s in zip(mask.shape, t)]
         padded = torch.zeros([g * s for g, s in zip(grid_shape, t)], dtype=torch.uint8,
@@ -33,7 +33,10 @@ def _tile_counts_torch(mask, specs, chunks):
         nonzero = g64.sum()
         covered = (g64 * sizes).sum()
         if kind == "micro":
-            dense = ((g64.sum(dim=axis_dim) + chunk - 1) // chunk).sum()
+            along = g64.movedim(axis_dim, -1)
+            along = torch.nn.functional.pad(along, (0, -along.shape[-1] % run))
+            per_run = along.reshape(*along.shape[:-1], -1, run).sum(dim=-1)
+            dense = ((per_run + chunk - 1) // chunk).sum()
         elif kind == "block":
             dense = nonzero
         else:
@@ -50,14 +53,10 @@ def plan_on_device(op: Operator, sparse: str, operand: Operand, tile: Any = None
         return make_plan(op, sparse, mask=operand.obj.get() != 0, tile=tile, width=width)
     import torch
 
-    tile_map = parse_tile(op, tile)
-    specs = candidate_specs(op, sparse, operand.shape, tile_map)
-    acc = op.access(sparse)
-    chunks = [min(tile_map[a], operand.shape[acc.bare_dim(a)]) if k == "micro" else 1
-              for k, a, _ in specs]
-    dims = [(k, acc.bare_dim(a) if a else None, s) for k, a, s in specs]
+    counting = candidate_counting(op, sparse, operand.shape, tile)
+    specs = [s for s, _, _ in counting]
     mask = operand.obj != 0
-    table = torch.cat([_tile_counts_torch(mask, dims, chunks).reshape(-1),
+    table = torch.cat([_tile_counts_torch(mask, counting).reshape(-1),
                        mask.sum().reshape(1).to(torch.int64)]).cpu().numpy()
     counts = {spec: tuple(int(v) for v in table[3 * i: 3 * i + 3]) for i, spec in enumerate(specs)}
     return make_plan(op, sparse, tile=tile, shape=operand.shape,

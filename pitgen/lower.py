@@ -353,6 +353,12 @@ ROWS_SCHEDULE = (32, 64, 64, 4, 2, 4)
 ROWS_BM = (64, 128, 256, 512)
 
 
+def rows_block(rows: int) -> int:
+    """BM, the rows of C' a row-owner CTA owns when C' has ``rows`` (the planner counts that
+    kernel's steps per row block: each k-tile's active rows of a block take whole steps)."""
+    return next((b for b in ROWS_BM if b >= rows), ROWS_BM[-1])
+
+
 def _fit(gemm: GemmSpec, dtype: str, stages: bool = True, bn: bool = True,
          bm: bool = False) -> GemmSpec:
     """``gemm`` within SMEM_BUDGET as far as the knobs it may turn allow: fewer stages (down to
@@ -415,7 +421,7 @@ def _rows(tk: int, dtype: str, layout: Layout, accumulate: bool,
     no workspace, no atomics, a grid of exactly the output tiles."""
     size, kstep = DTYPES[dtype], 8 if dtype == "float32" else 16
     bn, bk_max, gather, wm, wn, stages = ROWS_SCHEDULE
-    bm = schedule.bm or next((b for b in ROWS_BM if b >= layout.M), ROWS_BM[-1])
+    bm = schedule.bm or rows_block(layout.M)
     if schedule.bn:
         bn, wn = schedule.bn, max(1, min(8 // wm, schedule.bn // 16))
     wm, wn, stages = schedule.wm or wm, schedule.wn or wn, schedule.stages or stages

@@ -8,7 +8,10 @@ tile costs ``fixed_ns + elements * ns_per_element``, every plan pays ``out_ns_pe
 element of the product it writes (S's rows times the product's width, whatever the density),
 the dense kernel saves ``zeros_discount`` of its element time in proportion to S's zeros, and
 every sparse kind also pays for the online index (one pass over S). A kind's costs are one fit
-over its shapes; a shape the profile measured on its own has its own.
+over its shapes; a shape the profile measured on its own has its own. Micro-tiles along a
+spatial axis run on the row-owner kernel, whose time follows its steps (each row block's active
+rows of a k-tile, 64 at a time) and the rows it gathers, not a packed element count: their dense
+tiles are counted per row block, and their elements are the micro-tiles' own.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from . import checks
 from .errors import PlanError, RuleError
 from .expr import Access, Operator, as_operator
 from .limits import INT32_MAX
-from .lower import PRODUCTS_EXTENTS, products_fit
+from .lower import PRODUCTS_EXTENTS, products_fit, rows_block
 from .index import as_mask, sparse_access, tile_extents, tile_grid
 from .rules import Rules, analyse
 
@@ -314,39 +317,50 @@ class _Stats:
         self.mask, self.shape = mask, shape
         self.cache: dict = {}
 
-    def counts(self, spec: Spec, chunk: int, acc: Access) -> Counts:
+    def counts(self, spec: Spec, packing: tuple[int, int], acc: Access) -> Counts:
         kind, axis, tile = spec
         if self.mask is None:
-            return self._dense_counts(spec, chunk, acc)
+            return self._dense_counts(spec, packing, acc)
         grid = tile_grid(self.mask, tile, self.cache)
         nonzero = int(np.count_nonzero(grid))
         covered = grid.astype(np.int64)
         for n, t in zip(self.shape, tile):
             covered = np.tensordot(tile_extents(n, t), covered, axes=([0], [0]))
         if kind == "micro":
-            dense_tiles = int(np.sum(-(-grid.sum(axis=acc.bare_dim(axis)) // chunk)))
+            chunk, run = packing
+            along = np.moveaxis(grid, acc.bare_dim(axis), -1)
+            pad = -along.shape[-1] % run
+            runs = np.pad(along, [(0, 0)] * (along.ndim - 1) + [(0, pad)])
+            per_run = runs.reshape(*runs.shape[:-1], -1, run).sum(axis=-1)
+            dense_tiles = int(np.sum(-(-per_run // chunk)))
         else:
             dense_tiles = grid.size if kind == "dense" else nonzero
         return nonzero, dense_tiles, int(covered)
 
-    def _dense_counts(self, spec: Spec, chunk: int, acc: Access) -> Counts:
+    def _dense_counts(self, spec: Spec, packing: tuple[int, int], acc: Access) -> Counts:
         """The counts of an all-ones S, in closed form: a shape planned without a mask may be
         far larger than memory (every tile holds a non-zero; the tiles cover S once)."""
         kind, axis, tile = spec
         grid = [-(-n // t) for n, t in zip(self.shape, tile)]
         nonzero = math.prod(grid)
         if kind == "micro":
-            d = acc.bare_dim(axis)
-            dense_tiles = nonzero // grid[d] * -(-grid[d] // chunk)
+            (chunk, run), g = packing, grid[acc.bare_dim(axis)]
+            dense_tiles = nonzero // g * (g // run * -(-run // chunk) + -(-(g % run) // chunk))
         else:
             dense_tiles = nonzero
         return nonzero, dense_tiles, math.prod(self.shape)
 
 
-def _chunk(spec: Spec, acc: Access, tile: Mapping[str, int], size: Sequence[int]) -> int:
-    """Micro-tiles packed per dense tile: the compute tile's extent along the micro axis."""
+def _packing(spec: Spec, acc: Access, rules: Rules, tile: Mapping[str, int],
+             size: Sequence[int]) -> tuple[int, int]:
+    """(micro-tiles packed per dense tile, the run of S along the micro axis they are packed
+    within): the compute tile's extent along the micro axis; along a spatial axis within each
+    row block of the row-owner kernel (its steps), along a reduction axis within the whole axis."""
     kind, axis, _ = spec
-    return min(tile[axis], size[acc.bare_dim(axis)]) if kind == "micro" else 1
+    if kind != "micro":
+        return 1, 1
+    n = size[acc.bare_dim(axis)]
+    return min(tile[axis], n), rows_block(n) if rules.axes[axis].role == "spatial" else n
 
 
 def _shape_rates(kind: Mapping, shape: Sequence[int]) -> Mapping:
@@ -373,8 +387,10 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
             rules: Rules, profile: Mapping, extent: int = 0, scale: float = 1.0,
             outputs: float = 0.0) -> Candidate:
     """A candidate from its counts. Work is counted in elements of S computed: dense and block
-    tiles clipped at S's edges; a micro candidate's dense tile always counts its full extent
-    (the last chunk of a group is padded with unused slots). A spatial micro-tile that fits the
+    tiles clipped at S's edges; a micro candidate's dense tile along a reduction axis always
+    counts its full extent (the last chunk of a group is padded with unused slots); along a
+    spatial axis the micro-tiles themselves, beside its dense tiles (the row-owner kernel's
+    steps, each of which costs about the same whatever it holds). A spatial micro-tile that fits the
     products kernel (``lower.products_fit`` over ``extent``, S's extent along the micro axis)
     may run on it instead of the row-owner one, where the profile prices it (``products``); the
     cheaper of the two counts. ``scale``: the product's width over the profile's (the kernels'
@@ -387,7 +403,7 @@ def _costed(spec: Spec, counts: Counts, nnz: int, size: Sequence[int], chunk: in
     total = math.prod(size)
     if kind == "micro":
         key = f"micro-{rules.axes[axis].role}"
-        elements = dense_tiles * math.prod(shape) * chunk
+        elements = covered if key == "micro-spatial" else dense_tiles * math.prod(shape) * chunk
     elif kind == "block":
         key, elements = kind, covered
     else:  # dense computes (and wastes) all of S, zero tiles included
@@ -446,6 +462,20 @@ def candidate_specs(op: Operator | str, sparse: str, shape: Sequence[int],
     acc = sparse_access(op, sparse)
     size = checks.extents(shape, f"shape of {acc.tensor}", rank=acc.rank, error=PlanError)
     return _specs(op, acc, analyse(op), parse_tile(op, tile), size)
+
+
+def candidate_counting(op: Operator | str, sparse: str, shape: Sequence[int],
+                       tile: TileSpec = None) -> list[tuple[Spec, int | None, tuple[int, int]]]:
+    """Each spec of :func:`candidate_specs` with how its dense tiles are counted: S's dim of
+    its micro axis (None for blocks and dense) and (micro-tiles per dense tile, the run of that
+    dim they are packed within)."""
+    op = as_operator(op)
+    acc = sparse_access(op, sparse)
+    size = checks.extents(shape, f"shape of {acc.tensor}", rank=acc.rank, error=PlanError)
+    rules, tile_map = analyse(op), parse_tile(op, tile)
+    return [(s, acc.bare_dim(s[1]) if s[0] == "micro" else None,
+             _packing(s, acc, rules, tile_map, size))
+            for s in _specs(op, acc, rules, tile_map, size)]
 
 
 def list_candidates(op: Operator | str, sparse: str, tile: TileSpec = None, *,
@@ -596,12 +626,13 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
         if kind != "dense":
             chosen = (kind, axis, tuple(min(t, n) for t, n in zip(req, size)) if real else req)
             specs += [chosen] if chosen not in specs else []
+    packing = {s: _packing(s, acc, rules, tile, size) for s in specs}
     if coverage is not None:
         nnz, counts = _coverage(coverage, specs, size)
     else:
         stats = _Stats(mask, size)
         nnz = int(np.count_nonzero(mask)) if mask is not None else math.prod(size)
-        counts = {s: stats.counts(s, _chunk(s, acc, tile, size), acc) for s in specs}
+        counts = {s: stats.counts(s, packing[s], acc) for s in specs}
     if width is not None and (isinstance(width, bool) or not isinstance(width, (int, np.integer))
                               or width < 1):
         raise PlanError(f"width must be a positive integer (the product's N), got {width!r}")
@@ -611,7 +642,7 @@ def make_plan(op: Operator | str, sparse: str, mask: np.ndarray | None = None,
     rows = math.prod(n for d, n in enumerate(size) if not any(
         rules.axes[a].role == "reduction" for a in op.axes if d in acc.dims_of(a)))
     outputs = rows * (width if width is not None else full)
-    cands = {s: _costed(s, counts[s], nnz, size, _chunk(s, acc, tile, size), rules, prof,
+    cands = {s: _costed(s, counts[s], nnz, size, packing[s][0], rules, prof,
                         size[acc.bare_dim(s[1])] if s[0] == "micro" else 0, scale, outputs)
              for s in specs}
     ordered = sorted(cands.values(), key=lambda c: (c.cost, KIND_RANK[c.kind]))

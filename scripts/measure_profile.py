@@ -1,8 +1,10 @@
 """Measure the planner's cost profile on this GPU and write it (pitgen/profiles/measured.json by
 default; ``load_profile()`` prefers it over the analytic placeholder).
 
-For every kernel kind the tile kernel is timed (CUDA events, median, L2 flushed) on A[m,k] of
---size^2 (fp16, B --size wide) at several micro-tile/block shapes and densities; the planner's
+For every kernel kind a whole call is timed (CUDA events, median, L2 flushed) on A[m,k] of
+--size^2 (fp16, B --size wide) at several micro-tile/block shapes and densities, less the price
+of its index pass (the pass launches ahead of the kernel, which overlaps it by 2-5 us that the two
+timed apart would count twice); the planner's
 own counts (dense tiles, elements of S computed, elements of S) for each run are fitted by
 non-negative least squares to ``time = fixed_ns * dense_tiles + ns_per_element * elements +
 walk_ns_per_element * |S| + out_ns_per_element * |C|`` (the walk: what a kernel pays whatever the
@@ -11,8 +13,10 @@ it; the output term: what it pays per element of C written, its epilogues and st
 A[m,k] at k = --size alone cannot tell from the walk, |S| = |C| there, so every shape is also
 timed at k = --size / 4), once per kind and once per shape (``shapes``: one shape's tiles and
 elements are proportional, so its fit is ``ns_per_element``, ``walk_ns_per_element`` and
-``out_ns_per_element``; a kind's shapes may run on different mainloops, 32x32 blocks on
-mma.sync and 128x128 on wgmma). The dense kernel is also timed on S with zeros, whose share of
+``out_ns_per_element``, except along m, where the dense tiles are the row-owner kernel's steps,
+counted per row block, and the elements the micro-tiles' own: its time flattens below 10%
+density, where every k-tile of a row block still takes a step; a kind's shapes may run on
+different mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The dense kernel is also timed on S with zeros, whose share of
 its element time saved is ``zeros_discount`` (tensor cores fed zeros draw less power and the
 clock holds higher: cuBLAS's 8192^3 product 16% faster at 90% zeros, H200). The index pass is
 priced per element of S, per kind and per shape (the median of their runs), beyond its launch,
@@ -57,7 +61,7 @@ KINDS = {  # profile key -> [(micro_tile, S shape)]
 
 #: (k as a fraction of --size, densities) each shape is timed at: the short k tells the output's
 #: price from the walk's.
-DEPTHS = ((1, (1.0, 0.3, 0.1, 0.01)), (4, (1.0, 0.1, 0.01)))
+DEPTHS = ((1, (1.0, 0.3, 0.1, 0.05, 0.01)), (4, (1.0, 0.1, 0.01)))
 #: Densities the products kernel is fitted at (each within products_fit for every shape timed).
 PRODUCTS_DENSITIES = (0.02, 0.01, 0.005)
 #: The side of the small S whose index pass prices the pass's launch, one shape per sparse kind.
@@ -191,7 +195,7 @@ def main() -> None:
                     cand = make_plan(EXPR, "A", mask=mask.cpu().numpy(), micro_tile=micro,
                                      profile=UNIT_PROFILE).choice
                     call.build_index(None)
-                    t = timer(lambda: call.compute(None)) * 1e6  # ns
+                    t = timer(call.run) * 1e6  # ns: the whole call, as the planner prices it
                     rows.append((cand.dense_tiles, cand.cost, A.numel(), n * n))
                     times.append(t)
                     dens.append(density)
@@ -201,11 +205,21 @@ def main() -> None:
                     print(f"{key:16} {micro:>7} k {k:5} density {density:.2f}: "
                           f"{t / 1e3:8.1f} us, {cand.dense_tiles} dense tiles", flush=True)
             if key != "dense":
-                per, walk, out = nonnegative_fit(np.asarray(rows[first:], float)[:, 1:],
-                                                 np.asarray(times[first:]))
-                shapes[micro] = {"fixed_ns": 0.0, "ns_per_element": per, "walk_ns_per_element": walk,
-                                 "out_ns_per_element": out,
-                                 "index_ns_per_element": float(np.median(shape_index))}
+                # the kernels' share of each call: less the index's price as the planner adds it
+                # (the index launches ahead of the kernel, which overlaps its tail: 2-5 us at
+                # 4096^2 that index + kernel timed apart would count twice)
+                index = float(np.median(shape_index))
+                times[first:] = [t - index_fixed - r[2] * index
+                                 for r, t in zip(rows[first:], times[first:])]
+                # a spatial micro-tile's dense tiles are the row-owner kernel's steps, which its
+                # elements do not count; elsewhere tiles and elements are proportional
+                steps = key == "micro-spatial"
+                fit = nonnegative_fit(np.asarray(rows[first:], float)[:, 0 if steps else 1:],
+                                      np.asarray(times[first:]))
+                fixed, per, walk, out = fit if steps else (0.0, *fit)
+                shapes[micro] = {"fixed_ns": fixed, "ns_per_element": per,
+                                 "walk_ns_per_element": walk, "out_ns_per_element": out,
+                                 "index_ns_per_element": index}
                 kind_index += shape_index
         X, y = np.asarray(rows, float), np.asarray(times)
         extra = {}

@@ -280,6 +280,22 @@ def test_auto_picks_the_micro_tile_of_the_pattern_and_dense_when_full():
     assert kern.plan.choice.kind == "dense"
 
 
+def test_counts_on_the_gpu_match_the_mask_planners():
+    """The GPU planner's reductions count what the mask planner counts on the host: micro-tiles
+    along m per row block of the row-owner kernel (1,100 rows: blocks of 512, 512 and 76),
+    along k within the whole axis, blocks; the same candidates, costs and choice."""
+    from pitgen.coverage import plan_on_device
+    from pitgen.operands import as_operand
+    from pitgen.planner import make_plan
+    rng = np.random.default_rng(3)
+    for shape, tile in (((1100, 320), (1, 64)), ((700, 200), (32, 1)), ((96, 160), (64, 64))):
+        mask = T.tile_mask(rng, *shape, tile, 0.2)
+        a = torch.from_numpy(np.where(mask, rng.standard_normal(shape), 0.0)).cuda()
+        want = make_plan(FORMS["A"][0], "A", mask=mask)
+        got = plan_on_device(pitgen.parse(FORMS["A"][0]), "A", as_operand("A", a))
+        assert got.candidates == want.candidates and got.choice == want.choice
+
+
 def test_noncontiguous_views_and_a_side_stream():
     rng = np.random.default_rng(4)
     A = torch.randn(300, 200, device="cuda", dtype=torch.float16)[:, ::2]  # stride (200, 2)

@@ -12,7 +12,7 @@ import pitgen
 from pitgen import parse
 from pitgen import testing as T
 from pitgen.errors import PlanError, RuleError
-from pitgen.lower import PRODUCTS_EXTENTS, PRODUCTS_SLOTS_PER_ROW
+from pitgen.lower import PRODUCTS_EXTENTS, PRODUCTS_SLOTS_PER_ROW, rows_block
 from pitgen.planner import (DENSE_MARGIN, Candidate, Plan, batch_axes, candidate_specs,
                             list_candidates, load_profile, make_plan, parse_tile)
 
@@ -176,9 +176,11 @@ def test_tile_forms():
 
 def brute_stats(mask, cand, chunk):
     """nonzero, covered elements, dense tiles and elements computed in them by looping over
-    tiles (of a matmul's A)."""
+    tiles (of a matmul's A). Micro-tiles along m pack per row block of the row-owner kernel, and
+    their elements computed are their own."""
     d = {"m": 0, "k": 1, None: None}[cand.axis]
     shape = mask.shape
+    run = rows_block(shape[0]) if cand.axis == "m" else None
     grid = [range(0, n, t) for n, t in zip(shape, cand.shape)]
     nonzero = covered = 0
     per_group = {}
@@ -187,12 +189,13 @@ def brute_stats(mask, cand, chunk):
         if mask[box].any():
             nonzero += 1
             covered += mask[box].size
-            group = tuple(c for i, c in enumerate(corner) if i != d)
+            group = tuple(c for i, c in enumerate(corner) if i != d) + (
+                (corner[d] // run,) if run else ())
             per_group[group] = per_group.get(group, 0) + 1
     if cand.kind != "micro":
         return nonzero, covered, nonzero, covered
     tiles = sum(-(-n // chunk) for n in per_group.values())
-    return nonzero, covered, tiles, tiles * math.prod(cand.shape) * chunk
+    return nonzero, covered, tiles, covered if run else tiles * math.prod(cand.shape) * chunk
 
 
 #: Every element of S computed costs 1: a candidate's cost is then its work count.
@@ -257,6 +260,26 @@ def test_statistics_match_brute_force(drawn, tk):
     best = plan.candidates[0]
     assert costs == sorted(costs)
     assert plan.choice is (best if best.cost <= (1 - DENSE_MARGIN) * dense.cost else dense)
+
+
+def test_rows_steps_are_counted_per_row_block():
+    """Micro-tiles along m are the row-owner kernel's: each row block's active rows of a k-tile
+    take whole steps of 64, so 1,100 rows (blocks of 512, 512 and 76) with one active row per
+    block in a k-tile take three steps where packing all 1,100 together would take one; the
+    counts without a mask (all ones) follow the same blocks; elements are the micro-tiles'."""
+    mask = np.zeros((1100, 256), bool)
+    mask[[3, 600, 1099], :64] = True           # k-tile 0: one row in each block
+    mask[:130, 64:128] = True                  # k-tile 1: 130 rows of block 0: three steps
+    plan = make_plan(MATMUL, "A", mask=mask, micro_tile="1x64", profile=UNIT_PROFILE)
+    assert (plan.choice.nonzero, plan.choice.dense_tiles) == (133, 6)
+    assert plan.choice.cost == 133 * 64
+    full = make_plan(MATMUL, "A", shape=(1100, 256), micro_tile="1x64", profile=UNIT_PROFILE)
+    ones = make_plan(MATMUL, "A", mask=np.ones((1100, 256), bool), micro_tile="1x64",
+                     profile=UNIT_PROFILE)
+    assert full.choice.dense_tiles == ones.choice.dense_tiles == 4 * (8 + 8 + 2)
+    # along k nothing changes: 32 x 1 micro-tiles pack within the whole k axis
+    k = make_plan(MATMUL, "A", mask=mask, micro_tile="32x1", profile=UNIT_PROFILE).choice
+    assert k.dense_tiles == sum(-(-int(mask[r:r + 32].any(0).sum()) // 32) for r in range(0, 1100, 32))
 
 
 def test_coverage_counts_plan_like_the_mask():
@@ -324,7 +347,7 @@ def test_rows_of_at_most_one_micro_tile_are_priced_on_the_products_kernel():
         mask = np.repeat(rng.random((1024, 16)) < density, 64, axis=1)
         plan = make_plan(MATMUL, "A", mask=mask, profile=prof)
         c = next(c for c in plan.candidates if c.label == "micro 1x64 along m")
-        elements, total = c.dense_tiles * 64 * min(64, 1024), mask.size
+        elements, total = c.nonzero * 64, mask.size
         launch, outputs = prof.get("index_fixed_ns", 0.0), 1024 * prof.get("width", 4096)
         owner = (launch + c.dense_tiles * fit["fixed_ns"] + elements * fit["ns_per_element"]
                  + total * (fit["index_ns_per_element"] + fit["walk_ns_per_element"])
