@@ -16,8 +16,8 @@ elements are proportional, so its fit is ``ns_per_element``, ``walk_ns_per_eleme
 ``out_ns_per_element``, except along m, where the dense tiles are the row-owner kernel's steps,
 counted per row block, and the elements the micro-tiles' own: its time flattens below 10%
 density, where every k-tile of a row block still takes a step; a kind's shapes may run on
-different mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The dense kernel is also timed on S with zeros, whose share of
-its element time saved is ``zeros_discount`` (tensor cores fed zeros draw less power and the
+different mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The dense kernel is also
+timed on S with zeros, whose share of its element time saved is ``zeros_discount`` (tensor cores fed zeros draw less power and the
 clock holds higher: cuBLAS's 8192^3 product 16% faster at 90% zeros, H200). The index pass is
 priced per element of S, per kind and per shape (the median of their runs), beyond its launch,
 which is priced once (``index_fixed_ns``: the pass alone on a 256^2 S less a 16-float fill
@@ -248,7 +248,9 @@ def main() -> None:
         "note": f"measured by scripts/measure_profile.py: A {n}x{n} and {n}x{n // 4}, B {n} "
                 f"wide, fp16, "
                 f"median of {args.repeats}, L2 flushed; torch {torch.__version__}, pitgen {pitgen.__version__}",
-        "units": {"fixed_ns": "ns per dense tile", "ns_per_element": "ns per element of S computed",
+        "units": {"fixed_ns": "ns per dense tile (micro-spatial: per step of the row-owner "
+                               "kernel, a row block's active rows of a k-tile, 64 at a time)",
+                  "ns_per_element": "ns per element of S computed",
                   "walk_ns_per_element": "ns per element of S, paid whatever the density",
                   "out_ns_per_element": "ns per element of the product written (S's rows times "
                                         "B's width), paid whatever the density",

@@ -279,7 +279,8 @@ def test_rows_steps_are_counted_per_row_block():
     assert full.choice.dense_tiles == ones.choice.dense_tiles == 4 * (8 + 8 + 2)
     # along k nothing changes: 32 x 1 micro-tiles pack within the whole k axis
     k = make_plan(MATMUL, "A", mask=mask, micro_tile="32x1", profile=UNIT_PROFILE).choice
-    assert k.dense_tiles == sum(-(-int(mask[r:r + 32].any(0).sum()) // 32) for r in range(0, 1100, 32))
+    assert k.dense_tiles == sum(-(-int(mask[r:r + 32].any(0).sum()) // 32)
+                                for r in range(0, 1100, 32))
 
 
 def test_coverage_counts_plan_like_the_mask():
