@@ -220,7 +220,20 @@ def nearest_measured(kind: dict, shape: tuple) -> dict:
 @settings(max_examples=25, deadline=None)
 @given(drawn=T.masks(max_side=70, densities=(0.02, 0.2, 0.7)), tk=st.integers(1, 40))
 def test_statistics_match_brute_force(drawn, tk):
-    mask = drawn.array
+    check_statistics(drawn.array, tk)
+
+
+@settings(max_examples=8, deadline=None)
+@given(drawn=T.masks(st.tuples(st.integers(513, 1200), st.integers(1, 48)),
+                     kinds=("micro", "element", "row", "empty"), densities=(0.005, 0.05, 0.5)),
+       tk=st.integers(1, 40))
+def test_statistics_match_brute_force_across_row_blocks(drawn, tk):
+    """S taller than one row block of the row-owner kernel (512 rows): micro-tiles along m
+    pack within each block, ragged last block included."""
+    check_statistics(drawn.array, tk)
+
+
+def check_statistics(mask, tk):
     m, k = mask.shape
     plan = make_plan(MATMUL, "A", mask=mask, tile={"k": tk})
     nnz = int(mask.sum())
