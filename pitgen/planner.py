@@ -56,7 +56,8 @@ class Candidate:
     """One way to tile S. ``shape`` is in S's dimension order (1 along ``axis`` for a
     micro-tile); ``nonzero`` counts micro-tiles/blocks holding a non-zero (dense: compute tiles
     holding one); ``waste`` is computed-but-zero elements per true non-zero (None: infinite);
-    ``dense_tiles`` is the number of dense tiles left after packing."""
+    ``dense_tiles`` is the number of dense tiles left after packing (along a spatial axis,
+    packed within each row block of the row-owner kernel: its steps)."""
 
     kind: str  # 'micro' | 'block' | 'dense'
     axis: str | None
