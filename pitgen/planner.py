@@ -459,10 +459,7 @@ def candidate_specs(op: Operator | str, sparse: str, shape: Sequence[int],
     """The (kind, axis, shape) of every candidate :func:`make_plan` costs for ``sparse`` of
     ``shape``: what a planner that counts elsewhere (on the GPU) must count, keyed the same
     way in ``make_plan(coverage=...)``."""
-    op = as_operator(op)
-    acc = sparse_access(op, sparse)
-    size = checks.extents(shape, f"shape of {acc.tensor}", rank=acc.rank, error=PlanError)
-    return _specs(op, acc, analyse(op), parse_tile(op, tile), size)
+    return [s for s, _, _ in candidate_counting(op, sparse, shape, tile)]
 
 
 def candidate_counting(op: Operator | str, sparse: str, shape: Sequence[int],

@@ -3,9 +3,9 @@ default; ``load_profile()`` prefers it over the analytic placeholder).
 
 For every kernel kind a whole call is timed (CUDA events, median, L2 flushed) on A[m,k] of
 --size^2 (fp16, B --size wide) at several micro-tile/block shapes and densities, less the price
-of its index pass (the pass launches ahead of the kernel, which overlaps it by 2-5 us that the two
-timed apart would count twice); the planner's
-own counts (dense tiles, elements of S computed, elements of S) for each run are fitted by
+of its index pass (the pass launches ahead of the kernel, which overlaps it by 2-5 us that the
+two timed apart would count twice); the planner's own counts (dense tiles, elements of S
+computed, elements of S) for each run are fitted by
 non-negative least squares to ``time = fixed_ns * dense_tiles + ns_per_element * elements +
 walk_ns_per_element * |S| + out_ns_per_element * |C|`` (the walk: what a kernel pays whatever the
 density, as the row-owner kernel walks every k-tile of every row block, densities down to 1% pin
@@ -17,8 +17,9 @@ elements are proportional, so its fit is ``ns_per_element``, ``walk_ns_per_eleme
 counted per row block, and the elements the micro-tiles' own: its time flattens below 10%
 density, where every k-tile of a row block still takes a step; a kind's shapes may run on
 different mainloops, 32x32 blocks on mma.sync and 128x128 on wgmma). The dense kernel is also
-timed on S with zeros, whose share of its element time saved is ``zeros_discount`` (tensor cores fed zeros draw less power and the
-clock holds higher: cuBLAS's 8192^3 product 16% faster at 90% zeros, H200). The index pass is
+timed on S with zeros, whose share of its element time saved is ``zeros_discount`` (tensor
+cores fed zeros draw less power and the clock holds higher: cuBLAS's 8192^3 product 16% faster
+at 90% zeros, H200). The index pass is
 priced per element of S, per kind and per shape (the median of their runs), beyond its launch,
 which is priced once (``index_fixed_ns``: the pass alone on a 256^2 S less a 16-float fill
 alone, the timer's own cost). ``width`` records B's width: the planner scales the kernels'
