@@ -110,5 +110,8 @@ for step in "$@"; do
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done
-[ -n "${OUT:-}" ] && tar -C "$LOGS" -cf "$OUT/session.tar" . && cp "$LOGS/device.txt" "$OUT/"
+# (LOGS may be $OUT itself: then everything is there already)
+if [ -n "${OUT:-}" ] && [ "$(realpath "$LOGS")" != "$(realpath "$OUT")" ]; then
+  tar -C "$LOGS" -cf "$OUT/session.tar" . && cp "$LOGS/device.txt" "$OUT/"
+fi
 exit $rc
