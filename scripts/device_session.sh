@@ -17,6 +17,9 @@
 #   tune-attention, tune-spmm, bench-rows (scripts/bench_rows.py)
 #             the attention pipeline / SpMM gather-unroll sweeps (scripts/tune_<op>.py)
 #   profile   measure the planner's cost profile (scripts/measure_profile.py)
+#   ncu       Nsight Compute on scripts/profile_cases.py's cases (PROFILE_CASES, default
+#             rows1x64-90): per case the report, its details page and its SASS lines summarised
+#             by scripts/ncu_summary.py ($LOGS/ncu-CASE.*)
 #   host      host time per steady-state call of each public op beside torch's
 #             (scripts/host_time.py; results in $LOGS/host.json and host.md)
 #   matmul, attention, moe, training, compiled, graphs, dynamic, rgcn, sage, conv, peers
@@ -97,6 +100,18 @@ for step in "$@"; do
       echo "$step: exit $r"; tail -40 "$LOGS/$step.log" ;;
     profile)
       timeout 200 python3 scripts/measure_profile.py --out "$LOGS" >"$LOGS/profile.log" 2>&1; tail -5 "$LOGS/profile.log" ;;
+    ncu)
+      for case in ${PROFILE_CASES:-rows1x64-90}; do
+        p="$LOGS/ncu-$case"
+        timeout 300 ncu --profile-from-start off --section SourceCounters --section WarpStateStats \
+          --section SchedulerStats --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --import-source yes -f -o "$p" python3 scripts/profile_cases.py $case >"$p.log" 2>&1; r=$?
+        ncu -i "$p.ncu-rep" --page details >"$p-details.txt" 2>&1
+        ncu -i "$p.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$p-sass.csv.gz"
+        python3 scripts/ncu_summary.py "$p-sass.csv.gz" >"$p-summary.txt" 2>&1
+        echo "ncu $case: exit $r"; grep -E "Duration|Eligible Warps|Issued Warp" "$p-details.txt"
+        head -40 "$p-summary.txt"; rc=$((rc | r))
+      done ;;
     host)
       timeout 200 python3 scripts/host_time.py --json "$LOGS/host.json" --md "$LOGS/host.md" >"$LOGS/host.log" 2>&1; r=$?
       echo "host: exit $r"; grep -v Warning "$LOGS/host.log" | head -18; rc=$((rc | r)) ;;

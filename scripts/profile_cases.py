@@ -6,7 +6,8 @@ quote as "the profile"):
         python3 scripts/profile_cases.py [CASE ...]
 
 Each case is warmed up first (plans made, modules loaded, a call run), so only its own
-kernels of one call are profiled; with no CASE, every one. A plain copy of the 32 MB operand
+kernels of one call are profiled; with no CASE, every one. ``device_session.sh ncu`` runs it
+under ncu and summarises each kernel's SASS lines (scripts/ncu_summary.py). A plain copy of the 32 MB operand
 (``copy``) is the read/write reference the index passes are judged against.
 """
 from __future__ import annotations
