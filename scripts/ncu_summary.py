@@ -105,16 +105,17 @@ def summary(kernel: Kernel, top: int = 25, window: int = 100) -> str:
     lines = kernel.lines
     stall_names = sorted({k for ln in lines for k in ln.counters
                           if k.startswith("stall_") and "Not Issued" not in k})
-    total = sum(ln.get(SAMPLES) for ln in lines) or 1.0
-    out = [f"== {kernel.name}: {len(lines)} instructions, {int(total)} stall samples, "
-           f"{int(sum(ln.get(WAVEFRONTS) for ln in lines)):,} shared wavefronts "
-           f"({int(sum(ln.get(EXCESS) for ln in lines)):,} excess), "
-           f"{int(sum(ln.get(SECTORS_EXCESS) for ln in lines)):,} L2 sectors in excess"]
     by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for ln in lines:
         acc = by_op[ln.opcode]
         for i, name in enumerate((SAMPLES, WAVEFRONTS, EXCESS, SECTORS_EXCESS)):
             acc[i] += ln.get(name)
+    samples, wavefronts, excess, sectors = (sum(col) for col in zip(*by_op.values())) \
+        if by_op else (0.0,) * 4
+    total = samples or 1.0
+    out = [f"== {kernel.name}: {len(lines)} instructions, {int(samples)} stall samples, "
+           f"{int(wavefronts):,} shared wavefronts ({int(excess):,} excess), "
+           f"{int(sectors):,} L2 sectors in excess"]
     out.append("-- per opcode: samples % | shared wavefronts | excess | L2 sectors in excess")
     for op, (s, w, e, x) in sorted(by_op.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:top]:
         out.append(f"{op:<12} {100 * s / total:5.1f}% {int(w):>12,} {int(e):>12,} {int(x):>12,}")
