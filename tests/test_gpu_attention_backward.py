@@ -316,3 +316,49 @@ def test_causal_and_dense_calls_read_no_mask(d, dtype, sq, sk, heads):
         T.assert_close(again, out.detach().double().cpu().numpy(), dtype, what="again")
     with pytest.raises(pitgen.ShapeError, match="not both"):
         A.sparse_attention(q, k, v, torch.from_numpy(mask).cuda(), is_causal=True)
+
+
+@pytest.mark.parametrize("slices, nqb, nkb", [(1, 64, 64), (3, 5, 300), (2, 200, 7), (1, 1, 1)])
+def test_key_block_order_is_a_stable_descending_sort(slices, nqb, nkb):
+    """The dK/dV pass's order (pit_attn_bwd_order): key blocks by their count of FULL and
+    PARTIAL states over every slice and query block, most first, ties in key-block order; key
+    blocks side by side (nKB below and above the CTA's threads) and rows side by side."""
+    rng = np.random.default_rng(nkb)
+    states = rng.integers(0, 4, (slices, nqb, nkb), dtype=np.uint8)
+    states[:, :, rng.random(nkb) < 0.3] = A.EMPTY   # empty columns: ties
+    states[:, :, rng.random(nkb) < 0.2] = A.GATHERED  # gathered columns count nothing either
+    plan = A.plan_attention(1, 1, 64 * nqb, 64 * nkb, 64, "float16", (64 * nqb, 64 * nkb))
+    order = torch.full((nkb,), -1, dtype=torch.int32, device="cuda")
+    ts = torch.from_numpy(states).cuda()
+    A._Backward(plan, True, False).order(torch.cuda.current_stream().cuda_stream, ts.data_ptr(),
+                                         slices * nqb, nkb, order.data_ptr())
+    counts = np.isin(states, (A.PARTIAL, A.FULL)).sum((0, 1))
+    assert order.cpu().numpy().tolist() == np.argsort(-counts, kind="stable").tolist()
+
+
+@pytest.mark.parametrize("kind", ["mask", "block_mask", "causal"])
+def test_repeated_training_calls_take_the_cached_paths(kind):
+    """A call signature seen before runs its cached forward and bound backward (no checks, no
+    index views): the same gradients as the float64 reference on every call, with poisoned
+    buffers."""
+    rng = np.random.default_rng(9)
+    sq = sk = 320
+    q, k, v = operands(rng, 2, 4, 2, sq, sk, 64, "float16")
+    layout = rng.random((3, 3)) < 0.5
+    layout[0, 0] = True
+    mask = {"mask": masks(rng, "window_global", (), sq, sk, 0.5),
+            "block_mask": np.kron(layout, np.ones((128, 128), bool))[:sq, :sk],
+            "causal": np.tril(np.ones((sq, sk), bool))}[kind]
+    given = {"mask": {"mask": torch.from_numpy(mask).cuda()},
+             "block_mask": {"block_mask": torch.from_numpy(layout).cuda()},
+             "causal": {"is_causal": True}}[kind]
+    for call in range(3):
+        for x in (q, k, v):
+            x.grad = None
+        dout = torch.randn(2, 4, sq, 64, device="cuda").to(q.dtype)
+        with pytest.MonkeyPatch.context() as mp:
+            poison(mp)
+            out = A.sparse_attention(q, k, v, **given)
+            assert out.grad_fn.fast is not None, "the cached forward ran"
+            out.backward(dout)
+        check_grads(q, k, v, mask, dout, "float16")

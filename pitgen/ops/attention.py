@@ -74,6 +74,8 @@ STAGES_BWD = {64: 2, 128: 2}
 #: dP per block). At D=64, 3 (168 registers, a few spilled) beat 2 by 20% on the micro mask and
 #: 8% on Longformer (H100, docs/attention.md); at D=128, 1 and 2 are level.
 MIN_BLOCKS_BWD = {64: 3, 128: 1}
+#: Threads of the backward's key-block order kernel (one CTA).
+ORDER_THREADS = 256
 #: Dynamic shared memory an SM grants one CTA.
 SMEM_LIMIT = 227 * 1024
 #: Shared memory of an SM (sm_80 / sm_90), and what it keeps per resident CTA.
@@ -140,7 +142,8 @@ ATTENTION_BWD = OpSpec(
     {**dict.fromkeys(("pit_attn_bwd_dq", "pit_attn_bwd_dq_vec"),
                      "P" * 12 + "i" * 7 + "ff" + "PPPi" + "PPP" + "iii" + "PP" + "PPP"),
      **dict.fromkeys(("pit_attn_bwd_dkv", "pit_attn_bwd_dkv_vec"),
-                     "P" * 11 + "i" * 8 + "ff" + "PPP" + "i" + "PPP")},
+                     "P" * 11 + "i" * 8 + "ff" + "PPP" + "i" + "PPP"),
+     "pit_attn_bwd_order": "PiiP"},
     permutes=(
         # dQ: a CTA per (batch, head, query block) in the forward's order, walking its key
         # blocks in any order (j reduces)
@@ -361,7 +364,7 @@ class AttentionPlan:
         return {"dtype": self.dtype, "d": self.d, "bm": self.bm, "bn": self.bn,
                 "warps": self.warps, "stages": STAGES_BWD[self.d],
                 "min_blocks": MIN_BLOCKS_BWD[self.d], "mask_row": MASK_ROW, "wgmma": False,
-                "fused": False, **STATE_NAMES}
+                "fused": False, "order_threads": ORDER_THREADS, **STATE_NAMES}
 
 
 @cache.lru("attention.plans")
@@ -887,56 +890,95 @@ def _backward(plan: AttentionPlan, dout: Any, q: Any, k: Any, v: Any, mask: Any,
     FULL and PARTIAL blocks, then their gathered key tiles, whose keys' dK and dV it adds by
     float32 atomics to per-key sums; its first CTAs are the dense-row tiles' parts (dQ of the
     rows that allow every key, over split key ranges, summed in order by the tile's last part).
-    The dK/dV kernel over key blocks (most non-empty FULL/PARTIAL blocks over all slices first)
-    walks the column of the state map, then the slice's dense-row tiles, and adds the gathered
-    sums where its key block has any. delta = rowsum(dO * O) - dlse comes from the dQ kernel.
-    No host sync; the only atomics are the gathered keys' (so their dK, dV sums are not
-    bit-for-bit repeatable)."""
+    The dK/dV kernel over key blocks (most non-empty FULL/PARTIAL blocks over all slices first,
+    the order a one-CTA kernel lists) walks the column of the state map, then the slice's
+    dense-row tiles, and adds the gathered sums where its key block has any. delta =
+    rowsum(dO * O) - dlse comes from the dQ kernel. No host sync; the only atomics are the
+    gathered keys' (so their dK, dV sums are not bit-for-bit repeatable). ``mask`` as the
+    kernels read it (None: a call without one, or a block layout's)."""
     import torch
 
-    plan.check_backward()
-    dout = dout.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    idx = _index_views(plan, saved)
-    # rowsum(dO * O) - dlse per query row (d lse_i / d s_ij = P_ij: the lse gradient shifts
-    # it), computed and stored by the dQ kernel for the dK/dV kernel
-    delta = torch.empty((plan.batch, plan.heads, plan.sq), dtype=torch.float32, device=q.device)
-    dlse = None if dlse is None else dlse.float().contiguous()
-    out = out.contiguous()
-    # FULL (2) and PARTIAL (1) blocks per key block: the dK/dV kernel's column walk
-    columns = (idx.states % 3 != 0).sum(dim=(0, 1), dtype=torch.int32)
-    kv_order = torch.argsort(columns, descending=True, stable=True).to(torch.int32)
-    kernels = ATTENTION_BWD.module(plan.backward_context())
-    vec = "_vec" if _vector_mask(plan, mask) else ""
-    sb, sh = plan.mask_strides
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr())
-    consts = (scale * LOG2E, scale)
-    rows = (idx.dense.data_ptr(), idx.drows.data_ptr(), idx.dcount.data_ptr())
-    with TorchLaunch() as launch:
-        # a mask's index may gather keys and move rows; a static or layout index does neither
-        dense, _keep = _dense_args(plan, mask, launch.stream, q.device)
-        dtiles = plan.dense_tiles if mask is not None else 0
-        held = (stream_counters(_GATHERED.setdefault(q.device.index, {}), launch.stream,
-                                plan.gathered_workspace, q.device) if mask is not None else None)
-        sums = 0 if held is None else held.data_ptr()
-        kv_rows = plan.batch * plan.kv_heads * plan.sk * plan.d
-        gathered = ((sums, sums + 4 * kv_rows, sums + 8 * kv_rows) if sums else (0, 0, 0))
-        kernels.launch("pit_attn_bwd_dq" + vec, plan.dq_grid(mask is not None),
-                       (plan.warps * 32, 1, 1), launch.stream, *args, out.data_ptr(),
-                       0 if dlse is None else dlse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
-                       _ptr(mask), idx.states.data_ptr(), idx.order.data_ptr(), plan.sq, plan.sk,
-                       plan.heads, plan.group, sb, sh, plan.n_kb, *consts,
-                       idx.counts.data_ptr(), idx.keys.data_ptr(), idx.bits.data_ptr(),
-                       plan.gather_cap, *rows, plan.n_qb, plan.dense_split, dtiles,
-                       *dense[3:], *gathered, smem=plan.smem_dq)
-        kernels.launch("pit_attn_bwd_dkv" + vec, plan.dkv_grid(), (plan.warps * 32, 1, 1),
-                       launch.stream, *args, delta.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                       _ptr(mask), idx.states.data_ptr(), kv_order.data_ptr(), plan.sq, plan.sk,
-                       plan.heads, plan.group, sb, sh, plan.n_qb, plan.n_kb, *consts, *rows,
-                       dtiles, *gathered, smem=plan.smem_dkv)
-    return dq, dk, dv
+        plan.check_backward()
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    key = (plan, mask is not None, _vector_mask(plan, mask))
+    kernels = validated(_BACKWARDS, key, lambda: _Backward(plan, *key[1:]))
+    return kernels(dout, q, k, v, _ptr(mask), out, lse, saved, scale, dlse)
+
+
+class _Backward:
+    """The backward's three kernels for one plan, bound once (as ``_EagerForward`` binds the
+    forward's): the key-block order, dQ and dK/dV with their grids and shared memory, the index
+    arrays' offsets in the saved buffer and the scratch's layout (delta, the order, the dense
+    tiles' workspace), so that a call allocates the three gradients and makes three launches."""
+
+    __slots__ = ("plan", "masked", "order", "dq", "dkv", "offsets", "kv_at", "ws_at", "size",
+                 "consts")
+
+    def __init__(self, plan: AttentionPlan, masked: bool, vec: bool) -> None:
+        plan.check_backward()
+        kernels = ATTENTION_BWD.module(plan.backward_context())
+        suffix, threads = "_vec" if vec else "", (plan.warps * 32, 1, 1)
+        #: with a mask the index may have moved rows to dense-row tiles and gathered keys
+        self.plan, self.masked = plan, masked
+        self.order = kernels.bind("pit_attn_bwd_order", (1, 1, 1), (ORDER_THREADS, 1, 1),
+                                  4 * plan.n_kb)
+        self.dq = kernels.bind("pit_attn_bwd_dq" + suffix, plan.dq_grid(masked), threads,
+                               plan.smem_dq)
+        self.dkv = kernels.bind("pit_attn_bwd_dkv" + suffix, plan.dkv_grid(), threads,
+                                plan.smem_dkv)
+        at = dict(zip(INDEX_ARRAYS, _array_offsets(plan)))
+        #: the index arrays the kernels read, in their argument order
+        self.offsets = tuple(at[n] for n in ("states", "order", "counts", "keys", "bits",
+                                             "dense", "drows", "dcount"))
+        delta = 4 * plan.batch * plan.heads * plan.sq
+        self.kv_at = -(-delta // 256) * 256
+        self.ws_at = self.kv_at + -(-4 * plan.n_kb // 256) * 256
+        self.size = self.ws_at + (4 * plan.dense_workspace if masked else 0)
+        sb, sh = plan.mask_strides
+        self.consts = (plan.sq, plan.sk, plan.heads, plan.group, sb, sh)
+
+    def __call__(self, dout: Any, q: Any, k: Any, v: Any, mask: int, out: Any, lse: Any,
+                 saved: Any, scale: float, dlse: Any) -> tuple[Any, Any, Any]:
+        """(dq, dk, dv), enqueued on torch's stream (``mask``: the mask's address or 0)."""
+        import torch
+        plan = self.plan
+        dout, out = dout.contiguous(), out.contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        base = saved.data_ptr()
+        states, order, counts, keys, bits, dense, drows, dcount = (base + o for o in self.offsets)
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr())
+        fixed = (*self.consts, scale * LOG2E, scale)
+        with TorchLaunch() as launch:
+            s, device = launch.stream, q.device
+            buf, lock = kept_scratch(s, self.size, device)
+            delta = buf.data_ptr()
+            kv_order, ws = delta + self.kv_at, delta + self.ws_at
+            if self.masked:
+                held = (stream_counters(_MERGE.setdefault(device.index, {}), s,
+                                        plan.batch * plan.heads * plan.dense_tiles, device),
+                        stream_counters(_GATHERED.setdefault(device.index, {}), s,
+                                        plan.gathered_workspace, device))
+                merge, sums = held[0].data_ptr(), held[1].data_ptr()
+                rows = plan.batch * plan.kv_heads * plan.sk * plan.d
+                gathered, dtiles = (sums, sums + 4 * rows, sums + 8 * rows), plan.dense_tiles
+            else:
+                ws, merge, gathered, dtiles = 0, 0, (0, 0, 0), 0
+            with lock or nullcontext():
+                self.order(s, states, plan.slices * plan.n_qb, plan.n_kb, kv_order)
+                self.dq(s, *args, out.data_ptr(), 0 if dlse is None else dlse.data_ptr(), delta,
+                        dq.data_ptr(), mask, states, order, *fixed[:6], plan.n_kb, *fixed[6:],
+                        counts, keys, bits, plan.gather_cap, dense, drows, dcount, plan.n_qb,
+                        plan.dense_split, dtiles, ws, merge, *gathered)
+                self.dkv(s, *args, delta, dk.data_ptr(), dv.data_ptr(), mask, states, kv_order,
+                         *fixed[:6], plan.n_qb, plan.n_kb, *fixed[6:], dense, drows, dcount,
+                         dtiles, *gathered)
+        return dq, dk, dv
+
+
+#: (plan, with a mask, vector mask reads) -> its _Backward
+_BACKWARDS = cache.memo("attention.backwards")
 
 
 # -- autograd: torch.library custom ops, registered on first use ---------------------------------
@@ -1055,11 +1097,18 @@ def _eager_function() -> type:
 
     class SparseAttentionFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, scale: float, index: Any,
-                    is_causal: bool, block: tuple[int, ...]) -> tuple[Any, Any]:
-            out, lse, saved = _saving_forward(q, k, v, mask, scale, index, is_causal, block)
+        def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, scale: float | None,
+                    index: Any, is_causal: bool, block: tuple[int, ...],
+                    fast: _EagerForward | None) -> tuple[Any, Any]:
+            # fast: this call signature's cached forward (built with lse), which reads the
+            # mask in place, so the backward needs no checks either
+            if fast is not None:
+                out, lse, saved = fast(q, k, v, mask, scale, with_index=True)
+                scale = fast.default_scale if scale is None else _scale(fast.plan, scale)
+            else:
+                out, lse, saved = _saving_forward(q, k, v, mask, scale, index, is_causal, block)
             ctx.save_for_backward(q, k, v, mask, out, lse, saved)
-            ctx.scale, ctx.block = scale, block
+            ctx.scale, ctx.block, ctx.fast = scale, block, fast
             ctx.set_materialize_grads(False)
             return out, lse
 
@@ -1068,10 +1117,13 @@ def _eager_function() -> type:
             q, k, v, mask, out, lse, saved = ctx.saved_tensors
             if dout is None:
                 dout = torch.zeros_like(out)
-            plan, m = _check(q, k, v, mask, ctx.block)
+            if ctx.fast is not None:
+                plan, m = ctx.fast.plan, mask
+            else:
+                plan, m = _check(q, k, v, mask, ctx.block)
             dq, dk, dv = _backward(plan, dout, q, k, v, None if ctx.block else m, out, lse,
                                    saved, ctx.scale, dlse)
-            return dq, dk, dv, None, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None, None
 
     return SparseAttentionFunction
 
@@ -1311,10 +1363,14 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
             raise ShapeError("pass one of mask, is_causal=True and block_mask (combine them "
                              "into a mask)")
         mask, block = block_mask, _block_size(block_size)
-    if index is None and not grad:   # the key holds the current device: theirs (no guard)
-        fast = _EAGER.get((raw_key(q, k, v, mask), is_causal, return_lse, block))
+    if index is None and not traced:   # the key holds the current device: theirs (no guard)
+        fast = _EAGER.get((raw_key(q, k, v, mask), is_causal, return_lse or grad, block))
         if fast is not None:
-            return fast(q, k, v, mask, scale)
+            if not grad:
+                return fast(q, k, v, mask, scale)
+            out, lse = _eager_function().apply(q, k, v, mask, scale, None, is_causal, block,
+                                               fast)
+            return (out, lse) if return_lse else out
     return _sparse_attention(q, k, v, mask, scale, index, traced, grad, is_causal, return_lse,
                              block)
 
@@ -1337,7 +1393,8 @@ def _sparse_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, in
                 raise ShapeError("index is the block index of a mask; a call without one has none")
             _given_index(plan, index, q.device)
     if grad and not traced:   # eager autograd without the custom op's dispatch
-        out, lse = _eager_function().apply(q, k, v, mask, scale, index, is_causal, block)
+        fast = _eager(q, k, v, mask, is_causal, True, plan, m, block) if index is None else None
+        out, lse = _eager_function().apply(q, k, v, mask, scale, index, is_causal, block, fast)
     elif grad:
         out, lse, _ = _ops()(q, k, v, mask, scale, None if index is None else list(index),
                               is_causal, list(block))
