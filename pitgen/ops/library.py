@@ -120,10 +120,6 @@ def jit_matmul(kernel: Any, a: Any, b: Any, mask: Any) -> Any:
     return ops().matmul(a, b, mask, kernel.config)
 
 
-def _dtype(t: Any) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
 _REGISTERED: list[bool] = []
 
 
@@ -173,7 +169,7 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         "(Tensor a, Tensor b, Tensor? mask, str expr, str sparse, str micro_tile) -> Tensor")
     def gemm(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, expr: str, sparse: str,
              micro_tile: str) -> torch.Tensor:
-        return linear._gemm(expr, sparse, _dtype(a), micro_tile, a, b, mask).contiguous()
+        return linear.gemm_body(a, b, mask, expr, sparse, micro_tile)
 
     @gemm.register_fake
     def _(a, b, mask, expr, sparse, micro_tile):
@@ -185,8 +181,7 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         "(Tensor q, Tensor k, Tensor mask, int[] tile, float scale) -> Tensor")
     def sddmm_dense(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, tile: list[int],
                     scale: float) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], k.shape[0])
-        return sd.launch(q, k, mask, tuple(tile), out, scale)
+        return sd.dense(q, k, mask, tile, scale)
 
     @sddmm_dense.register_fake
     def _(q, k, mask, tile, scale):
@@ -245,12 +240,7 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
     def weight_linear(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
                       bias: torch.Tensor | None, micro_tile: str, dx_micro_tile: str,
                       sddmm_tile: list[int]) -> torch.Tensor:
-        w_eff = weight * mask  # the sparse GEMM needs W's values outside M to be zero
-        xt = x.t().contiguous()  # B of yᵀ = W_eff xᵀ
-        y = linear._gemm(linear.WEIGHT_FORWARD, "A", _dtype(x), micro_tile, w_eff, xt, mask).t()
-        if bias is not None:
-            y.add_(bias)
-        return y
+        return linear.weight_forward(x, weight, mask, bias, micro_tile)
 
     @weight_linear.register_fake
     def _(x, weight, mask, bias, micro_tile, dx_micro_tile, sddmm_tile):
@@ -263,19 +253,8 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
 
     def weight_backward(ctx, dy):
         x, weight, mask = ctx.saved_tensors
-        dx_micro_tile, sddmm_tile, has_bias = ctx.cfg
-        dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            w_eff = weight * mask
-            dx = (dy @ w_eff if dx_micro_tile == "dense" else
-                  torch.ops.pitgen.gemm(dy, w_eff, mask, linear.WEIGHT_DX, "B", dx_micro_tile))
-        if ctx.needs_input_grad[1]:
-            # dW = (dYᵀ X) ⊙ M: dYᵀ and Xᵀ copied once so the SDDMM reads 16 bytes at a time
-            dw = torch.ops.pitgen.sddmm(dy.t().contiguous(), x.t().contiguous(), mask,
-                                        sddmm_tile, 1.0)
-        if has_bias and ctx.needs_input_grad[3]:
-            db = dy.sum(0)
+        dx, dw, db = linear.weight_grads(x, weight, mask, dy, ctx.needs_input_grad, *ctx.cfg,
+                                         gemm=torch.ops.pitgen.gemm, sddmm=torch.ops.pitgen.sddmm)
         return dx, dw, None, db, None, None, None
 
     weight_linear.register_autograd(weight_backward, setup_context=weight_setup)
@@ -284,10 +263,7 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         "(Tensor x, Tensor weight, Tensor? bias, str micro_tile) -> Tensor")
     def input_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      micro_tile: str) -> torch.Tensor:
-        y = linear._gemm(linear.INPUT_FORWARD, "A", _dtype(x), micro_tile, x, weight).contiguous()
-        if bias is not None:
-            y.add_(bias)
-        return y
+        return linear.input_forward(x, weight, bias, micro_tile)
 
     @input_linear.register_fake
     def _(x, weight, bias, micro_tile):
@@ -300,15 +276,8 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
 
     def input_backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        micro_tile, has_bias = ctx.cfg
-        dy = dy.contiguous()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = dy @ weight  # dense: see pitgen.ops.linear's docstring
-        if ctx.needs_input_grad[1]:
-            dw = torch.ops.pitgen.gemm(dy, x, None, linear.INPUT_DW, "B", micro_tile)
-        if has_bias and ctx.needs_input_grad[2]:
-            db = dy.sum(0)
+        dx, dw, db = linear.input_grads(x, weight, dy, ctx.needs_input_grad, *ctx.cfg,
+                                        gemm=torch.ops.pitgen.gemm)
         return dx, dw, db, None
 
     input_linear.register_autograd(input_backward, setup_context=input_setup)

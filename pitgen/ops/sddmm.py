@@ -252,6 +252,12 @@ def sddmm(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int] = (32, 1),
 
 
 @on_operand_device
+def dense(q: Tensor, k: Tensor, mask: Tensor, tile: Any, scale: float) -> Tensor:
+    """``scale · (Q Kᵀ) ⊙ M`` into a new dense tensor: ``pitgen::sddmm``'s body, and what an
+    eager backward (the weight-sparse linear's dW) calls instead of the op."""
+    return launch(q, k, mask, tuple(tile), q.new_empty(q.shape[0], k.shape[0]), scale)
+
+
 def launch(q: Tensor, k: Tensor, mask: Tensor, tile: tuple[int, int], out: Tensor | None,
            scale: float) -> SparseTiles | Tensor:
     """The SDDMM's launches on validated operands (the body of the ``pitgen::sddmm*`` ops):
