@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pitgen
+import pitgen.nn
 from pitgen.errors import BackwardError
 from pitgen.ops.moe import ACTIVATIONS, moe_ffn
 from pitgen.ops.sddmm import sddmm

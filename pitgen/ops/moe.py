@@ -13,6 +13,7 @@ skipped (they contribute nothing). ``moe_ffn(..., check=True)`` refuses such ids
 """
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -437,9 +438,10 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor
     torch.export traces). check=False never synchronises: pairs with out-of-range ids are
     skipped (they add nothing, and get no gradient), NaN gates propagate.
 
-    Runs as the ``torch.library`` op ``pitgen::moe_ffn``, differentiable in x, gates, w1, w2,
-    b1 and b2 (:func:`moe_backward`), when torch traces or an input requires grad; otherwise
-    it launches the op's body directly (the same kernels, less host time)."""
+    Differentiable in x, gates, w1, w2, b1 and b2 (:func:`moe_backward`). Runs as the
+    ``torch.library`` op ``pitgen::moe_ffn`` when torch traces; eagerly it launches the op's
+    body directly (the same kernels, less host time), through a ``torch.autograd.Function``
+    over the same body and backward when an input requires grad."""
     if not check and isinstance(activation, str):
         # a call signature seen before, nothing to differentiate: its launches, without the
         # device guard (the key holds the current device, which was the operands' then)
@@ -470,7 +472,33 @@ def _moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2:
     if not needs_grad(x, gates, w1, w2, b1, b2):
         # nothing to differentiate: the op's launches, without the dispatcher's host cost
         return run(x, expert_ids, gates, w1, w2, b1, b2) if T else torch.empty_like(x)
-    return ops().moe_ffn(x, expert_ids, gates, w1, w2, b1, b2, activation)
+    # the op's body and backward formula through autograd, without the op's dispatch
+    return _eager_function().apply(x, expert_ids, gates, w1, w2, b1, b2, activation)
+
+
+@functools.cache
+def _eager_function() -> type:
+    """``moe_ffn`` with autograd for eager calls: a ``torch.autograd.Function`` over the op's
+    body (``launch``) and :func:`moe_backward` with the routing called directly. The op
+    (``pitgen::moe_ffn``) is what torch.compile sees."""
+    import torch
+
+    class MoEFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
+                    activation: str) -> Any:
+            ctx.save_for_backward(x, ids, gates, w1, w2, b1, b2)
+            ctx.activation = activation
+            return launch(x, ids, gates, w1, w2, b1, b2, activation)
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> tuple:
+            x, ids, gates, w1, w2, b1, b2 = ctx.saved_tensors
+            dx, dg, dw1, dw2, db1, db2 = moe_backward(x, ids, gates, w1, w2, b1, b2,
+                                                      ctx.activation, dy, _route_tensors)
+            return dx, None, dg, dw1, dw2, db1, db2, None
+
+    return MoEFunction
 
 
 def launch(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
@@ -484,8 +512,9 @@ def launch(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
     return run(x, expert_ids, gates, w1, w2, b1, b2)
 
 
-#: bytes of fp32 expert weights one backward chunk gathers (w1 and w2 of its tiles)
-BACKWARD_CHUNK_BYTES = 256 << 20
+#: bytes one backward chunk holds of its tiles' expert weights (w1 and w2, gathered per tile)
+#: and their gradients' partials (in the operands' dtype and in float32)
+BACKWARD_CHUNK_BYTES = 512 << 20
 
 
 def _act_grad(activation: str, da: Any, h: Any) -> Any:
@@ -511,21 +540,29 @@ def _act(activation: str, h: Any) -> Any:
     return h
 
 
+def _route_tensors(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, ...]:
+    """``pitgen::moe_route``'s outputs, views of one buffer (no copies: an eager backward's)."""
+    r, ntiles = moe_route(expert_ids, num_experts, block_m)
+    return r.row_pair, r.tile_e, r.tile_r, r.offsets, ntiles
+
+
 def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
                  b1: Tensor | None, b2: Tensor | None, activation: str,
-                 dy: Tensor) -> tuple[Any, ...]:
+                 dy: Tensor, route: Any = None) -> tuple[Any, ...]:
     """(dx, dgates, dw1, dw2, db1, db2) of :func:`moe_ffn` for the output gradient ``dy``.
 
-    A first, correct version in torch ops over the forward's own routing index
-    (``pitgen::moe_route``: the expert-sorted rows and the BM-row tile list, built on the GPU):
-    the tile list is walked in static chunks; each chunk gathers its tiles' token rows
-    (index_select, padded rows zeroed) and its tiles' expert weights, recomputes the
-    pre-activation and activation in float32 with batched matmuls, and accumulates every
-    gradient with index_add (weights and biases by the tile's expert, x by token, gates by
-    (token, j) pair). No host synchronisation: grids and chunk counts come from the shapes.
-    It gathers weights per tile (at most :data:`BACKWARD_CHUNK_BYTES` at a time) and computes
-    in float32, so it is slower than the forward kernels; it does not reuse pitgen's MoE GEMM
-    kernels (their tiles gather rows, not the transposed reductions dW needs)."""
+    Torch ops over the forward's own routing index (``pitgen::moe_route``: the expert-sorted
+    rows and the BM-row tile list, built on the GPU): the tile list is walked in static chunks;
+    each chunk gathers its tiles' token rows (padded rows zeroed) and its tiles' expert weights,
+    recomputes the pre-activation and activation with batched matmuls in the operands' dtype
+    (float16: tensor cores; bfloat16 and float32 in float32; the activation, its gradient and
+    every sum in float32), and accumulates every
+    gradient in float32 with index_add (weights and biases by the tile's expert, x by token,
+    gates by (token, j) pair). No host synchronisation: grids and chunk counts come from the
+    shapes. It gathers weights per tile (at most :data:`BACKWARD_CHUNK_BYTES` of a chunk's
+    weights and weight-gradient partials at a time); it does not reuse pitgen's MoE GEMM
+    kernels (their tiles gather rows, not the transposed reductions dW needs). ``route``: the
+    routing (``pitgen::moe_route`` where torch traces, its body in an eager backward)."""
     import torch
 
     T, H = x.shape
@@ -542,11 +579,18 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
     db2 = torch.zeros(E, H, dtype=f32, device=dev)
     if P:
         bm = block_m(P, E)  # the forward's tiles (plan_moe's rule; sizes may be symbolic here)
-        row_pair, tile_e, tile_r, offsets, ntiles = ops().moe_route(expert_ids, E, bm)
+        row_pair, tile_e, tile_r, offsets, ntiles = (route or ops().moe_route)(expert_ids, E, bm)
         nt = tile_e.shape[0]
-        chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // (8 * H * F)))
-        xf, dyf, gf = x.to(f32), dy.to(f32), gates.to(f32).reshape(-1)
-        w1f, w2f = w1.to(f32), w2.to(f32)
+        # the products' dtype: float16 runs on the tensor cores; bfloat16's 8-bit mantissa
+        # rounded three chained products to 3% off float64 (dx, dgates), so it and float32
+        # compute in float32
+        cdt, gf = (x.dtype if x.dtype == torch.float16 else f32), gates.to(f32).reshape(-1)
+        xc, w1x, w2x, dyc = x.to(cdt), w1.to(cdt), w2.to(cdt), dy.to(cdt)
+        # a tile's two weights, and its two weight-gradient partials before and in float32
+        size = torch.finfo(cdt).bits // 8
+        chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // ((4 * size + 8) * H * F)))
+        b1f = None if b1 is None else b1.to(f32)
+        b2f = None if b2 is None else b2.to(f32)
         ar = torch.arange(bm, device=dev)
         zero = torch.zeros((), dtype=torch.int64, device=dev)
         for s in range(0, nt, chunk):
@@ -559,25 +603,28 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             ok = ok & (pair >= 0)
             pair = torch.where(ok, pair, zero)
             tok = pair // topk
-            okf = ok.to(f32)[..., None]
-            xg = xf[tok] * okf                                    # [C, BM, H]
-            dyg = dyf[tok] * okf                                  # [C, BM, H]
-            w1c, w2c = w1f[e], w2f[e]                             # [C, H, F], [C, F, H]
-            h = torch.bmm(xg, w1c)
-            if b1 is not None:
-                h = h + b1.to(f32)[e][:, None, :]
-            a = _act(activation, h)
-            o = torch.bmm(a, w2c)
-            if b2 is not None:
-                o = o + b2.to(f32)[e][:, None, :]
+            okc = ok.to(cdt)[..., None]
+            xg = xc[tok] * okc                                    # [C, BM, H]
+            dyg = (dyc[tok] * okc).to(f32)                        # [C, BM, H]
+            w1c, w2c = w1x[e], w2x[e]                             # [C, H, F], [C, F, H]
+            h = torch.bmm(xg, w1c).to(f32)
+            if b1f is not None:
+                h = h + b1f[e][:, None, :]
+            a = _act(activation, h).to(cdt)
+            o = torch.bmm(a, w2c).to(f32)
+            if b2f is not None:
+                o = o + b2f[e][:, None, :]
             dg.index_add_(0, pair.reshape(-1), (dyg * o).sum(-1).reshape(-1))
-            do = dyg * gf[pair][..., None]
-            dw2.index_add_(0, e, torch.bmm(a.transpose(1, 2), do))
+            do = dyg * gf[pair][..., None]                        # float32; padded rows 0
             db2.index_add_(0, e, do.sum(1))
-            dh = _act_grad(activation, torch.bmm(do, w2c.transpose(1, 2)), h)
-            dw1.index_add_(0, e, torch.bmm(xg.transpose(1, 2), dh))
+            do = do.to(cdt)
+            dw2.index_add_(0, e, torch.bmm(a.transpose(1, 2), do).to(f32))
+            dh = _act_grad(activation, torch.bmm(do, w2c.transpose(1, 2)).to(f32), h)
             db1.index_add_(0, e, dh.sum(1))
-            dx.index_add_(0, tok.reshape(-1), torch.bmm(dh, w1c.transpose(1, 2)).reshape(-1, H))
+            dh = dh.to(cdt)
+            dw1.index_add_(0, e, torch.bmm(xg.transpose(1, 2), dh).to(f32))
+            dx.index_add_(0, tok.reshape(-1),
+                          torch.bmm(dh, w1c.transpose(1, 2)).to(f32).reshape(-1, H))
     return (dx.to(x.dtype), dg[:P].reshape(T, topk).to(gates.dtype), dw1.to(w1.dtype),
             dw2.to(w2.dtype), None if b1 is None else db1.to(b1.dtype),
             None if b2 is None else db2.to(b2.dtype))
