@@ -546,6 +546,18 @@ def _route_tensors(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[
     return r.row_pair, r.tile_e, r.tile_r, r.offsets, ntiles
 
 
+def _bmm32(a: Tensor, b: Tensor) -> Tensor:
+    """The batched product with a float32 result: of float16 operands written from cuBLAS's
+    float32 accumulators where torch offers ``out_dtype`` (else rounded, then converted)."""
+    import torch
+    if a.dtype == torch.float16:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except TypeError:   # a torch without bmm's out_dtype
+            pass
+    return torch.bmm(a, b).float()
+
+
 def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
                  b1: Tensor | None, b2: Tensor | None, activation: str,
                  dy: Tensor, route: Any = None) -> tuple[Any, ...]:
@@ -607,24 +619,28 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             xg = xc[tok] * okc                                    # [C, BM, H]
             dyg = (dyc[tok] * okc).to(f32)                        # [C, BM, H]
             w1c, w2c = w1x[e], w2x[e]                             # [C, H, F], [C, F, H]
-            h = torch.bmm(xg, w1c).to(f32)
+            h = _bmm32(xg, w1c)
             if b1f is not None:
                 h = h + b1f[e][:, None, :]
-            a = _act(activation, h).to(cdt)
-            o = torch.bmm(a, w2c).to(f32)
+            a32 = _act(activation, h)
+            a = a32.to(cdt)
+            # dgates = dy . o sums terms that cancel: o from the activation in two float16
+            # parts (its rounding left a token's dgates 1.5% off float64)
+            o = _bmm32(a, w2c)
+            if cdt != f32:
+                o = o + _bmm32((a32 - a.to(f32)).to(cdt), w2c)
             if b2f is not None:
                 o = o + b2f[e][:, None, :]
             dg.index_add_(0, pair.reshape(-1), (dyg * o).sum(-1).reshape(-1))
             do = dyg * gf[pair][..., None]                        # float32; padded rows 0
             db2.index_add_(0, e, do.sum(1))
             do = do.to(cdt)
-            dw2.index_add_(0, e, torch.bmm(a.transpose(1, 2), do).to(f32))
-            dh = _act_grad(activation, torch.bmm(do, w2c.transpose(1, 2)).to(f32), h)
+            dw2.index_add_(0, e, _bmm32(a.transpose(1, 2), do))
+            dh = _act_grad(activation, _bmm32(do, w2c.transpose(1, 2)), h)
             db1.index_add_(0, e, dh.sum(1))
             dh = dh.to(cdt)
-            dw1.index_add_(0, e, torch.bmm(xg.transpose(1, 2), dh).to(f32))
-            dx.index_add_(0, tok.reshape(-1),
-                          torch.bmm(dh, w1c.transpose(1, 2)).to(f32).reshape(-1, H))
+            dw1.index_add_(0, e, _bmm32(xg.transpose(1, 2), dh))
+            dx.index_add_(0, tok.reshape(-1), _bmm32(dh, w1c.transpose(1, 2)).reshape(-1, H))
     return (dx.to(x.dtype), dg[:P].reshape(T, topk).to(gates.dtype), dw1.to(w1.dtype),
             dw2.to(w2.dtype), None if b1 is None else db1.to(b1.dtype),
             None if b2 is None else db2.to(b2.dtype))
