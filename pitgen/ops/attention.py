@@ -949,7 +949,6 @@ class _Backward:
         base = saved.data_ptr()
         states, order, counts, keys, bits, dense, drows, dcount = (base + o for o in self.offsets)
         args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr())
-        fixed = (*self.consts, scale * LOG2E, scale)
         with TorchLaunch() as launch:
             s, device = launch.stream, q.device
             buf, lock = kept_scratch(s, self.size, device)
@@ -968,12 +967,12 @@ class _Backward:
             with lock or nullcontext():
                 self.order(s, states, plan.slices * plan.n_qb, plan.n_kb, kv_order)
                 self.dq(s, *args, out.data_ptr(), 0 if dlse is None else dlse.data_ptr(), delta,
-                        dq.data_ptr(), mask, states, order, *fixed[:6], plan.n_kb, *fixed[6:],
-                        counts, keys, bits, plan.gather_cap, dense, drows, dcount, plan.n_qb,
-                        plan.dense_split, dtiles, ws, merge, *gathered)
+                        dq.data_ptr(), mask, states, order, *self.consts, plan.n_kb,
+                        scale * LOG2E, scale, counts, keys, bits, plan.gather_cap, dense, drows,
+                        dcount, plan.n_qb, plan.dense_split, dtiles, ws, merge, *gathered)
                 self.dkv(s, *args, delta, dk.data_ptr(), dv.data_ptr(), mask, states, kv_order,
-                         *fixed[:6], plan.n_qb, plan.n_kb, *fixed[6:], dense, drows, dcount,
-                         dtiles, *gathered)
+                         *self.consts, plan.n_qb, plan.n_kb, scale * LOG2E, scale, dense, drows,
+                         dcount, dtiles, *gathered)
         return dq, dk, dv
 
 

@@ -302,9 +302,8 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         "(Tensor expert_ids, int num_experts, int block_m) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
     def moe_route(expert_ids: torch.Tensor, num_experts: int,
                   block_m: int) -> tuple[torch.Tensor, ...]:
-        r, ntiles = moe.moe_route(expert_ids, num_experts, block_m)
         # views of one buffer: an op's outputs must not alias each other
-        return tuple(t.clone() for t in (r.row_pair, r.tile_e, r.tile_r, r.offsets, ntiles))
+        return tuple(t.clone() for t in moe.route_tensors(expert_ids, num_experts, block_m))
 
     @moe_route.register_fake
     def _(expert_ids, num_experts, block_m):

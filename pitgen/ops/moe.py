@@ -495,7 +495,7 @@ def _eager_function() -> type:
         def backward(ctx: Any, dy: Any) -> tuple:
             x, ids, gates, w1, w2, b1, b2 = ctx.saved_tensors
             dx, dg, dw1, dw2, db1, db2 = moe_backward(x, ids, gates, w1, w2, b1, b2,
-                                                      ctx.activation, dy, _route_tensors)
+                                                      ctx.activation, dy, route_tensors)
             return dx, None, dg, dw1, dw2, db1, db2, None
 
     return MoEFunction
@@ -540,8 +540,9 @@ def _act(activation: str, h: Any) -> Any:
     return h
 
 
-def _route_tensors(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, ...]:
-    """``pitgen::moe_route``'s outputs, views of one buffer (no copies: an eager backward's)."""
+def route_tensors(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, ...]:
+    """(row_pair, tile_e, tile_r, offsets, ntiles): ``pitgen::moe_route``'s outputs, views of
+    one buffer (the op copies them; an eager backward takes them as they are)."""
     r, ntiles = moe_route(expert_ids, num_experts, block_m)
     return r.row_pair, r.tile_e, r.tile_r, r.offsets, ntiles
 
