@@ -163,6 +163,20 @@ def test_signatures_match_kernel_parameters():
                 assert p.startswith("long long "), (name, p)
 
 
+def test_backward_signatures_match_kernel_parameters():
+    """moe_rows_nn / _nt / _act and moe_wgrad: one signature letter per parameter, in order."""
+    src = moe.MOE_BACKWARD.source(moe.BackwardPlan("float16").context())
+    for name, sig in moe.MOE_BACKWARD.kernels.items():
+        params = [p.strip() for p in re.search(r"\b" + name + r"\(([^)]*)\)", src)
+                  .group(1).split(",")]
+        assert len(params) == len(sig), name
+        for p, c in zip(params, sig):
+            assert ("*" in p) if c == "P" else p.startswith("int "), (name, p)
+    assert moe.MOE_BACKWARD.derive() == {"tile rows": ("t",), "expert rows": ("r",)}
+    assert moe.BackwardPlan("float16").smem <= 227 * 1024
+    assert "bf16.bf16" in moe.MOE_BACKWARD.source(moe.BackwardPlan("bfloat16").context())
+
+
 def test_render_variants():
     src = moe.MOE.source(moe.plan_moe(64, 1, 4, 64, 64, "bfloat16", "silu", "int64").context())
     assert "typedef long long eid_t;" in src and "__nv_bfloat16 elem_t" in src
@@ -189,10 +203,19 @@ def _plans() -> list[moe.MoEPlan]:
             for dtype, act, ids, T, arch in VARIANTS]
 
 
+#: the backward kernels' module: both dtypes, both architectures, every activation
+BACKWARD_VARIANTS = [("float16", "gelu", "sm_80"), ("bfloat16", "silu", "sm_90"),
+                     ("float16", "relu", "sm_90"), ("bfloat16", "identity", "sm_80")]
+
+
 def nvcc_jobs(pool) -> list[Future]:
-    """Each variant's compile for its arch (submitted at collection by conftest)."""
+    """Each variant's compile for its arch (submitted at collection by conftest): the layer's
+    modules, then the backward's."""
     return [pool.submit(compiler.compile_source, moe.MOE.source(plan.context()),
-                        compile_target(v[-1])) for plan, v in zip(_plans(), VARIANTS)]
+                        compile_target(v[-1])) for plan, v in zip(_plans(), VARIANTS)] + [
+        pool.submit(compiler.compile_source,
+                    moe.MOE_BACKWARD.source(moe.BackwardPlan(dtype, act).context()),
+                    compile_target(arch)) for dtype, act, arch in BACKWARD_VARIANTS]
 
 
 @pytest.mark.nvcc
@@ -203,4 +226,6 @@ def test_compile_variants(nvcc):
     plans = _plans()
     assert {p.bm for p in plans if p.mainloop == "mma_sync"} == {64, 128}
     assert [p.mainloop for p in plans].count("wgmma") == 2
-    assert all(len(job.result()) > 1000 for job in nvcc_jobs(nvcc))
+    jobs = nvcc_jobs(nvcc)
+    assert len(jobs) == len(VARIANTS) + len(BACKWARD_VARIANTS)
+    assert all(len(job.result()) > 1000 for job in jobs)

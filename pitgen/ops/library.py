@@ -11,6 +11,9 @@
 ``pitgen::sddmm_out``               SDDMM into a caller's dense ``out`` (mutates it)
 ``pitgen::moe_ffn``                 the fused MoE FFN, with backward (:mod:`pitgen.ops.moe`)
 ``pitgen::moe_route``               its routing index (expert-sorted rows, tile list)
+``pitgen::moe_rows``                its backward's products: tile rows x their expert's weight
+``pitgen::moe_rows_act``            the same with the activation's backward in its epilogue
+``pitgen::moe_wgrad``               its backward's weight gradients, one GEMM per expert's rows
 ``pitgen::sparse_conv2d``           conv2d skipping all-zero input channels, with backward
 ``pitgen::conv_channels``           its channel index alone (:mod:`pitgen.ops.conv`)
 ==================================  ==========================================================
@@ -313,6 +316,38 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
         return (expert_ids.new_empty(max(pairs, 1), dtype=i32),
                 expert_ids.new_empty(tiles, dtype=i32), expert_ids.new_empty(tiles, dtype=i32),
                 expert_ids.new_empty(num_experts + 1, dtype=i32), expert_ids.new_empty(1, dtype=i32))
+
+    @op("moe_rows", "(Tensor a, Tensor w, Tensor tile_e, Tensor ntiles, int row0,"
+                    " int tile_rows, bool trans) -> Tensor")
+    def moe_rows(a: torch.Tensor, w: torch.Tensor, tile_e: torch.Tensor, ntiles: torch.Tensor,
+                 row0: int, tile_rows: int, trans: bool) -> torch.Tensor:
+        return moe.expert_rows(a, w, tile_e, ntiles, row0, tile_rows, trans)
+
+    @moe_rows.register_fake
+    def _(a, w, tile_e, ntiles, row0, tile_rows, trans):
+        return a.new_empty(a.shape[0], w.shape[1] if trans else w.shape[2], dtype=torch.float32)
+
+    @op("moe_rows_act", "(Tensor dy, Tensor w, Tensor h, Tensor gate, Tensor tile_e,"
+                        " Tensor ntiles, int row0, int tile_rows, str activation)"
+                        " -> (Tensor, Tensor, Tensor)")
+    def moe_rows_act(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor, gate: torch.Tensor,
+                     tile_e: torch.Tensor, ntiles: torch.Tensor, row0: int, tile_rows: int,
+                     activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return moe.expert_rows_act(dy, w, h, gate, tile_e, ntiles, row0, tile_rows, activation)
+
+    @moe_rows_act.register_fake
+    def _(dy, w, h, gate, tile_e, ntiles, row0, tile_rows, activation):
+        return (dy.new_empty(h.shape), dy.new_empty(h.shape),
+                h.new_empty(h.shape[0], dtype=torch.float32))
+
+    @op("moe_wgrad", "(Tensor a, Tensor b, Tensor rows, int experts) -> Tensor")
+    def moe_wgrad(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
+                  experts: int) -> torch.Tensor:
+        return moe.wgrad(a, b, rows, experts)
+
+    @moe_wgrad.register_fake
+    def _(a, b, rows, experts):
+        return a.new_empty(experts, a.shape[1], b.shape[1])
 
     # -- sparse-channel convolution ----------------------------------------------------------------
 

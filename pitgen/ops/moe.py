@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -51,6 +52,56 @@ MOE = OpSpec(
         # ... and scattered back to their rows, gate-weighted (SWrite)
         Permutation("tokens out", GEMM2, "spatial", "I")),
     dtypes=("float16", "bfloat16", "float32"))
+
+#: the experts' weight gradients in the backward: a reduction over the rows routed to each
+WGRAD = "W[h,f] += X[r,h] * D[r,f]"
+
+MOE_BACKWARD = OpSpec(
+    "moe backward", "moe_backward.cu.j2",
+    {"moe_rows_nn": "PPPPPiiiiii", "moe_rows_nt": "PPPPPiiiiii",
+     "moe_rows_act": "P" * 9 + "i" * 6, "moe_wgrad": "PPPPiii"},
+    permutes=(
+        # each tile's rows times their expert's weight, where it lies (SRead of the rows) ...
+        Permutation("tile rows", GEMM1, "spatial", "X"),
+        # ... and an expert's rows (any order, zero rows between experts' tiles) as the k
+        # tiles of its weight gradient's GEMM
+        Permutation("expert rows", WGRAD, "reduction", "X")),
+    dtypes=("float16", "bfloat16"))
+
+#: moe_rows' CTA: ROWS_M rows (a routing tile holds one or two) x 128 columns, 4 stages of 32
+ROWS_M = 64
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The backward kernels' tiles: ``moe_wgrad``'s BM x BN of W[e] per CTA, BK rows a stage,
+    WM x WN warps (``moe_rows``' tile is fixed in the template: 64 x 128, 32 of k a stage)."""
+
+    dtype: str
+    activation: str = "identity"   # moe_rows_act's epilogue
+    bm: int = 128
+    bn: int = 128
+    bk: int = 32
+    wm: int = 2
+    wn: int = 4
+    stages: int = 4
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+    @property
+    def smem(self) -> int:
+        return self.stages * self.bk * (self.bm + self.bn + 16) * 2
+
+    @property
+    def rows_smem(self) -> int:
+        """moe_rows': per stage 64 x 40 of A and the larger of 32 x 136, 128 x 40 of W."""
+        return self.stages * (ROWS_M * 40 + 128 * 40) * 2
+
+    def context(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "activation": self.activation, "bm": self.bm, "bn": self.bn, "bk": self.bk, "wm": self.wm,
+                "wn": self.wn, "stages": self.stages}
 
 
 @dataclass(frozen=True)
@@ -359,6 +410,138 @@ def _launcher(plan: MoEPlan) -> _Launch:
     return validated(_LAUNCHES, (plan, device_index()), lambda: _Launch(plan))
 
 
+_BACKWARD_LAUNCHES = cache.memo("moe.backward_launches")
+
+
+def _backward_launch(kernel: str, dtype: str, rows: int, cols: int, z: int,
+                     activation: str = "identity") -> Any:
+    """A backward kernel bound to its grid, once per shape and device: ``moe_wgrad`` for W
+    [z, rows, cols], ``moe_rows_*`` for C [rows, cols]."""
+    def bind() -> Any:
+        plan = BackwardPlan(dtype, activation)
+        mod = MOE_BACKWARD.module(plan)
+        if kernel == "moe_wgrad":
+            grid = (-(-cols // plan.bn), -(-rows // plan.bm), z)
+            return mod.bind(kernel, grid, (plan.threads, 1, 1), plan.smem)
+        return mod.bind(kernel, (-(-cols // 128), rows // ROWS_M, 1), (plan.threads, 1, 1),
+                        plan.rows_smem)
+    return validated(_BACKWARD_LAUNCHES, (kernel, dtype, rows, cols, z, activation,
+                                          device_index()), bind)
+
+
+def _same_device(a: Any, **others: Any) -> None:
+    for name, t in others.items():
+        if t.device != a.device:
+            raise DeviceError(f"{name} is on {t.device} but a is on {a.device}")
+
+
+def _rows_operands(a: Any, w: Any, tile_e: Any, ntiles: Any, row0: int, tile_rows: int,
+                   trans: bool) -> tuple[int, int, int, int, str]:
+    """moe_rows' checks (a pitgen error naming what is wrong); (R, K, N, E, dtype)."""
+    check_tensor("a", a, ("float16", "bfloat16"), ndim=2)
+    dt = _name(a)
+    check_tensor("w", w, (dt,), ndim=3)
+    check_tensor("tile_e", tile_e, ("int32",), ndim=1)
+    check_tensor("ntiles", ntiles, ("int32",), ndim=1, shape=(1,))
+    _same_device(a, w=w, tile_e=tile_e, ntiles=ntiles)
+    R, K = a.shape
+    E, wk, N = (w.shape[0], w.shape[2], w.shape[1]) if trans else w.shape
+    if wk != K:
+        raise ShapeError(f"moe_rows: a has {K} columns but w's rows hold {wk} (trans={trans})")
+    if K % 8 or N % 8:
+        raise ShapeError(f"moe_rows: K ({K}) and N ({N}) must be multiples of 8")
+    if tile_rows <= 0 or tile_rows % ROWS_M or R % ROWS_M or row0 < 0 or row0 % tile_rows:
+        raise ShapeError(f"moe_rows: rows ({R}), tile_rows ({tile_rows}) and row0 ({row0}) "
+                         f"must be multiples of {ROWS_M}, row0 of tile_rows")
+    if (row0 + R) // tile_rows > tile_e.shape[0]:
+        raise ShapeError(f"moe_rows: rows {row0}..{row0 + R} pass the tile list's "
+                         f"{tile_e.shape[0]} tiles of {tile_rows}")
+    if a.data_ptr() % 16 or w.data_ptr() % 16:
+        raise ShapeError("moe_rows: a and w must start at 16-byte aligned addresses")
+    return R, K, N, E, dt
+
+
+@on_operand_device
+def expert_rows(a: Tensor, w: Tensor, tile_e: Tensor, ntiles: Tensor, row0: int,
+                tile_rows: int, trans: bool) -> Tensor:
+    """C float32 [R, N]: row r of ``a`` [R, K] times the weight of its tile's expert, ``w``
+    [E, K, N] (``trans``: ``w`` [E, N, K], C = a W[e]ᵀ). Row r is row r of list slot
+    ``(row0 + r) // tile_rows`` of the routing tile list ``tile_e`` (int32; ``ntiles`` [1]
+    valid entries); rows of slots past them, or whose expert is outside [0, E), are zeros.
+    float16 or bfloat16 operands of one dtype, contiguous, K and N multiples of 8; R and
+    ``tile_rows`` multiples of 64, ``row0`` of ``tile_rows``. One launch (``moe_rows_*``): the
+    weights are read where they lie, not copied per tile. The body of ``pitgen::moe_rows``."""
+    import torch
+
+    R, K, N, E, dt = _rows_operands(a, w, tile_e, ntiles, row0, tile_rows, trans)
+    c = torch.empty(R, N, dtype=torch.float32, device=a.device)
+    if c.numel():
+        run = _backward_launch("moe_rows_nt" if trans else "moe_rows_nn", dt, R, N, 1)
+        with TorchLaunch() as launch:
+            run(launch.stream, a.data_ptr(), w.data_ptr(), c.data_ptr(), tile_e.data_ptr(),
+                ntiles.data_ptr(), row0, R, tile_rows, K, N, E)
+    return c
+
+
+@on_operand_device
+def expert_rows_act(dy: Tensor, w: Tensor, h: Tensor, gate: Tensor, tile_e: Tensor,
+                    ntiles: Tensor, row0: int, tile_rows: int,
+                    activation: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The activation's backward over the rows of a chunk of the tile list, in one launch
+    (``moe_rows_act``): G = dy W[e]ᵀ as :func:`expert_rows` with ``trans`` (``w`` [E, N, K]),
+    consumed in the product's epilogue with the pre-activation ``h`` (float32 [R, N]) and the
+    rows' ``gate`` (float32 [R]): (dh, a, dot) with a = act(h) and dh = act'(h) · gate · G in
+    dy's dtype and dot[r] = G[r] · a[r] (float32). G itself is never stored. The body of
+    ``pitgen::moe_rows_act``."""
+    import torch
+
+    R, K, N, E, dt = _rows_operands(dy, w, tile_e, ntiles, row0, tile_rows, True)
+    if activation not in ACTIVATIONS:
+        raise ShapeError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    check_tensor("h", h, ("float32",), shape=(R, N))
+    check_tensor("gate", gate, ("float32",), shape=(R,))
+    _same_device(dy, h=h, gate=gate)
+    dh, a = dy.new_empty(R, N), dy.new_empty(R, N)
+    dot = torch.zeros(R, dtype=torch.float32, device=dy.device)
+    if dh.numel():
+        run = _backward_launch("moe_rows_act", dt, R, N, 1, activation)
+        with TorchLaunch() as launch:
+            run(launch.stream, dy.data_ptr(), w.data_ptr(), h.data_ptr(), gate.data_ptr(),
+                dh.data_ptr(), a.data_ptr(), dot.data_ptr(), tile_e.data_ptr(),
+                ntiles.data_ptr(), row0, R, tile_rows, K, N, E)
+    return dh, a, dot
+
+
+@on_operand_device
+def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
+    """W [experts, M, N] in the operands' dtype with ``W[e] = a[r0:r1]ᵀ b[r0:r1]``,
+    ``r0, r1 = rows[e], rows[e + 1]`` (clamped to [0, R]): the weight gradients of experts whose routed rows lie in
+    consecutive ranges of ``a`` [R, M] and ``b`` [R, N] (float16 or bfloat16, one dtype,
+    contiguous, M and N multiples of 8; ``rows`` int32 [>= experts + 1]). One GEMM per expert
+    over its rows (``moe_wgrad``): no partials, no atomics; an expert without rows gets zeros.
+    The body of ``pitgen::moe_wgrad``."""
+    check_tensor("a", a, ("float16", "bfloat16"), ndim=2)
+    dt = _name(a)
+    check_tensor("b", b, (dt,), ndim=2, shape=(a.shape[0], None))
+    check_tensor("rows", rows, ("int32",), ndim=1)
+    R, M = a.shape
+    N = b.shape[1]
+    if M % 8 or N % 8:
+        raise ShapeError(f"moe_wgrad: a's and b's widths ({M}, {N}) must be multiples of 8")
+    if not 0 <= experts < 65536 or rows.shape[0] < experts + 1:
+        raise ShapeError(f"moe_wgrad: {experts} experts need rows of at least {experts + 1} "
+                         f"entries (got {rows.shape[0]}) and fewer than 65536 experts")
+    _same_device(a, b=b, rows=rows)
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        raise ShapeError("moe_wgrad: a and b must start at 16-byte aligned addresses")
+    w = a.new_empty(experts, M, N)   # fp32 accumulators, rounded once: the weights' dtype
+    if w.numel():
+        run = _backward_launch("moe_wgrad", dt, M, N, experts)
+        with TorchLaunch() as launch:
+            run(launch.stream, a.data_ptr(), b.data_ptr(), w.data_ptr(), rows.data_ptr(), R, M, N)
+    return w
+
+
 @on_operand_device
 def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[Routing, Tensor]:
     """Build the routing index on the GPU for ``expert_ids [T, topk]`` (int32/int64 CUDA tensor);
@@ -476,6 +659,11 @@ def _moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2:
     return _eager_function().apply(x, expert_ids, gates, w1, w2, b1, b2, activation)
 
 
+#: the backward kernels' bodies, for an eager backward (the ops' names: moe_backward's kernels)
+_KERNEL_BODIES = SimpleNamespace(moe_rows=expert_rows, moe_rows_act=expert_rows_act,
+                                 moe_wgrad=wgrad)
+
+
 @functools.cache
 def _eager_function() -> type:
     """``moe_ffn`` with autograd for eager calls: a ``torch.autograd.Function`` over the op's
@@ -495,7 +683,8 @@ def _eager_function() -> type:
         def backward(ctx: Any, dy: Any) -> tuple:
             x, ids, gates, w1, w2, b1, b2 = ctx.saved_tensors
             dx, dg, dw1, dw2, db1, db2 = moe_backward(x, ids, gates, w1, w2, b1, b2,
-                                                      ctx.activation, dy, route_tensors)
+                                                      ctx.activation, dy, route_tensors,
+                                                      _KERNEL_BODIES)
             return dx, None, dg, dw1, dw2, db1, db2, None
 
     return MoEFunction
@@ -561,21 +750,27 @@ def _bmm32(a: Tensor, b: Tensor) -> Tensor:
 
 def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
                  b1: Tensor | None, b2: Tensor | None, activation: str,
-                 dy: Tensor, route: Any = None) -> tuple[Any, ...]:
+                 dy: Tensor, route: Any = None, kernels: Any = None) -> tuple[Any, ...]:
     """(dx, dgates, dw1, dw2, db1, db2) of :func:`moe_ffn` for the output gradient ``dy``.
 
-    Torch ops over the forward's own routing index (``pitgen::moe_route``: the expert-sorted
-    rows and the BM-row tile list, built on the GPU): the tile list is walked in static chunks;
-    each chunk gathers its tiles' token rows (padded rows zeroed) and its tiles' expert weights,
-    recomputes the pre-activation and activation with batched matmuls in the operands' dtype
-    (float16: tensor cores; bfloat16 and float32 in float32; the activation, its gradient and
-    every sum in float32), and accumulates every
-    gradient in float32 with index_add (weights and biases by the tile's expert, x by token,
-    gates by (token, j) pair). No host synchronisation: grids and chunk counts come from the
-    shapes. It gathers weights per tile (at most :data:`BACKWARD_CHUNK_BYTES` of a chunk's
-    weights and weight-gradient partials at a time); it does not reuse pitgen's MoE GEMM
-    kernels (their tiles gather rows, not the transposed reductions dW needs). ``route``: the
-    routing (``pitgen::moe_route`` where torch traces, its body in an eager backward)."""
+    Over the forward's own routing index (``pitgen::moe_route``: the expert-sorted rows and the
+    BM-row tile list, built on the GPU), walked in static chunks of tiles. A chunk gathers its
+    tiles' token rows (padded rows zeroed), recomputes the pre-activation h = x W1 + b1, takes
+    G = dy W2ᵀ, then dgates = G · a + dy · b2 per pair (a = act(h): no second product, and no
+    rounding of a, whose terms cancel), dh = act'(h) ⊙ gate · G, dx += dh W1ᵀ by token and the
+    biases' gradients per tile, every sum in float32.
+
+    On CUDA with float16 or bfloat16 operands the products are pitgen's backward kernels
+    (``kernels``: ``torch.ops.pitgen`` where torch traces, their bodies in an eager backward):
+    ``moe_rows`` multiplies each tile's rows by its expert's weight where it lies
+    (``moe_rows_act`` takes G and leaves dh, a and G · a from its epilogue, G never stored), and
+    the weight gradients are one GEMM per expert over its rows (``moe_wgrad``, over the chunks'
+    rows kept in the operands' dtype): no weight copied per tile, no partials, no atomics on
+    them. Elsewhere (float32, the CPU) they are batched matmuls over each tile's gathered
+    weights (float16 on the tensor cores, the rest in float32), each tile's weight-gradient
+    partial added into its expert's by ``index_add_``. No host synchronisation: grids and chunk
+    counts come from the shapes. ``route``: the routing (``pitgen::moe_route`` where torch
+    traces, its body in an eager backward)."""
     import torch
 
     T, H = x.shape
@@ -586,28 +781,41 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
     dev = x.device
     dx = torch.zeros(T, H, dtype=f32, device=dev)
     dg = torch.zeros(max(P, 1), dtype=f32, device=dev)
-    dw1 = torch.zeros(E, H, F, dtype=f32, device=dev)
-    dw2 = torch.zeros(E, F, H, dtype=f32, device=dev)
     db1 = torch.zeros(E, F, dtype=f32, device=dev)
     db2 = torch.zeros(E, H, dtype=f32, device=dev)
+    grouped = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+    dw1 = dw2 = None
     if P:
         bm = block_m(P, E)  # the forward's tiles (plan_moe's rule; sizes may be symbolic here)
         row_pair, tile_e, tile_r, offsets, ntiles = (route or ops().moe_route)(expert_ids, E, bm)
         nt = tile_e.shape[0]
-        # the products' dtype: float16 runs on the tensor cores; bfloat16's 8-bit mantissa
-        # rounded three chained products to 3% off float64 (dx, dgates), so it and float32
-        # compute in float32
-        cdt, gf = (x.dtype if x.dtype == torch.float16 else f32), gates.to(f32).reshape(-1)
-        xc, w1x, w2x, dyc = x.to(cdt), w1.to(cdt), w2.to(cdt), dy.to(cdt)
-        # a tile's two weights, and its two weight-gradient partials before and in float32
+        # the products' dtype: the kernels take float16 and bfloat16 (fp32 accumulators); the
+        # batched matmuls float16, while bfloat16's 8-bit mantissa rounded their three chained
+        # products to 3% off float64 (dx, dgates), so they run it and float32 in float32
+        cdt = x.dtype if grouped or x.dtype == torch.float16 else f32
+        gf = gates.to(f32).reshape(-1)
+        xc, dyc = x.to(cdt), dy.to(cdt)
+        # a chunk's row tensors (float32), and without the kernels its tiles' two weights and
+        # their gradients' partials
         size = torch.finfo(cdt).bits // 8
-        chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // ((4 * size + 8) * H * F)))
+        tile_bytes = bm * (H + F) * 24 + (0 if grouped else (2 * size + 8) * H * F)
+        chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // tile_bytes))
         b1f = None if b1 is None else b1.to(f32)
         b2f = None if b2 is None else b2.to(f32)
         ar = torch.arange(bm, device=dev)
         zero = torch.zeros((), dtype=torch.int64, device=dev)
+        if grouped:
+            k = kernels or ops()
+            # moe_wgrad's operands: every tile's rows, zero past its expert's
+            rows_x, rows_dh = x.new_empty(nt * bm, H), x.new_empty(nt * bm, F)
+            rows_a, rows_do = x.new_empty(nt * bm, F), x.new_empty(nt * bm, H)
+        else:
+            w1x, w2x = w1.to(cdt), w2.to(cdt)
+            dw1 = torch.zeros(E, H, F, dtype=f32, device=dev)
+            dw2 = torch.zeros(E, F, H, dtype=f32, device=dev)
         for s in range(0, nt, chunk):
             tiles = torch.arange(s, min(nt, s + chunk), device=dev)
+            C = len(tiles)
             live = tiles < ntiles
             e = torch.where(live, tile_e[tiles].long(), zero).clamp(0, E - 1)
             rows = torch.where(live, tile_r[tiles].long(), zero)[:, None] + ar  # [C, BM]
@@ -618,30 +826,59 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             tok = pair // topk
             okc = ok.to(cdt)[..., None]
             xg = xc[tok] * okc                                    # [C, BM, H]
-            dyg = (dyc[tok] * okc).to(f32)                        # [C, BM, H]
-            w1c, w2c = w1x[e], w2x[e]                             # [C, H, F], [C, F, H]
-            h = _bmm32(xg, w1c)
-            if b1f is not None:
-                h = h + b1f[e][:, None, :]
-            a32 = _act(activation, h)
-            a = a32.to(cdt)
-            # dgates = dy . o sums terms that cancel: o from the activation in two float16
-            # parts (its rounding left a token's dgates 1.5% off float64)
-            o = _bmm32(a, w2c)
-            if cdt != f32:
-                o = o + _bmm32((a32 - a.to(f32)).to(cdt), w2c)
+            dyg = dyc[tok] * okc                                  # [C, BM, H]
+            gate = gf[pair] * ok                                  # [C, BM]; padded rows 0
+            if grouped:
+                def by_tile(a: Any, w: Any, trans: bool) -> Any:
+                    out = k.moe_rows(a.reshape(C * bm, -1), w, tile_e, ntiles, s * bm, bm, trans)
+                    return out.view(C, bm, -1)
+                h = by_tile(xg, w1, False)
+                if b1f is not None:
+                    h = h + b1f[e][:, None, :]
+                # G = dy W2ᵀ consumed in its epilogue: dh, a and G · a (never stored)
+                dhc, a, dgp = k.moe_rows_act(dyg.reshape(C * bm, H), w2, h.reshape(C * bm, F),
+                                             gate.reshape(-1), tile_e, ntiles, s * bm, bm,
+                                             activation)
+                dh, dgp = dhc.view(C, bm, F), dgp.view(C, bm)
+            else:
+                w1c, w2c = w1x[e], w2x[e]                         # [C, H, F], [C, F, H]
+                h = _bmm32(xg, w1c)
+                if b1f is not None:
+                    h = h + b1f[e][:, None, :]
+                a = _act(activation, h)
+                g = _bmm32(dyg, w2c.transpose(1, 2))              # dy W2ᵀ, float32
+                dgp = (g * a).sum(-1)
+                dh = _act_grad(activation, g * gate[..., None], h)
+                dhc = dh.to(cdt)
+            dyf = dyg.to(f32)
             if b2f is not None:
-                o = o + b2f[e][:, None, :]
-            dg.index_add_(0, pair.reshape(-1), (dyg * o).sum(-1).reshape(-1))
-            do = dyg * gf[pair][..., None]                        # float32; padded rows 0
+                dgp = dgp + (dyf * b2f[e][:, None, :]).sum(-1)
+            dg.index_add_(0, pair.reshape(-1), dgp.reshape(-1))
+            do = dyf * gate[..., None]                            # float32; padded rows 0
             db2.index_add_(0, e, do.sum(1))
-            do = do.to(cdt)
-            dw2.index_add_(0, e, _bmm32(a.transpose(1, 2), do))
-            dh = _act_grad(activation, _bmm32(do, w2c.transpose(1, 2)), h)
-            db1.index_add_(0, e, dh.sum(1))
-            dh = dh.to(cdt)
-            dw1.index_add_(0, e, _bmm32(xg.transpose(1, 2), dh))
-            dx.index_add_(0, tok.reshape(-1), _bmm32(dh, w1c.transpose(1, 2)).reshape(-1, H))
+            db1.index_add_(0, e, dh.sum(1, dtype=f32))
+            if grouped:
+                span = slice(s * bm, (s + C) * bm)
+                rows_x[span] = xg.reshape(-1, H)
+                rows_dh[span] = dhc.reshape(-1, F)
+                rows_a[span] = a.reshape(-1, F)
+                rows_do[span] = do.reshape(-1, H)
+                dxs = by_tile(dh, w1, True)
+            else:
+                dxs = _bmm32(dhc, w1c.transpose(1, 2))
+                dw2.index_add_(0, e, _bmm32(a.to(cdt).transpose(1, 2), do.to(cdt)))
+                dw1.index_add_(0, e, _bmm32(xg.transpose(1, 2), dhc))
+            dx.index_add_(0, tok.reshape(-1), dxs.reshape(-1, H))
+        if grouped:
+            # expert e's tiles are ceil(count / BM) consecutive ones, in expert order
+            counts = (offsets[1:] - offsets[:-1]).clamp(min=0)
+            first = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+            first[1:] = torch.cumsum(-(-counts // bm) * bm, 0)
+            dw1 = k.moe_wgrad(rows_x, rows_dh, first, E)
+            dw2 = k.moe_wgrad(rows_a, rows_do, first, E)
+    if dw1 is None:   # no pair: nothing routed
+        dw1 = torch.zeros(E, H, F, dtype=f32, device=dev)
+        dw2 = torch.zeros(E, F, H, dtype=f32, device=dev)
     return (dx.to(x.dtype), dg[:P].reshape(T, topk).to(gates.dtype), dw1.to(w1.dtype),
             dw2.to(w2.dtype), None if b1 is None else db1.to(b1.dtype),
             None if b2 is None else db2.to(b2.dtype))

@@ -1,0 +1,175 @@
+"""GPU tests of the MoE backward's kernels against float64 references: ``moe_rows`` (each tile's
+rows times its expert's weight, both layouts; tiles past the list's length and experts out of
+range give zeros), ``moe_rows_act`` (the activation's backward in its epilogue, every
+activation) and ``moe_wgrad`` (one GEMM per expert over its rows; ragged, empty, reversed
+and out-of-range row bounds), over random shapes that are not tile multiples, with their
+outputs' memory poisoned first; bad input refused. The whole backward against float64 autograd
+is in test_gpu_autograd.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pitgen import testing as T
+from pitgen.errors import ShapeError
+from pitgen.ops import moe
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _poisoned(shape, dtype=torch.float32, count: int = 1) -> set[int]:
+    """Leave ``count`` NaN-filled blocks of ``shape`` in torch's cache, for the next
+    allocations of that size (the kernel's outputs) to take; their addresses."""
+    blocks = [T.poison(torch.empty(shape, dtype=dtype, device="cuda")) for _ in range(count)]
+    return {t.data_ptr() for t in blocks}
+
+
+def _tiles(data, nt: int, E: int):
+    """A tile list's experts (some out of range: zero rows), its valid length, and a chunk of
+    its slots s .. c."""
+    experts = np.asarray(data.draw(st.lists(st.integers(0, E - 1), min_size=nt, max_size=nt)))
+    bad = data.draw(st.lists(st.sampled_from([-1, E, 12345]), max_size=nt))
+    experts[:len(bad)] = bad
+    s = data.draw(st.integers(0, nt - 1))
+    return experts, data.draw(st.integers(0, nt)), s, data.draw(st.integers(s + 1, nt))
+
+
+def _act64(name: str, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """act(h), act'(h) in float64 (GELU's tanh form), and the terms the kernel's tanh.approx
+    (relative error ~2^-11) may move them by, in units of 2^-10 (assert_close's e_acc)."""
+    if name == "gelu":
+        c = np.sqrt(2 / np.pi)
+        t = np.tanh(c * (h + 0.044715 * h ** 3))
+        d = 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * 0.044715 * h * h)
+        return 0.5 * h * (1 + t), d, (1 + np.abs(h)) * (1 + 0.15 * h * h)
+    if name == "silu":
+        sg = 1 / (1 + np.exp(-h))
+        return h * sg, sg * (1 + h * (1 - sg)), np.zeros_like(h)
+    if name == "relu":
+        return np.maximum(h, 0), (h > 0).astype(np.float64), np.zeros_like(h)
+    return h, np.ones_like(h), np.zeros_like(h)
+
+
+@settings(max_examples=T.examples(25), deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(sorted(DT)), E=st.integers(1, 5),
+       K=st.sampled_from([8, 24, 72, 136, 200]), N=st.sampled_from([8, 40, 128, 136, 264]),
+       tile_rows=st.sampled_from([64, 128]), nt=st.integers(1, 4), trans=st.booleans(),
+       data=st.data())
+def test_expert_rows_matches_float64(dtype, E, K, N, tile_rows, nt, trans, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    experts, ntiles, s, c = _tiles(data, nt, E)
+    R = (c - s) * tile_rows
+    a = rng.standard_normal((R, K)).astype(np.float32)
+    w = rng.standard_normal((E, N, K) if trans else (E, K, N)).astype(np.float32)
+    at, wt = (torch.from_numpy(v).to("cuda", DT[dtype]) for v in (a, w))
+    a64, w64 = at.double().cpu().numpy(), wt.double().cpu().numpy()
+    tile_e = torch.tensor(experts, dtype=torch.int32, device="cuda")
+    n = torch.tensor([ntiles], dtype=torch.int32, device="cuda")
+    ptr = _poisoned((R, N))
+    out = moe.expert_rows(at, wt, tile_e, n, s * tile_rows, tile_rows, trans)
+    assert {out.data_ptr()} == ptr and out.dtype == torch.float32 and out.shape == (R, N)
+    ref, mag = np.zeros((R, N)), np.zeros((R, N))
+    for r in range(R):
+        slot = s + r // tile_rows
+        e = experts[slot]
+        if slot < ntiles and 0 <= e < E:
+            we = w64[e].T if trans else w64[e]
+            ref[r], mag[r] = a64[r] @ we, np.abs(a64[r]) @ np.abs(we)
+    T.assert_close(out, ref, "float32", scale=mag)
+
+
+@settings(max_examples=T.examples(25), deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(sorted(DT)), act=st.sampled_from(moe.ACTIVATIONS),
+       E=st.integers(1, 4), K=st.sampled_from([8, 72, 136]), N=st.sampled_from([8, 40, 136, 264]),
+       tile_rows=st.sampled_from([64, 128]), nt=st.integers(1, 3), data=st.data())
+def test_expert_rows_act_matches_float64(dtype, act, E, K, N, tile_rows, nt, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    experts, ntiles, s, c = _tiles(data, nt, E)
+    R = (c - s) * tile_rows
+    dy = torch.from_numpy(rng.standard_normal((R, K)).astype(np.float32)).to("cuda", DT[dtype])
+    w = torch.from_numpy(rng.standard_normal((E, N, K)).astype(np.float32)).to("cuda", DT[dtype])
+    h = torch.from_numpy(rng.standard_normal((R, N)).astype(np.float32) * 2).cuda()
+    gate = torch.from_numpy(rng.random(R).astype(np.float32)).cuda()
+    tile_e = torch.tensor(experts, dtype=torch.int32, device="cuda")
+    n = torch.tensor([ntiles], dtype=torch.int32, device="cuda")
+    ptrs = _poisoned((R, N), DT[dtype], 2)
+    dh, a, dot = moe.expert_rows_act(dy, w, h, gate, tile_e, n, s * tile_rows, tile_rows, act)
+    assert {dh.data_ptr(), a.data_ptr()} == ptrs
+    assert dh.dtype == a.dtype == DT[dtype] and dot.dtype == torch.float32
+    dy64, w64, h64, g64 = (t.double().cpu().numpy() for t in (dy, w, h, gate))
+    G, mag = np.zeros((R, N)), np.zeros((R, N))
+    for r in range(R):
+        slot = s + r // tile_rows
+        e = experts[slot]
+        if slot < ntiles and 0 <= e < E:
+            G[r], mag[r] = dy64[r] @ w64[e].T, np.abs(dy64[r]) @ np.abs(w64[e].T)
+    a64, d64, approx = _act64(act, h64)
+    T.assert_close(a, a64, dtype, scale=np.abs(a64) + approx)
+    T.assert_close(dh, d64 * g64[:, None] * G, dtype,
+                   scale=(np.abs(d64) + approx) * g64[:, None] * mag)
+    T.assert_close(dot, (G * a64).sum(1), dtype, scale=(mag * (np.abs(a64) + approx)).sum(1))
+
+
+@settings(max_examples=T.examples(25), deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(sorted(DT)), E=st.integers(1, 6),
+       R=st.sampled_from([0, 1, 64, 100, 320]), M=st.sampled_from([8, 40, 136, 264]),
+       N=st.sampled_from([8, 56, 128, 200]), data=st.data())
+def test_wgrad_matches_float64(dtype, E, R, M, N, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    # ascending bounds mostly; some reversed, negative or past R (clamped: empty or cut)
+    rows = np.sort(rng.integers(0, R + 1, E + 1))
+    rows[0] = 0
+    if data.draw(st.booleans()):
+        rows[rng.integers(0, E + 1)] = data.draw(st.sampled_from([-5, R + 40, 10**6]))
+    a = rng.standard_normal((R, M)).astype(np.float32)
+    b = rng.standard_normal((R, N)).astype(np.float32)
+    at, bt = (torch.from_numpy(v).to("cuda", DT[dtype]) for v in (a, b))
+    a64, b64 = at.double().cpu().numpy(), bt.double().cpu().numpy()
+    bounds = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    ptr = _poisoned((E, M, N), DT[dtype])
+    out = moe.wgrad(at, bt, bounds, E)
+    assert {out.data_ptr()} == ptr and out.shape == (E, M, N) and out.dtype == DT[dtype]
+    ref, mag = np.zeros((E, M, N)), np.zeros((E, M, N))
+    for e in range(E):
+        r0 = min(max(rows[e], 0), R)
+        r1 = min(max(rows[e + 1], r0), R)
+        ref[e], mag[e] = a64[r0:r1].T @ b64[r0:r1], np.abs(a64[r0:r1]).T @ np.abs(b64[r0:r1])
+    T.assert_close(out, ref, dtype, scale=mag)
+
+
+def test_kernels_refuse_bad_input():
+    h = torch.float16
+    a, w = torch.ones(64, 16, dtype=h, device="cuda"), torch.ones(2, 16, 32, dtype=h, device="cuda")
+    te, n = torch.zeros(2, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32,
+                                                                          device="cuda")
+    with pytest.raises(ShapeError, match="dtype"):
+        moe.expert_rows(a.float(), w, te, n, 0, 64, False)
+    with pytest.raises(ShapeError, match="columns"):
+        moe.expert_rows(a, w, te, n, 0, 64, True)   # w [E, N, K] would need K = 32
+    with pytest.raises(ShapeError, match="multiples of 64"):
+        moe.expert_rows(a[:32], w, te, n, 0, 64, False)
+    with pytest.raises(ShapeError, match="tile list"):
+        moe.expert_rows(a, w, te, n, 128, 64, False)   # slot 2 of a list of 2
+    with pytest.raises(ShapeError, match="multiples of 8"):
+        moe.expert_rows(torch.ones(64, 12, dtype=h, device="cuda"),
+                        torch.ones(2, 12, 32, dtype=h, device="cuda"), te, n, 0, 64, False)
+    h32 = torch.zeros(64, 32, device="cuda")
+    g = torch.zeros(64, device="cuda")
+    with pytest.raises(ShapeError, match="activation"):
+        moe.expert_rows_act(a, w.transpose(1, 2).contiguous(), h32, g, te, n, 0, 64, "tanh")
+    with pytest.raises(ShapeError, match="shape"):
+        moe.expert_rows_act(a, w.transpose(1, 2).contiguous(), h32[:, :16], g, te, n, 0, 64,
+                            "relu")
+    rows = torch.zeros(3, dtype=torch.int32, device="cuda")
+    with pytest.raises(ShapeError, match="multiples of 8"):
+        moe.wgrad(torch.ones(4, 12, dtype=h, device="cuda"), a[:4], rows, 2)
+    with pytest.raises(ShapeError, match="at least 4"):
+        moe.wgrad(a, a, rows, 3)
+    with pytest.raises(ShapeError, match="dtype"):
+        moe.wgrad(a, a.bfloat16(), rows, 2)
+    with pytest.raises(ShapeError, match="not contiguous"):
+        moe.wgrad(a.t(), a.t(), rows, 2)
