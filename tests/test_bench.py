@@ -508,3 +508,16 @@ def test_attention_layout_rows_follow_their_masks():
             R.block_layout_mask(layout, block, attention.S, attention.S), mask_set[source])
     with pytest.raises(ValueError, match="whole 128 x 128 blocks"):
         attention.layout_of(mask_set[attention.BIGBIRD], 128)
+
+
+def test_moe_training_table_has_every_row_and_its_floor():
+    from pitgen.bench.moe import training_table
+    base = dict(E=8, topk=2, floor_ms=0.5)
+    rows = [dict(base, impl="pitgen moe_ffn (check=False)", dtype="float16", ms=1.0, host_ms=1.5,
+                 vs_floor=2.0, speedup_vs_grouped_mm=3.0, rel_err_vs_loop=1e-3),
+            dict(base, impl="torch._grouped_mm", dtype="bfloat16", error="RuntimeError: no grad")]
+    text = training_table(rows, {"device": "NVIDIA H200", "repeats": 20})
+    assert text.startswith("# MoE expert layer, training step (NVIDIA H200)")
+    lines = [line for line in text.splitlines() if line.startswith("| 8 | 2 |")]
+    assert len(lines) == 2 and "| 1.000 |" in lines[0] and "| 3.00x |" in lines[0]
+    assert "failed" in lines[1] and "no grad" in lines[1]

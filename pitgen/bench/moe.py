@@ -8,6 +8,12 @@ at the copy rate measured in the run, or the FLOPs at the dense fp16 matmul rate
 whichever is longer (E = 8 is compute-bound). The stk peer runs in a child process (``--stk-only``): a fault in its
 kernels kills a CUDA context, and must not take the other rows with it. Writes moe_layer.md and
 moe_layer.json (moe.md is the peer suite's Switch-base workload).
+
+Training: the same cases' step (forward and every gradient: x, gates, w1, w2, b1, b2) for
+pitgen in fp16 and bf16 and for the ``_grouped_mm`` layer in bf16 through torch's autograd,
+each checked against float32 autograd of the loop over experts; floor: the step's six GEMMs
+(2 forward, 4 backward) at the measured matmul rate, or the weights read three times and their
+gradients written once at the copy rate. Writes moe_training.md and moe_training.json.
 """
 from __future__ import annotations
 
@@ -249,14 +255,55 @@ def _rows(r: Run, experts: int, topk: int) -> list[dict]:
     return [dict(row, floor_ms=floor_ms) for row in case.rows + stk]
 
 
-def run(r: Run) -> int:
+def _training_rows(r: Run, experts: int, topk: int) -> list[dict]:
+    """One case's training steps: pitgen fp16 and bf16 and the bf16 ``_grouped_mm`` layer,
+    each step's gradients checked against float32 autograd of the loop over experts."""
     import torch
 
+    from pitgen.ops.moe import moe_ffn
+
+    case = _Case(r.timer, experts, topk)
+    dy = torch.randn_like(case.x)
+    ids = case.ids
+    f32 = [t.float().requires_grad_() for t in (case.x, case.gates, case.w1, case.w2, case.b1,
+                                                 case.b2)]
+    x, g, w1, w2, b1, b2 = f32
+    want = torch.autograd.grad(loop_peer(x, ids, g, w1, w2, b1, b2), f32, dy.float())
     rows = []
-    for topk in [1] if r.args.quick else [1, 2]:
-        for experts in r.args.experts or ([64] if r.args.quick else [8, 64, 128]):
-            rows += _rows(r, int(experts), topk)
-            torch.cuda.empty_cache()
+
+    def add(name: str, dtype: Any, layer: Callable[..., Any]) -> None:
+        leaves = [(t.detach().clone() if t is case.gates else t.detach().to(dtype))
+                  .requires_grad_()   # gates stay float32, as the router gives them
+                  for t in (case.x, case.gates, case.w1, case.w2, case.b1, case.b2)]
+        d = dy.to(dtype)
+
+        def step() -> Any:
+            return torch.autograd.grad(layer(*leaves[:1], ids, *leaves[1:]), leaves, d)
+        row = dict(case.base, impl=name, dtype=str(dtype).replace("torch.", ""))
+        try:
+            row["rel_err_vs_loop"] = err = max(rel_err(got, ref) for got, ref in zip(step(), want))
+            if not err < TOL:
+                raise ValueError(f"wrong gradients (rel err {err:.2g} vs the loop)")
+            t = r.timer.both(step)
+            row["ms"], row["host_ms"] = t.gpu_ms, t.wall_ms
+        except Exception as e:  # a peer that fails is a row, not a crash
+            row["error"] = describe(e)
+        rows.append(row)
+        print("training", name, experts, topk, row.get("ms"), row.get("error", ""),
+              file=sys.stderr, flush=True)
+
+    def pitgen_layer(x, ids, g, w1, w2, b1, b2):
+        return moe_ffn(x, ids, g, w1, w2, b1, b2, activation="gelu", check=False)
+    add("pitgen moe_ffn (check=False)", torch.float16, pitgen_layer)
+    add("pitgen moe_ffn (check=False)", torch.bfloat16, pitgen_layer)
+    add("torch._grouped_mm", torch.bfloat16, grouped_peer)
+    floor_ms = max(3 * case.base["gflop"] / r.ceilings.matmul_tflops["float16"],
+                   r.ceilings.copy_ms(4 * case.base["weight_mb"] * 1e6))
+    return [dict(row, floor_ms=floor_ms) for row in rows]
+
+
+def _speedups(rows: list[dict]) -> None:
+    """Each timed row's time over its floor and the faster ``_grouped_mm`` row's speed-up."""
     for row in rows:
         gm = min((x["ms"] for x in rows if x["impl"] == "torch._grouped_mm"
                   and (x["E"], x["topk"]) == (row["E"], row["topk"]) and "ms" in x),
@@ -264,12 +311,54 @@ def run(r: Run) -> int:
         if "ms" in row:
             row["vs_floor"] = row["ms"] / row["floor_ms"]
             row["speedup_vs_grouped_mm"] = ratio(gm, row["ms"])
+
+
+def run(r: Run) -> int:
+    import torch
+
+    rows, steps = [], []
+    for topk in [1] if r.args.quick else [1, 2]:
+        for experts in r.args.experts or ([64] if r.args.quick else [8, 64, 128]):
+            rows += _rows(r, int(experts), topk)
+            torch.cuda.empty_cache()
+            steps += _training_rows(r, int(experts), topk)
+            torch.cuda.empty_cache()
+    _speedups(steps)
+    write_json(r.out / "moe_training.json", {"meta": r.meta, "rows": steps})
+    (r.out / "moe_training.md").write_text(training_table(steps, r.meta))
+    _speedups(rows)
+    for row in rows:
+        if "ms" in row:
             row["tflops"] = row["gflop"] / row["ms"]
     write_json(r.out / "moe_layer.json", {"meta": r.meta, "rows": rows})
     text = table(rows, r.meta, r.ceilings.copy_bytes_per_ms)
     (r.out / "moe_layer.md").write_text(text)
     print(text)
-    return 1 if any(row["impl"].startswith("pitgen") and "error" in row for row in rows) else 0
+    print(training_table(steps, r.meta))
+    return 1 if any(row["impl"].startswith("pitgen") and "error" in row
+                    for row in rows + steps) else 0
+
+
+def training_table(rows: list[dict], meta: dict) -> str:
+    lines = [f"# MoE expert layer, training step ({meta['device']})", "",
+             f"T={T} tokens, H={H}, F={F}, Zipf-like routing (seeded), GELU (tanh), biases; one "
+             "step = the forward and the gradients of x, gates, w1, w2, b1 and b2 "
+             "(`torch.autograd.grad`), routing included; CUDA events, L2 flushed, median of "
+             f"{meta['repeats']}; host ms is the eager wall time per step. Floor = the step's six "
+             "GEMMs at the measured dense fp16 matmul rate, or the weights read three times and "
+             "their gradients written once at the measured copy rate, whichever is longer. "
+             "`vs _grouped_mm`: against the bf16 `_grouped_mm` layer through torch's autograd "
+             "(its fast path). rel err: the largest over the six gradients, against float32 "
+             "autograd of the loop over experts.", ""]
+    lines += md_table(
+        ["E", "top-k", "impl", "dtype", "step ms", "vs _grouped_mm", "× floor", "host ms/step",
+         "rel err vs loop"],
+        [[x["E"], x["topk"], x["impl"], x["dtype"], "failed", "", "", "", x["error"]]
+         if "error" in x
+         else [x["E"], x["topk"], x["impl"], x["dtype"], fmt(x["ms"]),
+               fmt_x(x["speedup_vs_grouped_mm"]), fmt(x["vs_floor"], 2), fmt(x["host_ms"]),
+               fmt_e(x["rel_err_vs_loop"])] for x in rows])
+    return "\n".join(lines) + "\n"
 
 
 def table(rows: list[dict], meta: dict, copy_rate: float) -> str:

@@ -68,14 +68,15 @@ MOE_BACKWARD = OpSpec(
         Permutation("expert rows", WGRAD, "reduction", "X")),
     dtypes=("float16", "bfloat16"))
 
-#: moe_rows' CTA: ROWS_M rows (a routing tile holds one or two) x 128 columns, 4 stages of 32
-ROWS_M = 64
+#: moe_rows' CTA: ROWS_M rows (a routing tile holds one or two) x ROWS_N columns, 4 stages
+#: of 32 of k
+ROWS_M, ROWS_N = 64, 128
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
     """The backward kernels' tiles: ``moe_wgrad``'s BM x BN of W[e] per CTA, BK rows a stage,
-    WM x WN warps (``moe_rows``' tile is fixed in the template: 64 x 128, 32 of k a stage)."""
+    WM x WN warps (``moe_rows``' is ROWS_M x ROWS_N, 32 of k a stage)."""
 
     dtype: str
     activation: str = "identity"   # moe_rows_act's epilogue
@@ -96,11 +97,13 @@ class BackwardPlan:
 
     @property
     def rows_smem(self) -> int:
-        """moe_rows': per stage 64 x 40 of A and the larger of 32 x 136, 128 x 40 of W."""
-        return self.stages * (ROWS_M * 40 + 128 * 40) * 2
+        """moe_rows': per stage ROWS_M x 40 of A and the larger of 32 x (ROWS_N + 8) and
+        ROWS_N x 40 of W."""
+        return self.stages * (ROWS_M * 40 + max(32 * (ROWS_N + 8), ROWS_N * 40)) * 2
 
     def context(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "activation": self.activation, "bm": self.bm, "bn": self.bn, "bk": self.bk, "wm": self.wm,
+        return {"dtype": self.dtype, "activation": self.activation, "rows_m": ROWS_M,
+                "rows_n": ROWS_N, "bm": self.bm, "bn": self.bn, "bk": self.bk, "wm": self.wm,
                 "wn": self.wn, "stages": self.stages}
 
 
@@ -423,7 +426,7 @@ def _backward_launch(kernel: str, dtype: str, rows: int, cols: int, z: int,
         if kernel == "moe_wgrad":
             grid = (-(-cols // plan.bn), -(-rows // plan.bm), z)
             return mod.bind(kernel, grid, (plan.threads, 1, 1), plan.smem)
-        return mod.bind(kernel, (-(-cols // 128), rows // ROWS_M, 1), (plan.threads, 1, 1),
+        return mod.bind(kernel, (-(-cols // ROWS_N), rows // ROWS_M, 1), (plan.threads, 1, 1),
                         plan.rows_smem)
     return validated(_BACKWARD_LAUNCHES, (kernel, dtype, rows, cols, z, activation,
                                           device_index()), bind)
