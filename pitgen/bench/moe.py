@@ -153,6 +153,21 @@ def stk_peer(x, ids, gates, w1c, w2c, b1, b2, E, F_, blk=128):
     return y
 
 
+def _measured(row: dict, timer: Timer, fn: Callable[[], Any], error: Callable[[Any], float],
+              what: str) -> dict:
+    """``row`` with the relative error of ``fn``'s result against the loop (``error``) and, when
+    below TOL, its device and eager host times; a failure is the row's error, not a crash."""
+    try:
+        row["rel_err_vs_loop"] = err = error(fn())
+        if not err < TOL:
+            raise ValueError(f"wrong {what} (rel err {err:.2g} vs the loop)")
+        t = timer.both(fn)
+        row["ms"], row["host_ms"] = t.gpu_ms, t.wall_ms
+    except Exception as e:  # a peer that fails is a row, not a crash
+        row["error"] = describe(e)
+    return row
+
+
 class _Case:
     """One expert count's inputs, the loop's output as reference, and the rows measured."""
 
@@ -184,15 +199,8 @@ class _Case:
 
     def add(self, name: str, fn: Callable[[], Any], dtype: str = "float16", note: str = "") -> None:
         """One system's row: checked against the loop, then timed (device and eager host)."""
-        row = dict(self.base, impl=name, dtype=dtype, note=note)
-        try:
-            row["rel_err_vs_loop"] = err = rel_err(fn(), self.ref)
-            if not err < TOL:
-                raise ValueError(f"wrong result (rel err {err:.2g} vs the loop)")
-            t = self.timer.both(fn)
-            row["ms"], row["host_ms"] = t.gpu_ms, t.wall_ms
-        except Exception as e:  # a peer that fails is a row, not a crash
-            row["error"] = describe(e)
+        row = _measured(dict(self.base, impl=name, dtype=dtype, note=note), self.timer, fn,
+                        lambda y: rel_err(y, self.ref), "result")
         self.rows.append(row)
         print(name, self.base["E"], self.base["topk"], row.get("ms"), row.get("rel_err_vs_loop"),
               row.get("error", ""), file=sys.stderr, flush=True)
@@ -279,15 +287,9 @@ def _training_rows(r: Run, experts: int, topk: int) -> list[dict]:
 
         def step() -> Any:
             return torch.autograd.grad(layer(*leaves[:1], ids, *leaves[1:]), leaves, d)
-        row = dict(case.base, impl=name, dtype=str(dtype).replace("torch.", ""))
-        try:
-            row["rel_err_vs_loop"] = err = max(rel_err(got, ref) for got, ref in zip(step(), want))
-            if not err < TOL:
-                raise ValueError(f"wrong gradients (rel err {err:.2g} vs the loop)")
-            t = r.timer.both(step)
-            row["ms"], row["host_ms"] = t.gpu_ms, t.wall_ms
-        except Exception as e:  # a peer that fails is a row, not a crash
-            row["error"] = describe(e)
+        row = _measured(dict(case.base, impl=name, dtype=str(dtype).replace("torch.", "")),
+                        r.timer, step,
+                        lambda grads: max(rel_err(g, w) for g, w in zip(grads, want)), "gradients")
         rows.append(row)
         print("training", name, experts, topk, row.get("ms"), row.get("error", ""),
               file=sys.stderr, flush=True)
