@@ -456,6 +456,9 @@ def _rows_operands(a: Any, w: Any, tile_e: Any, ntiles: Any, row0: int, tile_row
     if tile_rows <= 0 or tile_rows % ROWS_M or R % ROWS_M or row0 < 0 or row0 % tile_rows:
         raise ShapeError(f"moe_rows: rows ({R}), tile_rows ({tile_rows}) and row0 ({row0}) "
                          f"must be multiples of {ROWS_M}, row0 of tile_rows")
+    if R // ROWS_M > 65535:
+        raise ShapeError(f"moe_rows: {R} rows pass the grid's 65535 blocks of {ROWS_M}; "
+                         f"split them")
     if (row0 + R) // tile_rows > tile_e.shape[0]:
         raise ShapeError(f"moe_rows: rows {row0}..{row0 + R} pass the tile list's "
                          f"{tile_e.shape[0]} tiles of {tile_rows}")
@@ -500,7 +503,8 @@ def expert_rows_act(dy: Tensor, w: Tensor, h: Tensor, gate: Tensor, tile_e: Tens
 
     R, K, N, E, dt = _rows_operands(dy, w, tile_e, ntiles, row0, tile_rows, True)
     if activation not in ACTIVATIONS:
-        raise ShapeError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+        raise ShapeError(f"activation must be one of {', '.join(ACTIVATIONS)}; "
+                         f"got {activation!r}")
     check_tensor("h", h, ("float32",), shape=(R, N))
     check_tensor("gate", gate, ("float32",), shape=(R,))
     _same_device(dy, h=h, gate=gate)
@@ -518,9 +522,9 @@ def expert_rows_act(dy: Tensor, w: Tensor, h: Tensor, gate: Tensor, tile_e: Tens
 @on_operand_device
 def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
     """W [experts, M, N] in the operands' dtype with ``W[e] = a[r0:r1]ᵀ b[r0:r1]``,
-    ``r0, r1 = rows[e], rows[e + 1]`` (clamped to [0, R]): the weight gradients of experts whose routed rows lie in
-    consecutive ranges of ``a`` [R, M] and ``b`` [R, N] (float16 or bfloat16, one dtype,
-    contiguous, M and N multiples of 8; ``rows`` int32 [>= experts + 1]). One GEMM per expert
+    ``r0, r1 = rows[e], rows[e + 1]`` (clamped to [0, R]): the weight gradients of experts
+    whose routed rows lie in consecutive ranges of ``a`` [R, M] and ``b`` [R, N] (float16 or
+    bfloat16, one dtype, contiguous, M and N multiples of 8; ``rows`` int32 [>= experts + 1]). One GEMM per expert
     over its rows (``moe_wgrad``): no partials, no atomics; an expert without rows gets zeros.
     The body of ``pitgen::moe_wgrad``."""
     check_tensor("a", a, ("float16", "bfloat16"), ndim=2)
