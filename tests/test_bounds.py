@@ -203,6 +203,34 @@ def linear(rng, dtype: str, grad: str) -> Case:
                 np.sqrt((dy ** 2).sum(0)), 0, lambda i: dy[:, i[0]])
 
 
+def moe_wgrad(rng, dtype: str) -> Case:
+    """test_gpu_moe_backward's moe_wgrad: A[r,m] B[r,n] over an expert's rows, fp32 sums, W
+    rounded once to the dtype."""
+    a = stored(rng.standard_normal((320, 40)), dtype)
+    b = stored(rng.standard_normal((320, 56)), dtype)
+    return Case(stored(fp32_sum(a.T, b), dtype), a.T @ b, dtype, T.term_scale(np.matmul, a.T, b),
+                0, lambda i: a[:, i[0]] * b[:, i[1]])
+
+
+def moe_rows(rng, act: str | None) -> Case:
+    """test_gpu_moe_backward's moe_rows (C float32, held to the float32 bound) and, with
+    ``act``, moe_rows_act's dh = act'(h) · gate · G stored in float16 (GELU's tanh.approx
+    allowance aside: silu and relu here)."""
+    dy = stored(rng.standard_normal((128, 200)), "float16")
+    w = stored(rng.standard_normal((200, 136)), "float16")
+    g = fp32_sum(dy, w)
+    rss = T.term_scale(np.matmul, dy, w)
+    if act is None:
+        return Case(g, dy @ w, "float32", rss, 0, lambda i: dy[i[0]] * w[:, i[1]])
+    h = rng.standard_normal((128, 136)) * 2
+    gate = rng.random(128)[:, None]
+    d = {"silu": lambda v: (1 + v * (1 - 1 / (1 + np.exp(-v)))) / (1 + np.exp(-v)),
+         "relu": lambda v: (v > 0).astype(float)}[act](h)
+    return Case(stored(d * gate * g, "float16"), d * gate * (dy @ w), "float16",
+                np.abs(d) * gate * rss, 0,
+                lambda i: d[i] * gate[i[0], 0] * dy[i[0]] * w[:, i[1]])
+
+
 CASES = {
     **{f"gemm-{d}": (lambda d: lambda rng: gemm(rng, d))(d)
        for d in ("float16", "bfloat16", "tf32")},
@@ -216,6 +244,11 @@ CASES = {
        for o in ("transform-first", "aggregate-first") for d in ("float16", "tf32")},
     "attention-float16": lambda rng: attention(rng, "float16"),
     "moe-float16": lambda rng: moe(rng, "float16"),
+    **{f"moe-wgrad-{d}": (lambda d: lambda rng: moe_wgrad(rng, d))(d)
+       for d in ("float16", "bfloat16")},
+    "moe-rows-float32": lambda rng: moe_rows(rng, None),
+    **{f"moe-rows-act-{a}-float16": (lambda a: lambda rng: moe_rows(rng, a))(a)
+       for a in ("silu", "relu")},
     **{f"linear-{g}-{d}": (lambda g, d: lambda rng: linear(rng, d, g))(g, d)
        for g in ("y", "dx", "dw", "db") for d in ("float16", "bfloat16", "tf32")},
 }
