@@ -432,10 +432,12 @@ def _backward_launch(kernel: str, dtype: str, rows: int, cols: int, z: int,
                                           device_index()), bind)
 
 
-def _same_device(a: Any, **others: Any) -> None:
+def _same_device(first: str, a: Any, **others: Any) -> None:
+    """DeviceError naming the first of ``others`` (None skipped) that is not on ``a``'s
+    device (``a`` named ``first``)."""
     for name, t in others.items():
-        if t.device != a.device:
-            raise DeviceError(f"{name} is on {t.device} but a is on {a.device}")
+        if t is not None and t.device != a.device:
+            raise DeviceError(f"{name} is on {t.device} but {first} is on {a.device}")
 
 
 def _rows_operands(a: Any, w: Any, tile_e: Any, ntiles: Any, row0: int, tile_rows: int,
@@ -446,7 +448,7 @@ def _rows_operands(a: Any, w: Any, tile_e: Any, ntiles: Any, row0: int, tile_row
     check_tensor("w", w, (dt,), ndim=3)
     check_tensor("tile_e", tile_e, ("int32",), ndim=1)
     check_tensor("ntiles", ntiles, ("int32",), ndim=1, shape=(1,))
-    _same_device(a, w=w, tile_e=tile_e, ntiles=ntiles)
+    _same_device("a", a, w=w, tile_e=tile_e, ntiles=ntiles)
     R, K = a.shape
     E, wk, N = (w.shape[0], w.shape[2], w.shape[1]) if trans else w.shape
     if wk != K:
@@ -507,7 +509,7 @@ def expert_rows_act(dy: Tensor, w: Tensor, h: Tensor, gate: Tensor, tile_e: Tens
                          f"got {activation!r}")
     check_tensor("h", h, ("float32",), shape=(R, N))
     check_tensor("gate", gate, ("float32",), shape=(R,))
-    _same_device(dy, h=h, gate=gate)
+    _same_device("dy", dy, h=h, gate=gate)
     dh, a = dy.new_empty(R, N), dy.new_empty(R, N)
     dot = torch.zeros(R, dtype=torch.float32, device=dy.device)
     if dh.numel():
@@ -538,7 +540,7 @@ def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
     if not 0 <= experts < 65536 or rows.shape[0] < experts + 1:
         raise ShapeError(f"moe_wgrad: {experts} experts need rows of at least {experts + 1} "
                          f"entries (got {rows.shape[0]}) and fewer than 65536 experts")
-    _same_device(a, b=b, rows=rows)
+    _same_device("a", a, b=b, rows=rows)
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         raise ShapeError("moe_wgrad: a and b must start at 16-byte aligned addresses")
     w = a.new_empty(experts, M, N)   # fp32 accumulators, rounded once: the weights' dtype
@@ -591,10 +593,7 @@ def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2
         check_tensor("b1", b1, (dt,), ndim=2, shape=(E, F))
     if b2 is not None:
         check_tensor("b2", b2, (dt,), ndim=2, shape=(E, H))
-    for name, t in (("w1", w1), ("w2", w2), ("expert_ids", expert_ids), ("gates", gates),
-                    ("b1", b1), ("b2", b2)):
-        if t is not None and t.device != x.device:
-            raise DeviceError(f"{name} is on {t.device} but x is on {x.device}")
+    _same_device("x", x, w1=w1, w2=w2, expert_ids=expert_ids, gates=gates, b1=b1, b2=b2)
     return plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids), device_arch())
 
 
