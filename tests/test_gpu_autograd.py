@@ -163,6 +163,17 @@ def test_moe_backward_with_empty_experts(dtype):
         assert torch.count_nonzero(t.grad[:-1]) == 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_moe_backward_walked_tile_by_tile(monkeypatch, dtype):
+    """The kernels' backward in chunks of one tile (moe_wgrad's operands gathered chunk by
+    chunk), not in the one chunk every other case here takes."""
+    from pitgen.ops import moe
+
+    monkeypatch.setattr(moe, "BACKWARD_CHUNK_BYTES", 1)
+    x, ids, gates, w1, w2, b1, b2 = _moe_inputs(130, 2, 8, 64, 128, dtype, True, "uniform", 5)
+    _grads_match(x, ids, gates, w1, w2, b1, b2, "gelu", dtype)
+
+
 def _grads_match(x, ids, gates, w1, w2, b1, b2, act, dtype):
     dy = torch.randn_like(x)
     y = moe_ffn(x, ids, gates, w1, w2, b1, b2, activation=act)

@@ -808,27 +808,28 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
         chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // tile_bytes))
         b1f = None if b1 is None else b1.to(f32)
         b2f = None if b2 is None else b2.to(f32)
-        ar = torch.arange(bm, device=dev)
-        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        # the routing words are int32 and index as they are: no int64 copies (a step is host
+        # bound, each op ~30 us on the lent H200's host)
+        ar = torch.arange(bm, device=dev, dtype=torch.int32)
+        whole = chunk >= nt   # one chunk: its row tensors are moe_wgrad's operands themselves
         if grouped:
             k = kernels or ops()
-            # moe_wgrad's operands: every tile's rows, zero past its expert's
-            rows_x, rows_dh = x.new_empty(nt * bm, H), x.new_empty(nt * bm, F)
-            rows_a, rows_do = x.new_empty(nt * bm, F), x.new_empty(nt * bm, H)
+            if not whole:   # moe_wgrad's operands: every tile's rows, zero past its expert's
+                rows_x, rows_dh = x.new_empty(nt * bm, H), x.new_empty(nt * bm, F)
+                rows_a, rows_do = x.new_empty(nt * bm, F), x.new_empty(nt * bm, H)
         else:
             w1x, w2x = w1.to(cdt), w2.to(cdt)
             dw1 = torch.zeros(E, H, F, dtype=f32, device=dev)
             dw2 = torch.zeros(E, F, H, dtype=f32, device=dev)
         for s in range(0, nt, chunk):
-            tiles = torch.arange(s, min(nt, s + chunk), device=dev)
-            C = len(tiles)
-            live = tiles < ntiles
-            e = torch.where(live, tile_e[tiles].long(), zero).clamp(0, E - 1)
-            rows = torch.where(live, tile_r[tiles].long(), zero)[:, None] + ar  # [C, BM]
-            ok = live[:, None] & (rows < offsets[e + 1].long()[:, None]) & (rows < P)
-            pair = torch.where(ok, row_pair[rows.clamp(0, P - 1)].long(), zero)
-            ok = ok & (pair >= 0)
-            pair = torch.where(ok, pair, zero)
+            C = min(nt, s + chunk) - s
+            live = torch.arange(s, s + C, device=dev, dtype=torch.int32) < ntiles
+            e = torch.where(live, tile_e[s:s + C], 0).clamp_(0, E - 1)
+            rows = torch.where(live, tile_r[s:s + C], 0)[:, None] + ar   # [C, BM]
+            ok = live[:, None] & (rows < offsets[e + 1][:, None]) & (rows < P)
+            pair = row_pair[rows.clamp_(0, P - 1)]
+            ok &= pair >= 0
+            pair = torch.where(ok, pair, 0)
             tok = pair // topk
             okc = ok.to(cdt)[..., None]
             xg = xc[tok] * okc                                    # [C, BM, H]
@@ -864,11 +865,15 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             db2.index_add_(0, e, do.sum(1))
             db1.index_add_(0, e, dh.sum(1, dtype=f32))
             if grouped:
-                span = slice(s * bm, (s + C) * bm)
-                rows_x[span] = xg.reshape(-1, H)
-                rows_dh[span] = dhc.reshape(-1, F)
-                rows_a[span] = a.reshape(-1, F)
-                rows_do[span] = do.reshape(-1, H)
+                if whole:
+                    rows_x, rows_dh = xg.reshape(-1, H), dhc.reshape(-1, F)
+                    rows_a, rows_do = a.reshape(-1, F), do.to(cdt).reshape(-1, H)
+                else:
+                    span = slice(s * bm, (s + C) * bm)
+                    rows_x[span] = xg.reshape(-1, H)
+                    rows_dh[span] = dhc.reshape(-1, F)
+                    rows_a[span] = a.reshape(-1, F)
+                    rows_do[span] = do.reshape(-1, H)
                 dxs = by_tile(dh, w1, True)
             else:
                 dxs = _bmm32(dhc, w1c.transpose(1, 2))
