@@ -109,8 +109,8 @@ for T, H, F, E, topk in ((200, 64, 96, 5, 1), (200, 64, 96, 5, 2), (300, 72, 136
             torch.randn(E, H, device="cuda", dtype=torch.float16))
 torch.cuda.synchronize()
 print("moe top-1/top-2, both mainloops: ok")
-# the backward's kernels (moe_rows_nn / _act / _nt, moe_wgrad): ragged H and F, an empty
-# expert, both tile heights, every activation, bfloat16 too
+# the backward's kernels (moe_gather, moe_rows_nn / _act / _nt, moe_wgrad): ragged H and F,
+# an empty expert, both tile heights, every activation, bfloat16 too, with and without b2
 for T, H, F, E, topk, act, dt in ((200, 72, 136, 5, 2, "gelu", torch.float16),
                                   (300, 64, 96, 5, 1, "silu", torch.bfloat16),
                                   (1100, 40, 56, 2, 1, "relu", torch.float16)):
@@ -120,10 +120,12 @@ for T, H, F, E, topk, act, dt in ((200, 72, 136, 5, 2, "gelu", torch.float16),
     w1 = (torch.randn(E, H, F, device="cuda", dtype=dt) / 8).requires_grad_()
     w2 = (torch.randn(E, F, H, device="cuda", dtype=dt) / 8).requires_grad_()
     b1 = torch.randn(E, F, device="cuda", dtype=dt, requires_grad=True)
-    y = moe_ffn(x, ids, gates, w1, w2, b1, None, activation=act)
-    torch.autograd.grad(y, (x, gates, w1, w2, b1), torch.randn_like(y))
+    b2 = torch.randn(E, H, device="cuda", dtype=dt, requires_grad=True) if topk == 1 else None
+    y = moe_ffn(x, ids, gates, w1, w2, b1, b2, activation=act)
+    torch.autograd.grad(y, [t for t in (x, gates, w1, w2, b1, b2) if t is not None],
+                        torch.randn_like(y))
 torch.cuda.synchronize()
-print("moe backward (moe_rows, moe_wgrad): ok")
+print("moe backward (moe_gather, moe_rows, moe_wgrad): ok")
 
 rng = np.random.default_rng(0)
 for d in (64, 128):

@@ -13,6 +13,7 @@ import pitgen
 import pitgen.nn
 from pitgen.ops import linear, sddmm as sd
 from pitgen.ops.library import ops
+from pitgen.ops.moe import route_tensors
 from pitgen.testing import assert_close, poison
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +57,10 @@ def _cases():
                      cuda(4, 32, 48, grad=True), cuda(4, 48, 32, grad=True),
                      cuda(4, 48, grad=True), cuda(4, 32, grad=True), "gelu"), None),
         ("moe_route", (ids, 4, 64), NO_COMPARE),
+        ("moe_gather", (cuda(37, 32, dtype=torch.float16), cuda(37, 32, dtype=torch.float16),
+                        torch.rand(74, device="cuda"), cuda(4, 32),
+                        *(t.clone() for t in route_tensors(ids.int(), 4, 64)), 64, 128, 64, 2),
+         NO_COMPARE),   # dot's float32 sums land in any order
     ]
 
 
@@ -67,7 +72,7 @@ def test_opcheck_every_op():
         kw = {} if utils is None else {"test_utils": utils}
         torch.library.opcheck(getattr(pit, name).default, args, **kw)
     assert seen == {"matmul", "gemm", "sddmm", "sddmm_tiles", "sddmm_out", "sparse_weight_linear",
-                    "sparse_input_linear", "moe_ffn", "moe_route"}
+                    "sparse_input_linear", "moe_ffn", "moe_route", "moe_gather"}
 
 
 class Block(torch.nn.Module):

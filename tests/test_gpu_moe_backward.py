@@ -1,8 +1,9 @@
 """GPU tests of the MoE backward's kernels against float64 references: ``moe_rows`` (each tile's
 rows times its expert's weight, both layouts; tiles past the list's length and experts out of
 range give zeros), ``moe_rows_act`` (the activation's backward in its epilogue, every
-activation) and ``moe_wgrad`` (one GEMM per expert over its rows; ragged, empty, reversed
-and out-of-range row bounds), over random shapes that are not tile multiples, with their
+activation), ``moe_wgrad`` (one GEMM per expert over its rows; ragged, empty, reversed
+and out-of-range row bounds) and ``moe_gather`` (a chunk's rows, gates, pairs and sums from
+the routing index, against the same bookkeeping in torch ops), over random shapes that are not tile multiples, with their
 outputs' memory poisoned first; bad input refused. The whole backward against float64 autograd
 is in test_gpu_autograd.py."""
 from __future__ import annotations
@@ -144,6 +145,68 @@ def test_wgrad_matches_float64(dtype, E, R, M, N, data):
     T.assert_close(out, ref, dtype, scale=rss)
 
 
+def _gather_reference(x, dy, gf, b2f, row_pair, tile_e, tile_r, offsets, ntiles, s, C, bm,
+                      topk):
+    """The rows' bookkeeping in torch ops (what moe_backward ran before moe_gather)."""
+    P, E = gf.shape[0], offsets.shape[0] - 1
+    i64 = torch.int64
+    live = torch.arange(s, s + C, device="cuda") < ntiles.to(i64)
+    e = torch.where(live, tile_e[s:s + C].to(i64), 0).clamp(0, E - 1)
+    rows = torch.where(live, tile_r[s:s + C].to(i64), 0)[:, None] + torch.arange(bm, device="cuda")
+    ok = live[:, None] & (rows < offsets.to(i64)[e + 1][:, None]) & (rows < P)
+    pair = row_pair.to(i64)[rows.clamp(0, P - 1)]
+    ok &= (pair >= 0) & (pair < P)
+    pair = torch.where(ok, pair, 0)
+    tok = pair // topk
+    okc = ok.to(x.dtype)[..., None]
+    xg, dyg = x[tok] * okc, dy[tok] * okc
+    gate = gf[pair] * ok
+    dyf = dyg.float()
+    do = dyf * gate[..., None]
+    dot = (dyf * b2f[e][:, None, :]).sum(-1) if b2f is not None else torch.zeros_like(gate)
+    return (xg.reshape(C * bm, -1), dyg.reshape(C * bm, -1), do.to(x.dtype).reshape(C * bm, -1),
+            gate.reshape(-1), pair.reshape(-1), tok.reshape(-1), e, dot.reshape(-1), do.sum(1))
+
+
+@settings(max_examples=T.examples(25), deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(sorted(DT)), T_=st.integers(1, 300), topk=st.integers(1, 3),
+       E=st.integers(1, 6), H=st.sampled_from([8, 40, 256, 264, 776]), bm=st.sampled_from([64, 128]),
+       bias=st.booleans(), data=st.data())
+def test_gather_rows_matches_torch_bookkeeping(dtype, T_, topk, E, H, bm, bias, data):
+    """moe_gather over a chunk of a real routing index (ids out of range dropped by the route),
+    with list slots past its length and corrupt pair ids, against the torch ops it replaces:
+    rows, pairs, tokens and experts exact; do rounded once as torch rounds it; the float32 sums
+    to 1e-5 of their magnitude. Outputs' memory poisoned first."""
+    topk = min(topk, E)
+    g = torch.Generator(device="cuda").manual_seed(T_ * 31 + E)
+    x = torch.randn(T_, H, device="cuda", generator=g).to(DT[dtype])
+    dy = torch.randn(T_, H, device="cuda", generator=g).to(DT[dtype])
+    ids = torch.rand(T_, E, device="cuda", generator=g).argsort(1)[:, :topk].int().contiguous()
+    if data.draw(st.booleans()):
+        ids[0, 0] = E + 2                                  # routed nowhere
+    gf = torch.rand(T_ * topk, device="cuda", generator=g) + 0.1
+    b2f = torch.randn(E, H, device="cuda", generator=g) if bias else None
+    row_pair, tile_e, tile_r, offsets, ntiles = moe.route_tensors(ids, E, bm)
+    row_pair, tile_e, tile_r = row_pair.clone(), tile_e.clone(), tile_r.clone()
+    if data.draw(st.booleans()) and row_pair.numel() > 1:
+        row_pair[1] = T_ * topk + 5                        # a corrupt pair id: a zero row
+    nt = tile_e.shape[0]
+    s = data.draw(st.integers(0, nt - 1))
+    C = data.draw(st.integers(1, nt - s))
+    blocks = _poisoned((C * bm, H), DT[dtype], 3)
+    got = moe.gather_rows(x, dy, gf, b2f, row_pair, tile_e, tile_r, offsets, ntiles, s * bm,
+                          C * bm, bm, topk)
+    assert {t.data_ptr() for t in got[:3]} & blocks, "the outputs took none of the poisoned blocks"
+    want = _gather_reference(x, dy, gf, b2f, row_pair, tile_e, tile_r, offsets, ntiles, s, C, bm,
+                             topk)
+    for name, a, b in zip(("xg", "dyg", "do", "gate", "pair", "tok", "e"), got, want):
+        assert torch.equal(a, b.to(a.dtype)), name
+    for name, a, b in (("dot", got[7], want[7]), ("db2p", got[8], want[8])):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * (float(b.abs().max()) + 1),
+                                   msg=name)
+
+
 def test_kernels_refuse_bad_input():
     h = torch.float16
     a, w = torch.ones(64, 16, dtype=h, device="cuda"), torch.ones(2, 16, 32, dtype=h, device="cuda")
@@ -176,3 +239,16 @@ def test_kernels_refuse_bad_input():
         moe.wgrad(a, a.bfloat16(), rows, 2)
     with pytest.raises(ShapeError, match="not contiguous"):
         moe.wgrad(a.t(), a.t(), rows, 2)
+    ids = torch.zeros(64, 1, dtype=torch.int32, device="cuda")
+    route = moe.route_tensors(ids, 2, 64)
+    gf = torch.ones(64, device="cuda")
+    with pytest.raises(ShapeError, match="whole tiles"):
+        moe.gather_rows(a, a, gf, None, *route, 0, 32, 64, 1)
+    with pytest.raises(ShapeError, match="whole tiles"):
+        moe.gather_rows(a, a, gf, None, *route, 64 * route[1].shape[0], 64, 64, 1)
+    with pytest.raises(ShapeError, match="dim 0 must be 128"):
+        moe.gather_rows(a, a, gf, None, *route, 0, 64, 64, 2)   # gates for topk 1
+    with pytest.raises(ShapeError, match="dtype"):
+        moe.gather_rows(a, a.bfloat16(), gf, None, *route, 0, 64, 64, 1)
+    with pytest.raises(ShapeError, match="b2 has shape"):
+        moe.gather_rows(a, a, gf, torch.zeros(3, 16, device="cuda"), *route, 0, 64, 64, 1)

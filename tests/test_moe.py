@@ -164,7 +164,8 @@ def test_signatures_match_kernel_parameters():
 
 
 def test_backward_signatures_match_kernel_parameters():
-    """moe_rows_nn / _nt / _act and moe_wgrad: one signature letter per parameter, in order."""
+    """moe_rows_nn / _nt / _act, moe_wgrad and moe_gather: one signature letter per parameter,
+    in order."""
     src = moe.MOE_BACKWARD.source(moe.BackwardPlan("float16").context())
     for name, sig in moe.MOE_BACKWARD.kernels.items():
         params = [p.strip() for p in re.search(r"\b" + name + r"\(([^)]*)\)", src)

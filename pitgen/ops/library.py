@@ -14,6 +14,7 @@
 ``pitgen::moe_rows``                its backward's products: tile rows x their expert's weight
 ``pitgen::moe_rows_act``            the same with the activation's backward in its epilogue
 ``pitgen::moe_wgrad``               its backward's weight gradients, one GEMM per expert's rows
+``pitgen::moe_gather``              its backward's rows of a chunk of tiles: gathers and bookkeeping
 ``pitgen::sparse_conv2d``           conv2d skipping all-zero input channels, with backward
 ``pitgen::conv_channels``           its channel index alone (:mod:`pitgen.ops.conv`)
 ==================================  ==========================================================
@@ -339,6 +340,26 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
     def _(dy, w, h, gate, tile_e, ntiles, row0, tile_rows, activation):
         return (dy.new_empty(h.shape), dy.new_empty(h.shape),
                 h.new_empty(h.shape[0], dtype=torch.float32))
+
+    @op("moe_gather", "(Tensor x, Tensor dy, Tensor gates, Tensor? b2, Tensor row_pair,"
+                      " Tensor tile_e, Tensor tile_r, Tensor offsets, Tensor ntiles, int row0,"
+                      " int rows, int tile_rows, int topk) -> (Tensor, Tensor, Tensor, Tensor,"
+                      " Tensor, Tensor, Tensor, Tensor, Tensor)")
+    def moe_gather(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor,
+                   b2: torch.Tensor | None, row_pair: torch.Tensor, tile_e: torch.Tensor,
+                   tile_r: torch.Tensor, offsets: torch.Tensor, ntiles: torch.Tensor, row0: int,
+                   rows: int, tile_rows: int, topk: int) -> tuple[torch.Tensor, ...]:
+        return moe.gather_rows(x, dy, gates, b2, row_pair, tile_e, tile_r, offsets, ntiles,
+                               row0, rows, tile_rows, topk)
+
+    @moe_gather.register_fake
+    def _(x, dy, gates, b2, row_pair, tile_e, tile_r, offsets, ntiles, row0, rows, tile_rows,
+          topk):
+        H, tiles, f32, i32 = x.shape[1], rows // tile_rows, torch.float32, torch.int32
+        return (x.new_empty(rows, H), x.new_empty(rows, H), x.new_empty(rows, H),
+                x.new_empty(rows, dtype=f32), x.new_empty(rows, dtype=i32),
+                x.new_empty(rows, dtype=i32), x.new_empty(tiles, dtype=i32),
+                x.new_empty(rows, dtype=f32), x.new_empty(tiles, H, dtype=f32))
 
     @op("moe_wgrad", "(Tensor a, Tensor b, Tensor rows, int experts) -> Tensor")
     def moe_wgrad(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,

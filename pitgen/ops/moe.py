@@ -59,7 +59,7 @@ WGRAD = "W[h,f] += X[r,h] * D[r,f]"
 MOE_BACKWARD = OpSpec(
     "moe backward", "moe_backward.cu.j2",
     {"moe_rows_nn": "PPPPPiiiiii", "moe_rows_nt": "PPPPPiiiiii",
-     "moe_rows_act": "P" * 9 + "i" * 6, "moe_wgrad": "PPPPiii"},
+     "moe_rows_act": "P" * 9 + "i" * 6, "moe_wgrad": "PPPPiii", "moe_gather": "P" * 18 + "i" * 6},
     permutes=(
         # each tile's rows times their expert's weight, where it lies (SRead of the rows) ...
         Permutation("tile rows", GEMM1, "spatial", "X"),
@@ -419,13 +419,16 @@ _BACKWARD_LAUNCHES = cache.memo("moe.backward_launches")
 def _backward_launch(kernel: str, dtype: str, rows: int, cols: int, z: int,
                      activation: str = "identity") -> Any:
     """A backward kernel bound to its grid, once per shape and device: ``moe_wgrad`` for W
-    [z, rows, cols], ``moe_rows_*`` for C [rows, cols]."""
+    [z, rows, cols], ``moe_rows_*`` for C [rows, cols], ``moe_gather`` for ``rows`` tiles of
+    ``cols`` rows."""
     def bind() -> Any:
         plan = BackwardPlan(dtype, activation)
         mod = MOE_BACKWARD.module(plan)
         if kernel == "moe_wgrad":
             grid = (-(-cols // plan.bn), -(-rows // plan.bm), z)
             return mod.bind(kernel, grid, (plan.threads, 1, 1), plan.smem)
+        if kernel == "moe_gather":   # rows: the chunk's tiles, cols: rows a tile
+            return mod.bind(kernel, (rows, 1, 1), (32, 8, 1), (3 * cols + 8 * 256) * 4)
         return mod.bind(kernel, (-(-cols // ROWS_N), rows // ROWS_M, 1), (plan.threads, 1, 1),
                         plan.rows_smem)
     return validated(_BACKWARD_LAUNCHES, (kernel, dtype, rows, cols, z, activation,
@@ -552,6 +555,64 @@ def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
 
 
 @on_operand_device
+def gather_rows(x: Tensor, dy: Tensor, gates: Tensor, b2: Tensor | None, row_pair: Tensor,
+                tile_e: Tensor, tile_r: Tensor, offsets: Tensor, ntiles: Tensor, row0: int,
+                rows: int, tile_rows: int, topk: int) -> tuple[Tensor, ...]:
+    """The backward's per-row bookkeeping and gathers for ``rows`` rows of the routing tile
+    list from row ``row0`` (whole tiles of ``tile_rows``), in one launch (``moe_gather``) where
+    torch ops took ~40: (xg, dyg, do, gate, pair, tok, e, dot, db2p). Row r of tile c holds
+    pair p = ``row_pair[tile_r[t] + r]`` (t = row0 / tile_rows + c) while that row is one of
+    its expert's and p in [0, P); otherwise the row is zeros, its pair and token 0. xg, dyg:
+    x's and dy's rows of token p // topk ([rows, H], x's dtype); do = dyg · gate (rounded once);
+    gate = ``gates[p]`` (float32 [rows]); dot = dy · b2[e] (float32, 0 without ``b2``); e: each
+    tile's expert clamped to [0, E) (int32 [tiles]); db2p: each tile's float32 sum of do over
+    its rows ([tiles, H]). x, dy [T, H] float16/bfloat16 contiguous, H a multiple of 8; gates
+    float32 [T · topk]; b2 float32 [E, H] or None; the routing words int32. The body of
+    ``pitgen::moe_gather``."""
+    import torch
+
+    check_tensor("x", x, ("float16", "bfloat16"), ndim=2)
+    dt = _name(x)
+    T, H = x.shape
+    P = T * topk
+    check_tensor("dy", dy, (dt,), ndim=2, shape=(T, H))
+    check_tensor("gates", gates, ("float32",), ndim=1, shape=(P,))
+    for name, t in (("row_pair", row_pair), ("tile_e", tile_e), ("tile_r", tile_r),
+                    ("offsets", offsets), ("ntiles", ntiles)):
+        check_tensor(name, t, ("int32",), ndim=1)
+    E, nt = offsets.shape[0] - 1, tile_e.shape[0]
+    if b2 is not None:
+        check_tensor("b2", b2, ("float32",), ndim=2, shape=(E, H))
+    _same_device("x", x, dy=dy, gates=gates, b2=b2, row_pair=row_pair, tile_e=tile_e,
+                 tile_r=tile_r, offsets=offsets, ntiles=ntiles)
+    if H % 8 or x.data_ptr() % 16 or dy.data_ptr() % 16:
+        raise ShapeError(f"moe_gather: H ({H}) must be a multiple of 8 and x, dy 16-byte aligned")
+    if topk < 1 or P < 1 or E < 1 or row_pair.shape[0] < P or tile_r.shape[0] != nt \
+            or ntiles.shape[0] != 1:
+        raise ShapeError(f"moe_gather: need topk >= 1, a token, an expert, row_pair of >= "
+                         f"{P} entries, tile_r as long as tile_e ({nt}) and ntiles [1]")
+    if tile_rows <= 0 or rows < 0 or rows % tile_rows or row0 < 0 or row0 % tile_rows \
+            or (row0 + rows) // tile_rows > nt:
+        raise ShapeError(f"moe_gather: rows {row0}..{row0 + rows} must be whole tiles of "
+                         f"{tile_rows} within the list's {nt}")
+    C = rows // tile_rows
+    xg, dyg, do = (x.new_empty(rows, H) for _ in range(3))
+    gate, dot = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(2))
+    pair, tok = (torch.empty(rows, dtype=torch.int32, device=x.device) for _ in range(2))
+    e = torch.empty(C, dtype=torch.int32, device=x.device)
+    db2p = torch.empty(C, H, dtype=torch.float32, device=x.device)
+    if C:
+        run = _backward_launch("moe_gather", dt, C, tile_rows, 1)
+        with TorchLaunch() as launch:
+            run(launch.stream, x.data_ptr(), dy.data_ptr(), gates.data_ptr(),
+                0 if b2 is None else b2.data_ptr(), row_pair.data_ptr(), tile_e.data_ptr(),
+                tile_r.data_ptr(), offsets.data_ptr(), ntiles.data_ptr(), xg.data_ptr(),
+                dyg.data_ptr(), do.data_ptr(), gate.data_ptr(), pair.data_ptr(), tok.data_ptr(),
+                e.data_ptr(), dot.data_ptr(), db2p.data_ptr(), row0, tile_rows, H, P, topk, E)
+    return xg, dyg, do, gate, pair, tok, e, dot, db2p
+
+
+@on_operand_device
 def moe_route(expert_ids: Tensor, num_experts: int, block_m: int = 64) -> tuple[Routing, Tensor]:
     """Build the routing index on the GPU for ``expert_ids [T, topk]`` (int32/int64 CUDA tensor);
     returns (Routing of device tensors, ntiles [1]). ``tile_e/tile_r`` hold ``ntiles`` valid
@@ -667,7 +728,7 @@ def _moe_ffn(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2:
 
 #: the backward kernels' bodies, for an eager backward (the ops' names: moe_backward's kernels)
 _KERNEL_BODIES = SimpleNamespace(moe_rows=expert_rows, moe_rows_act=expert_rows_act,
-                                 moe_wgrad=wgrad)
+                                 moe_wgrad=wgrad, moe_gather=gather_rows)
 
 
 @functools.cache
@@ -799,8 +860,8 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
         # batched matmuls float16, while bfloat16's 8-bit mantissa rounded their three chained
         # products to 3% off float64 (dx, dgates), so they run it and float32 in float32
         cdt = x.dtype if grouped or x.dtype == torch.float16 else f32
-        gf = gates.to(f32).reshape(-1)
-        xc, dyc = x.to(cdt), dy.to(cdt)
+        gf = gates.to(f32).reshape(-1).contiguous()
+        xc, dyc = x.to(cdt), dy.to(cdt).contiguous()
         # a chunk's row tensors (float32), and without the kernels its tiles' two weights and
         # their gradients' partials
         size = torch.finfo(cdt).bits // 8
@@ -808,9 +869,6 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
         chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // tile_bytes))
         b1f = None if b1 is None else b1.to(f32)
         b2f = None if b2 is None else b2.to(f32)
-        # the routing words are int32 and index as they are: no int64 copies (a step is host
-        # bound, each op ~30 us on the lent H200's host)
-        ar = torch.arange(bm, device=dev, dtype=torch.int32)
         whole = chunk >= nt   # one chunk: its row tensors are moe_wgrad's operands themselves
         if grouped:
             k = kernels or ops()
@@ -818,11 +876,39 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
                 rows_x, rows_dh = x.new_empty(nt * bm, H), x.new_empty(nt * bm, F)
                 rows_a, rows_do = x.new_empty(nt * bm, F), x.new_empty(nt * bm, H)
         else:
+            # the routing words are int32 and index as they are: no int64 copies
+            ar = torch.arange(bm, device=dev, dtype=torch.int32)
             w1x, w2x = w1.to(cdt), w2.to(cdt)
             dw1 = torch.zeros(E, H, F, dtype=f32, device=dev)
             dw2 = torch.zeros(E, F, H, dtype=f32, device=dev)
         for s in range(0, nt, chunk):
             C = min(nt, s + chunk) - s
+            if grouped:
+                # the chunk's rows, gates, pairs, tokens, experts, dy · b2 and do's sums per
+                # tile in one launch (the eager step is host-bound: ~30 us an op)
+                xg, dyg, do, gate, pair, tok, e, dgb, db2p = k.moe_gather(
+                    xc, dyc, gf, b2f, row_pair, tile_e, tile_r, offsets, ntiles, s * bm,
+                    C * bm, bm, topk)
+
+                def by_tile(a: Any, w: Any, trans: bool) -> Any:
+                    return k.moe_rows(a, w, tile_e, ntiles, s * bm, bm, trans)
+                h = by_tile(xg, w1, False)
+                if b1f is not None:
+                    h = (h.view(C, bm, F) + b1f[e][:, None, :]).view(C * bm, F)
+                # G = dy W2ᵀ consumed in its epilogue: dh, a and G · a (never stored)
+                dh, a, dgp = k.moe_rows_act(dyg, w2, h, gate, tile_e, ntiles, s * bm, bm,
+                                            activation)
+                dg.index_add_(0, pair, dgp if b2f is None else dgp + dgb)
+                if b2f is not None:
+                    db2.index_add_(0, e, db2p)
+                db1.index_add_(0, e, dh.view(C, bm, F).sum(1, dtype=f32))
+                if whole:
+                    rows_x, rows_dh, rows_a, rows_do = xg, dh, a, do
+                else:
+                    span = slice(s * bm, (s + C) * bm)
+                    rows_x[span], rows_dh[span], rows_a[span], rows_do[span] = xg, dh, a, do
+                dx.index_add_(0, tok, by_tile(dh, w1, True))
+                continue
             live = torch.arange(s, s + C, device=dev, dtype=torch.int32) < ntiles
             e = torch.where(live, tile_e[s:s + C], 0).clamp_(0, E - 1)
             rows = torch.where(live, tile_r[s:s + C], 0)[:, None] + ar   # [C, BM]
@@ -835,28 +921,15 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             xg = xc[tok] * okc                                    # [C, BM, H]
             dyg = dyc[tok] * okc                                  # [C, BM, H]
             gate = gf[pair] * ok                                  # [C, BM]; padded rows 0
-            if grouped:
-                def by_tile(a: Any, w: Any, trans: bool) -> Any:
-                    out = k.moe_rows(a.reshape(C * bm, -1), w, tile_e, ntiles, s * bm, bm, trans)
-                    return out.view(C, bm, -1)
-                h = by_tile(xg, w1, False)
-                if b1f is not None:
-                    h = h + b1f[e][:, None, :]
-                # G = dy W2ᵀ consumed in its epilogue: dh, a and G · a (never stored)
-                dhc, a, dgp = k.moe_rows_act(dyg.reshape(C * bm, H), w2, h.reshape(C * bm, F),
-                                             gate.reshape(-1), tile_e, ntiles, s * bm, bm,
-                                             activation)
-                dh, dgp = dhc.view(C, bm, F), dgp.view(C, bm)
-            else:
-                w1c, w2c = w1x[e], w2x[e]                         # [C, H, F], [C, F, H]
-                h = _bmm32(xg, w1c)
-                if b1f is not None:
-                    h = h + b1f[e][:, None, :]
-                a = _act(activation, h)
-                g = _bmm32(dyg, w2c.transpose(1, 2))              # dy W2ᵀ, float32
-                dgp = (g * a).sum(-1)
-                dh = _act_grad(activation, g * gate[..., None], h)
-                dhc = dh.to(cdt)
+            w1c, w2c = w1x[e], w2x[e]                             # [C, H, F], [C, F, H]
+            h = _bmm32(xg, w1c)
+            if b1f is not None:
+                h = h + b1f[e][:, None, :]
+            a = _act(activation, h)
+            g = _bmm32(dyg, w2c.transpose(1, 2))                  # dy W2ᵀ, float32
+            dgp = (g * a).sum(-1)
+            dh = _act_grad(activation, g * gate[..., None], h)
+            dhc = dh.to(cdt)
             dyf = dyg.to(f32)
             if b2f is not None:
                 dgp = dgp + (dyf * b2f[e][:, None, :]).sum(-1)
@@ -864,22 +937,9 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             do = dyf * gate[..., None]                            # float32; padded rows 0
             db2.index_add_(0, e, do.sum(1))
             db1.index_add_(0, e, dh.sum(1, dtype=f32))
-            if grouped:
-                if whole:
-                    rows_x, rows_dh = xg.reshape(-1, H), dhc.reshape(-1, F)
-                    rows_a, rows_do = a.reshape(-1, F), do.to(cdt).reshape(-1, H)
-                else:
-                    span = slice(s * bm, (s + C) * bm)
-                    rows_x[span] = xg.reshape(-1, H)
-                    rows_dh[span] = dhc.reshape(-1, F)
-                    rows_a[span] = a.reshape(-1, F)
-                    rows_do[span] = do.reshape(-1, H)
-                dxs = by_tile(dh, w1, True)
-            else:
-                dxs = _bmm32(dhc, w1c.transpose(1, 2))
-                dw2.index_add_(0, e, _bmm32(a.to(cdt).transpose(1, 2), do.to(cdt)))
-                dw1.index_add_(0, e, _bmm32(xg.transpose(1, 2), dhc))
-            dx.index_add_(0, tok.reshape(-1), dxs.reshape(-1, H))
+            dw2.index_add_(0, e, _bmm32(a.to(cdt).transpose(1, 2), do.to(cdt)))
+            dw1.index_add_(0, e, _bmm32(xg.transpose(1, 2), dhc))
+            dx.index_add_(0, tok.reshape(-1), _bmm32(dhc, w1c.transpose(1, 2)).reshape(-1, H))
         if grouped:
             # expert e's tiles are ceil(count / BM) consecutive ones, in expert order
             counts = (offsets[1:] - offsets[:-1]).clamp(min=0)
