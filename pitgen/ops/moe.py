@@ -827,9 +827,11 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
     rounding of a, whose terms cancel), dh = act'(h) ⊙ gate · G, dx += dh W1ᵀ by token and the
     biases' gradients per tile, every sum in float32.
 
-    On CUDA with float16 or bfloat16 operands the products are pitgen's backward kernels
+    On CUDA with float16 or bfloat16 operands the chunk is pitgen's backward kernels
     (``kernels``: ``torch.ops.pitgen`` where torch traces, their bodies in an eager backward):
-    ``moe_rows`` multiplies each tile's rows by its expert's weight where it lies
+    ``moe_gather`` builds its rows, gates, pairs and bias sums in one launch (the eager step is
+    host-bound, so ~40 torch ops there cost more than the kernel), ``moe_rows`` multiplies each
+    tile's rows by its expert's weight where it lies
     (``moe_rows_act`` takes G and leaves dh, a and G · a from its epilogue, G never stored), and
     the weight gradients are one GEMM per expert over its rows (``moe_wgrad``, over the chunks'
     rows kept in the operands' dtype): no weight copied per tile, no partials, no atomics on
@@ -914,7 +916,7 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             rows = torch.where(live, tile_r[s:s + C], 0)[:, None] + ar   # [C, BM]
             ok = live[:, None] & (rows < offsets[e + 1][:, None]) & (rows < P)
             pair = row_pair[rows.clamp_(0, P - 1)]
-            ok &= pair >= 0
+            ok &= (pair >= 0) & (pair < P)   # as moe_gather: a pair id out of range is no row
             pair = torch.where(ok, pair, 0)
             tok = pair // topk
             okc = ok.to(cdt)[..., None]
