@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .. import cache, lower
-from ..errors import DeviceError, PlanError, ShapeError
+from ..errors import PlanError, ShapeError
 from ..limits import INDEX_THREADS
 from ..operands import check_tensor, on_operand_device, raw_key, validated
 from ..opspec import OpSpec, Permutation
@@ -435,14 +435,6 @@ def _backward_launch(kernel: str, dtype: str, rows: int, cols: int, z: int,
                                           device_index()), bind)
 
 
-def _same_device(first: str, a: Any, **others: Any) -> None:
-    """DeviceError naming the first of ``others`` (None skipped) that is not on ``a``'s
-    device (``a`` named ``first``)."""
-    for name, t in others.items():
-        if t is not None and t.device != a.device:
-            raise DeviceError(f"{name} is on {t.device} but {first} is on {a.device}")
-
-
 def _rows_operands(a: Any, w: Any, tile_e: Any, ntiles: Any, row0: int, tile_rows: int,
                    trans: bool) -> tuple[int, int, int, int, str]:
     """moe_rows' checks (a pitgen error naming what is wrong); (R, K, N, E, dtype)."""
@@ -451,7 +443,6 @@ def _rows_operands(a: Any, w: Any, tile_e: Any, ntiles: Any, row0: int, tile_row
     check_tensor("w", w, (dt,), ndim=3)
     check_tensor("tile_e", tile_e, ("int32",), ndim=1)
     check_tensor("ntiles", ntiles, ("int32",), ndim=1, shape=(1,))
-    _same_device("a", a, w=w, tile_e=tile_e, ntiles=ntiles)
     R, K = a.shape
     E, wk, N = (w.shape[0], w.shape[2], w.shape[1]) if trans else w.shape
     if wk != K:
@@ -512,7 +503,6 @@ def expert_rows_act(dy: Tensor, w: Tensor, h: Tensor, gate: Tensor, tile_e: Tens
                          f"got {activation!r}")
     check_tensor("h", h, ("float32",), shape=(R, N))
     check_tensor("gate", gate, ("float32",), shape=(R,))
-    _same_device("dy", dy, h=h, gate=gate)
     dh, a = dy.new_empty(R, N), dy.new_empty(R, N)
     dot = torch.zeros(R, dtype=torch.float32, device=dy.device)
     if dh.numel():
@@ -543,7 +533,6 @@ def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
     if not 0 <= experts < 65536 or rows.shape[0] < experts + 1:
         raise ShapeError(f"moe_wgrad: {experts} experts need rows of at least {experts + 1} "
                          f"entries (got {rows.shape[0]}) and fewer than 65536 experts")
-    _same_device("a", a, b=b, rows=rows)
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         raise ShapeError("moe_wgrad: a and b must start at 16-byte aligned addresses")
     w = a.new_empty(experts, M, N)   # fp32 accumulators, rounded once: the weights' dtype
@@ -583,8 +572,6 @@ def gather_rows(x: Tensor, dy: Tensor, gates: Tensor, b2: Tensor | None, row_pai
     E, nt = offsets.shape[0] - 1, tile_e.shape[0]
     if b2 is not None:
         check_tensor("b2", b2, ("float32",), ndim=2, shape=(E, H))
-    _same_device("x", x, dy=dy, gates=gates, b2=b2, row_pair=row_pair, tile_e=tile_e,
-                 tile_r=tile_r, offsets=offsets, ntiles=ntiles)
     if H % 8 or x.data_ptr() % 16 or dy.data_ptr() % 16:
         raise ShapeError(f"moe_gather: H ({H}) must be a multiple of 8 and x, dy 16-byte aligned")
     if topk < 1 or P < 1 or E < 1 or row_pair.shape[0] < P or tile_r.shape[0] != nt \
@@ -654,7 +641,6 @@ def _validate(x: Any, expert_ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2
         check_tensor("b1", b1, (dt,), ndim=2, shape=(E, F))
     if b2 is not None:
         check_tensor("b2", b2, (dt,), ndim=2, shape=(E, H))
-    _same_device("x", x, w1=w1, w2=w2, expert_ids=expert_ids, gates=gates, b1=b1, b2=b2)
     return plan_moe(T, topk, E, H, F, dt, activation, _name(expert_ids), device_arch())
 
 
@@ -871,9 +857,9 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
         chunk = max(1, min(nt, BACKWARD_CHUNK_BYTES // tile_bytes))
         b1f = None if b1 is None else b1.to(f32)
         b2f = None if b2 is None else b2.to(f32)
-        whole = chunk >= nt   # one chunk: its row tensors are moe_wgrad's operands themselves
         if grouped:
             k = kernels or ops()
+            whole = chunk >= nt   # one chunk: its row tensors are moe_wgrad's operands themselves
             if not whole:   # moe_wgrad's operands: every tile's rows, zero past its expert's
                 rows_x, rows_dh = x.new_empty(nt * bm, H), x.new_empty(nt * bm, F)
                 rows_a, rows_do = x.new_empty(nt * bm, F), x.new_empty(nt * bm, H)
