@@ -59,8 +59,19 @@ def _cases():
         ("moe_route", (ids, 4, 64), NO_COMPARE),
         ("moe_gather", (cuda(37, 32, dtype=torch.float16), cuda(37, 32, dtype=torch.float16),
                         torch.rand(74, device="cuda"), cuda(4, 32),
-                        *(t.clone() for t in route_tensors(ids.int(), 4, 64)), 64, 128, 64, 2),
-         NO_COMPARE),   # dot's float32 sums land in any order
+                        *(t.clone() for t in route_tensors(ids.int(), 4, 64)), 64, 128, 64, 2,
+                        cuda(74), cuda(4, 32)),
+         NO_COMPARE),   # the float32 sums it adds into dg and db2 land in any order
+        ("moe_rows", (cuda(128, 32, dtype=torch.float16), cuda(4, 32, 48, dtype=torch.float16),
+                      torch.tensor([2, 0], dtype=torch.int32, device="cuda"),
+                      torch.tensor([2], dtype=torch.int32, device="cuda"), 0, 64, False,
+                      cuda(4, 48)), None),
+        ("moe_rows_act", (cuda(128, 32, dtype=torch.float16), cuda(4, 48, 32, dtype=torch.float16),
+                          cuda(128, 48), torch.rand(128, device="cuda"),
+                          torch.tensor([2, 0], dtype=torch.int32, device="cuda"),
+                          torch.tensor([2], dtype=torch.int32, device="cuda"), 0, 64, "gelu",
+                          torch.randperm(128, device="cuda").int(), cuda(130), cuda(4, 48)),
+         NO_COMPARE),   # dg's and db1's float32 sums land in any order
     ]
 
 
@@ -72,7 +83,8 @@ def test_opcheck_every_op():
         kw = {} if utils is None else {"test_utils": utils}
         torch.library.opcheck(getattr(pit, name).default, args, **kw)
     assert seen == {"matmul", "gemm", "sddmm", "sddmm_tiles", "sddmm_out", "sparse_weight_linear",
-                    "sparse_input_linear", "moe_ffn", "moe_route", "moe_gather"}
+                    "sparse_input_linear", "moe_ffn", "moe_route", "moe_gather", "moe_rows",
+                    "moe_rows_act"}
 
 
 class Block(torch.nn.Module):

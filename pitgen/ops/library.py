@@ -319,47 +319,52 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
                 expert_ids.new_empty(num_experts + 1, dtype=i32), expert_ids.new_empty(1, dtype=i32))
 
     @op("moe_rows", "(Tensor a, Tensor w, Tensor tile_e, Tensor ntiles, int row0,"
-                    " int tile_rows, bool trans) -> Tensor")
+                    " int tile_rows, bool trans, Tensor? bias) -> Tensor")
     def moe_rows(a: torch.Tensor, w: torch.Tensor, tile_e: torch.Tensor, ntiles: torch.Tensor,
-                 row0: int, tile_rows: int, trans: bool) -> torch.Tensor:
-        return moe.expert_rows(a, w, tile_e, ntiles, row0, tile_rows, trans)
+                 row0: int, tile_rows: int, trans: bool,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        return moe.expert_rows(a, w, tile_e, ntiles, row0, tile_rows, trans, bias)
 
     @moe_rows.register_fake
-    def _(a, w, tile_e, ntiles, row0, tile_rows, trans):
+    def _(a, w, tile_e, ntiles, row0, tile_rows, trans, bias):
         return a.new_empty(a.shape[0], w.shape[1] if trans else w.shape[2], dtype=torch.float32)
 
+    # dg and db1 (db2 below) are the backward's float32 sums, added into across the chunks
     @op("moe_rows_act", "(Tensor dy, Tensor w, Tensor h, Tensor gate, Tensor tile_e,"
-                        " Tensor ntiles, int row0, int tile_rows, str activation)"
-                        " -> (Tensor, Tensor, Tensor)")
+                        " Tensor ntiles, int row0, int tile_rows, str activation, Tensor pair,"
+                        " Tensor(a!) dg, Tensor(b!) db1) -> (Tensor, Tensor)",
+        mutates=("dg", "db1"))
     def moe_rows_act(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor, gate: torch.Tensor,
                      tile_e: torch.Tensor, ntiles: torch.Tensor, row0: int, tile_rows: int,
-                     activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return moe.expert_rows_act(dy, w, h, gate, tile_e, ntiles, row0, tile_rows, activation)
+                     activation: str, pair: torch.Tensor, dg: torch.Tensor,
+                     db1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return moe.expert_rows_act(dy, w, h, gate, tile_e, ntiles, row0, tile_rows, activation,
+                                   pair, dg, db1)
 
     @moe_rows_act.register_fake
-    def _(dy, w, h, gate, tile_e, ntiles, row0, tile_rows, activation):
-        return (dy.new_empty(h.shape), dy.new_empty(h.shape),
-                h.new_empty(h.shape[0], dtype=torch.float32))
+    def _(dy, w, h, gate, tile_e, ntiles, row0, tile_rows, activation, pair, dg, db1):
+        return dy.new_empty(h.shape), dy.new_empty(h.shape)
 
     @op("moe_gather", "(Tensor x, Tensor dy, Tensor gates, Tensor? b2, Tensor row_pair,"
                       " Tensor tile_e, Tensor tile_r, Tensor offsets, Tensor ntiles, int row0,"
-                      " int rows, int tile_rows, int topk) -> (Tensor, Tensor, Tensor, Tensor,"
-                      " Tensor, Tensor, Tensor, Tensor, Tensor)")
+                      " int rows, int tile_rows, int topk, Tensor(a!) dg, Tensor(b!) db2)"
+                      " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        mutates=("dg", "db2"))
     def moe_gather(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor,
                    b2: torch.Tensor | None, row_pair: torch.Tensor, tile_e: torch.Tensor,
                    tile_r: torch.Tensor, offsets: torch.Tensor, ntiles: torch.Tensor, row0: int,
-                   rows: int, tile_rows: int, topk: int) -> tuple[torch.Tensor, ...]:
+                   rows: int, tile_rows: int, topk: int, dg: torch.Tensor,
+                   db2: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return moe.gather_rows(x, dy, gates, b2, row_pair, tile_e, tile_r, offsets, ntiles,
-                               row0, rows, tile_rows, topk)
+                               row0, rows, tile_rows, topk, dg, db2)
 
     @moe_gather.register_fake
     def _(x, dy, gates, b2, row_pair, tile_e, tile_r, offsets, ntiles, row0, rows, tile_rows,
-          topk):
-        H, tiles, f32, i32 = x.shape[1], rows // tile_rows, torch.float32, torch.int32
+          topk, dg, db2):
+        H, f32, i32 = x.shape[1], torch.float32, torch.int32
         return (x.new_empty(rows, H), x.new_empty(rows, H), x.new_empty(rows, H),
                 x.new_empty(rows, dtype=f32), x.new_empty(rows, dtype=i32),
-                x.new_empty(rows, dtype=i32), x.new_empty(tiles, dtype=i32),
-                x.new_empty(rows, dtype=f32), x.new_empty(tiles, H, dtype=f32))
+                x.new_empty(rows, dtype=i32))
 
     @op("moe_wgrad", "(Tensor a, Tensor b, Tensor rows, int experts) -> Tensor")
     def moe_wgrad(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,

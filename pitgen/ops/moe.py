@@ -58,8 +58,8 @@ WGRAD = "W[h,f] += X[r,h] * D[r,f]"
 
 MOE_BACKWARD = OpSpec(
     "moe backward", "moe_backward.cu.j2",
-    {"moe_rows_nn": "PPPPPiiiiii", "moe_rows_nt": "PPPPPiiiiii",
-     "moe_rows_act": "P" * 9 + "i" * 6, "moe_wgrad": "PPPPiii", "moe_gather": "P" * 18 + "i" * 6},
+    {"moe_rows_nn": "P" * 6 + "i" * 6, "moe_rows_nt": "P" * 6 + "i" * 6,
+     "moe_rows_act": "P" * 11 + "i" * 7, "moe_wgrad": "PPPPiii", "moe_gather": "P" * 17 + "i" * 6},
     permutes=(
         # each tile's rows times their expert's weight, where it lies (SRead of the rows) ...
         Permutation("tile rows", GEMM1, "spatial", "X"),
@@ -428,7 +428,7 @@ def _backward_launch(kernel: str, dtype: str, rows: int, cols: int, z: int,
             grid = (-(-cols // plan.bn), -(-rows // plan.bm), z)
             return mod.bind(kernel, grid, (plan.threads, 1, 1), plan.smem)
         if kernel == "moe_gather":   # rows: the chunk's tiles, cols: rows a tile
-            return mod.bind(kernel, (rows, 1, 1), (32, 8, 1), (3 * cols + 8 * 256) * 4)
+            return mod.bind(kernel, (rows, 1, 1), (32, 8, 1), (4 * cols + 8 * 256) * 4)
         return mod.bind(kernel, (-(-cols // ROWS_N), rows // ROWS_M, 1), (plan.threads, 1, 1),
                         plan.rows_smem)
     return validated(_BACKWARD_LAUNCHES, (kernel, dtype, rows, cols, z, activation,
@@ -465,53 +465,61 @@ def _rows_operands(a: Any, w: Any, tile_e: Any, ntiles: Any, row0: int, tile_row
 
 @on_operand_device
 def expert_rows(a: Tensor, w: Tensor, tile_e: Tensor, ntiles: Tensor, row0: int,
-                tile_rows: int, trans: bool) -> Tensor:
+                tile_rows: int, trans: bool, bias: Tensor | None = None) -> Tensor:
     """C float32 [R, N]: row r of ``a`` [R, K] times the weight of its tile's expert, ``w``
-    [E, K, N] (``trans``: ``w`` [E, N, K], C = a W[e]ᵀ). Row r is row r of list slot
-    ``(row0 + r) // tile_rows`` of the routing tile list ``tile_e`` (int32; ``ntiles`` [1]
-    valid entries); rows of slots past them, or whose expert is outside [0, E), are zeros.
-    float16 or bfloat16 operands of one dtype, contiguous, K and N multiples of 8; R and
-    ``tile_rows`` multiples of 64, ``row0`` of ``tile_rows``. One launch (``moe_rows_*``): the
-    weights are read where they lie, not copied per tile. The body of ``pitgen::moe_rows``."""
+    [E, K, N] (``trans``: ``w`` [E, N, K], C = a W[e]ᵀ), plus ``bias[e]`` (float32 [E, N]) where
+    given: the backward's pre-activation with b1 added in the epilogue, not by two more ops and
+    a pass over C. Row r is row r of list slot ``(row0 + r) // tile_rows`` of the routing tile
+    list ``tile_e`` (int32; ``ntiles`` [1] valid entries); rows of slots past them, or whose
+    expert is outside [0, E), are zeros. float16 or bfloat16 operands of one dtype, contiguous,
+    K and N multiples of 8; R and ``tile_rows`` multiples of 64, ``row0`` of ``tile_rows``. One
+    launch (``moe_rows_*``): the weights are read where they lie, not copied per tile. The body
+    of ``pitgen::moe_rows``."""
     import torch
 
     R, K, N, E, dt = _rows_operands(a, w, tile_e, ntiles, row0, tile_rows, trans)
+    if bias is not None:
+        check_tensor("bias", bias, ("float32",), ndim=2, shape=(E, N))
     c = torch.empty(R, N, dtype=torch.float32, device=a.device)
     if c.numel():
         run = _backward_launch("moe_rows_nt" if trans else "moe_rows_nn", dt, R, N, 1)
         with TorchLaunch() as launch:
-            run(launch.stream, a.data_ptr(), w.data_ptr(), c.data_ptr(), tile_e.data_ptr(),
-                ntiles.data_ptr(), row0, R, tile_rows, K, N, E)
+            run(launch.stream, a.data_ptr(), w.data_ptr(), c.data_ptr(),
+                0 if bias is None else bias.data_ptr(), tile_e.data_ptr(), ntiles.data_ptr(),
+                row0, R, tile_rows, K, N, E)
     return c
 
 
 @on_operand_device
 def expert_rows_act(dy: Tensor, w: Tensor, h: Tensor, gate: Tensor, tile_e: Tensor,
-                    ntiles: Tensor, row0: int, tile_rows: int,
-                    activation: str) -> tuple[Tensor, Tensor, Tensor]:
+                    ntiles: Tensor, row0: int, tile_rows: int, activation: str, pair: Tensor,
+                    dg: Tensor, db1: Tensor) -> tuple[Tensor, Tensor]:
     """The activation's backward over the rows of a chunk of the tile list, in one launch
     (``moe_rows_act``): G = dy W[e]ᵀ as :func:`expert_rows` with ``trans`` (``w`` [E, N, K]),
     consumed in the product's epilogue with the pre-activation ``h`` (float32 [R, N]) and the
-    rows' ``gate`` (float32 [R]): (dh, a, dot) with a = act(h) and dh = act'(h) · gate · G in
-    dy's dtype and dot[r] = G[r] · a[r] (float32). G itself is never stored. The body of
-    ``pitgen::moe_rows_act``."""
-    import torch
-
+    rows' ``gate`` (float32 [R]): (dh, a) with a = act(h) and dh = act'(h) · gate · G in dy's
+    dtype. It also adds each row's G · a into ``dg[pair[r]]`` (float32 [P]; pair int32 [R], ids
+    outside [0, P) skipped) and each live tile's column sums of dh, as stored, into ``db1[e]``
+    (float32 [E, N]): the dgates and db1 terms the eager step took three more ops for (it is
+    host-bound). G itself is never stored. The body of ``pitgen::moe_rows_act``."""
     R, K, N, E, dt = _rows_operands(dy, w, tile_e, ntiles, row0, tile_rows, True)
     if activation not in ACTIVATIONS:
         raise ShapeError(f"activation must be one of {', '.join(ACTIVATIONS)}; "
                          f"got {activation!r}")
     check_tensor("h", h, ("float32",), shape=(R, N))
     check_tensor("gate", gate, ("float32",), shape=(R,))
+    check_tensor("pair", pair, ("int32",), ndim=1, shape=(R,))
+    check_tensor("dg", dg, ("float32",), ndim=1)
+    check_tensor("db1", db1, ("float32",), ndim=2, shape=(E, N))
     dh, a = dy.new_empty(R, N), dy.new_empty(R, N)
-    dot = torch.zeros(R, dtype=torch.float32, device=dy.device)
     if dh.numel():
         run = _backward_launch("moe_rows_act", dt, R, N, 1, activation)
         with TorchLaunch() as launch:
             run(launch.stream, dy.data_ptr(), w.data_ptr(), h.data_ptr(), gate.data_ptr(),
-                dh.data_ptr(), a.data_ptr(), dot.data_ptr(), tile_e.data_ptr(),
-                ntiles.data_ptr(), row0, R, tile_rows, K, N, E)
-    return dh, a, dot
+                pair.data_ptr(), dh.data_ptr(), a.data_ptr(), dg.data_ptr(), db1.data_ptr(),
+                tile_e.data_ptr(), ntiles.data_ptr(), row0, R, tile_rows, K, N, E,
+                dg.shape[0])
+    return dh, a
 
 
 @on_operand_device
@@ -546,17 +554,19 @@ def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
 @on_operand_device
 def gather_rows(x: Tensor, dy: Tensor, gates: Tensor, b2: Tensor | None, row_pair: Tensor,
                 tile_e: Tensor, tile_r: Tensor, offsets: Tensor, ntiles: Tensor, row0: int,
-                rows: int, tile_rows: int, topk: int) -> tuple[Tensor, ...]:
+                rows: int, tile_rows: int, topk: int, dg: Tensor,
+                db2: Tensor) -> tuple[Tensor, ...]:
     """The backward's per-row bookkeeping and gathers for ``rows`` rows of the routing tile
     list from row ``row0`` (whole tiles of ``tile_rows``), in one launch (``moe_gather``) where
-    torch ops took ~40: (xg, dyg, do, gate, pair, tok, e, dot, db2p). Row r of tile c holds
-    pair p = ``row_pair[tile_r[t] + r]`` (t = row0 / tile_rows + c) while that row is one of
-    its expert's and p in [0, P); otherwise the row is zeros, its pair and token 0. xg, dyg:
-    x's and dy's rows of token p // topk ([rows, H], x's dtype); do = dyg · gate (rounded once);
-    gate = ``gates[p]`` (float32 [rows]); dot = dy · b2[e] (float32, 0 without ``b2``); e: each
-    tile's expert clamped to [0, E) (int32 [tiles]); db2p: each tile's float32 sum of do over
-    its rows ([tiles, H]). x, dy [T, H] float16/bfloat16 contiguous, H a multiple of 8; gates
-    float32 [T · topk]; b2 float32 [E, H] or None; the routing words int32. The body of
+    torch ops took ~40: (xg, dyg, do, gate, pair, tok). Row r of tile c holds pair p =
+    ``row_pair[tile_r[t] + r]`` (t = row0 / tile_rows + c) while that row is one of its
+    expert's and p in [0, P); otherwise the row is zeros, its pair -1 and token 0. xg, dyg: x's
+    and dy's rows of token p // topk ([rows, H], x's dtype); do = dyg · gate (rounded once);
+    gate = ``gates[p]`` (float32 [rows]). With ``b2``, each live row's dy · b2[e] is added into
+    ``dg[p]`` (float32 [P]); each live tile's float32 sum of do over its rows is added into
+    ``db2[e]`` (float32 [E, H]): the bias terms of dgates and db2, by atomics as
+    ``index_add_`` made them. x, dy [T, H] float16/bfloat16 contiguous, H a multiple of 8;
+    gates float32 [T · topk]; b2 float32 [E, H] or None; the routing words int32. The body of
     ``pitgen::moe_gather``."""
     import torch
 
@@ -572,6 +582,8 @@ def gather_rows(x: Tensor, dy: Tensor, gates: Tensor, b2: Tensor | None, row_pai
     E, nt = offsets.shape[0] - 1, tile_e.shape[0]
     if b2 is not None:
         check_tensor("b2", b2, ("float32",), ndim=2, shape=(E, H))
+    check_tensor("dg", dg, ("float32",), ndim=1, shape=(P,))
+    check_tensor("db2", db2, ("float32",), ndim=2, shape=(E, H))
     if H % 8 or x.data_ptr() % 16 or dy.data_ptr() % 16:
         raise ShapeError(f"moe_gather: H ({H}) must be a multiple of 8 and x, dy 16-byte aligned")
     if topk < 1 or P < 1 or E < 1 or row_pair.shape[0] < P or tile_r.shape[0] != nt \
@@ -584,10 +596,8 @@ def gather_rows(x: Tensor, dy: Tensor, gates: Tensor, b2: Tensor | None, row_pai
                          f"{tile_rows} within the list's {nt}")
     C = rows // tile_rows
     xg, dyg, do = (x.new_empty(rows, H) for _ in range(3))
-    gate, dot = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(2))
+    gate = torch.empty(rows, dtype=torch.float32, device=x.device)
     pair, tok = (torch.empty(rows, dtype=torch.int32, device=x.device) for _ in range(2))
-    e = torch.empty(C, dtype=torch.int32, device=x.device)
-    db2p = torch.empty(C, H, dtype=torch.float32, device=x.device)
     if C:
         run = _backward_launch("moe_gather", dt, C, tile_rows, 1)
         with TorchLaunch() as launch:
@@ -595,8 +605,8 @@ def gather_rows(x: Tensor, dy: Tensor, gates: Tensor, b2: Tensor | None, row_pai
                 0 if b2 is None else b2.data_ptr(), row_pair.data_ptr(), tile_e.data_ptr(),
                 tile_r.data_ptr(), offsets.data_ptr(), ntiles.data_ptr(), xg.data_ptr(),
                 dyg.data_ptr(), do.data_ptr(), gate.data_ptr(), pair.data_ptr(), tok.data_ptr(),
-                e.data_ptr(), dot.data_ptr(), db2p.data_ptr(), row0, tile_rows, H, P, topk, E)
-    return xg, dyg, do, gate, pair, tok, e, dot, db2p
+                dg.data_ptr(), db2.data_ptr(), row0, tile_rows, H, P, topk, E)
+    return xg, dyg, do, gate, pair, tok
 
 
 @on_operand_device
@@ -815,11 +825,12 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
 
     On CUDA with float16 or bfloat16 operands the chunk is pitgen's backward kernels
     (``kernels``: ``torch.ops.pitgen`` where torch traces, their bodies in an eager backward):
-    ``moe_gather`` builds its rows, gates, pairs and bias sums in one launch (the eager step is
-    host-bound, so ~40 torch ops there cost more than the kernel), ``moe_rows`` multiplies each
-    tile's rows by its expert's weight where it lies
-    (``moe_rows_act`` takes G and leaves dh, a and G · a from its epilogue, G never stored), and
-    the weight gradients are one GEMM per expert over its rows (``moe_wgrad``, over the chunks'
+    ``moe_gather`` builds its rows, gates and pairs in one launch and adds the bias terms of
+    dgates and db2 (the eager step is host-bound, so ~40 torch ops there cost more than the
+    kernel), ``moe_rows`` multiplies each tile's rows by its expert's weight where it lies (b1
+    added in its epilogue), ``moe_rows_act`` takes G and leaves dh and a from its epilogue,
+    adding G · a into dgates and dh's tile sums into db1 (G never stored), and the weight
+    gradients are one GEMM per expert over its rows (``moe_wgrad``, over the chunks'
     rows kept in the operands' dtype): no weight copied per tile, no partials, no atomics on
     them. Elsewhere (float32, the CPU) they are batched matmuls over each tile's gathered
     weights (float16 on the tensor cores, the rest in float32), each tile's weight-gradient
@@ -872,30 +883,22 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
         for s in range(0, nt, chunk):
             C = min(nt, s + chunk) - s
             if grouped:
-                # the chunk's rows, gates, pairs, tokens, experts, dy · b2 and do's sums per
-                # tile in one launch (the eager step is host-bound: ~30 us an op)
-                xg, dyg, do, gate, pair, tok, e, dgb, db2p = k.moe_gather(
+                # the chunk's rows, gates, pairs and tokens in one launch, dy · b2 added into
+                # dg and do's sums per tile into db2 (the eager step is host-bound: ~30 us an op)
+                xg, dyg, do, gate, pair, tok = k.moe_gather(
                     xc, dyc, gf, b2f, row_pair, tile_e, tile_r, offsets, ntiles, s * bm,
-                    C * bm, bm, topk)
-
-                def by_tile(a: Any, w: Any, trans: bool) -> Any:
-                    return k.moe_rows(a, w, tile_e, ntiles, s * bm, bm, trans)
-                h = by_tile(xg, w1, False)
-                if b1f is not None:
-                    h = (h.view(C, bm, F) + b1f[e][:, None, :]).view(C * bm, F)
-                # G = dy W2ᵀ consumed in its epilogue: dh, a and G · a (never stored)
-                dh, a, dgp = k.moe_rows_act(dyg, w2, h, gate, tile_e, ntiles, s * bm, bm,
-                                            activation)
-                dg.index_add_(0, pair, dgp if b2f is None else dgp + dgb)
-                if b2f is not None:
-                    db2.index_add_(0, e, db2p)
-                db1.index_add_(0, e, dh.view(C, bm, F).sum(1, dtype=f32))
+                    C * bm, bm, topk, dg, db2)
+                h = k.moe_rows(xg, w1, tile_e, ntiles, s * bm, bm, False, b1f)
+                # G = dy W2ᵀ consumed in its epilogue: dh and a stored, G · a added into dg
+                # and dh's tile sums into db1 (G never stored)
+                dh, a = k.moe_rows_act(dyg, w2, h, gate, tile_e, ntiles, s * bm, bm, activation,
+                                       pair, dg, db1)
                 if whole:
                     rows_x, rows_dh, rows_a, rows_do = xg, dh, a, do
                 else:
                     span = slice(s * bm, (s + C) * bm)
                     rows_x[span], rows_dh[span], rows_a[span], rows_do[span] = xg, dh, a, do
-                dx.index_add_(0, tok, by_tile(dh, w1, True))
+                dx.index_add_(0, tok, k.moe_rows(dh, w1, tile_e, ntiles, s * bm, bm, True, None))
                 continue
             live = torch.arange(s, s + C, device=dev, dtype=torch.int32) < ntiles
             e = torch.where(live, tile_e[s:s + C], 0).clamp_(0, E - 1)
