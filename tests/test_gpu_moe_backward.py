@@ -146,8 +146,10 @@ def test_expert_rows_act_matches_float64(dtype, act, E, K, N, tile_rows, nt, dat
 @settings(max_examples=T.examples(25), deadline=None, suppress_health_check=list(HealthCheck))
 @given(dtype=st.sampled_from(sorted(DT)), E=st.integers(1, 6),
        R=st.sampled_from([0, 1, 64, 100, 320]), M=st.sampled_from([8, 40, 136, 264]),
-       N=st.sampled_from([8, 56, 128, 200]), data=st.data())
-def test_wgrad_matches_float64(dtype, E, R, M, N, data):
+       N=st.sampled_from([8, 56, 128, 200]), tile_rows=st.sampled_from([0, 0, 64, 128]),
+       data=st.data())
+def test_wgrad_matches_float64(dtype, E, R, M, N, tile_rows, data):
+    """Bounds as given (tile_rows 0), or pair offsets whose counts round up to whole tiles."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
     # ascending bounds mostly; some reversed, negative or past R (clamped: empty or cut)
     rows = np.sort(rng.integers(0, R + 1, E + 1))
@@ -160,12 +162,18 @@ def test_wgrad_matches_float64(dtype, E, R, M, N, data):
     a64, b64 = at.double().cpu().numpy(), bt.double().cpu().numpy()
     bounds = torch.tensor(rows, dtype=torch.int32, device="cuda")
     ptr = _poisoned((E, M, N), DT[dtype])
-    out = moe.wgrad(at, bt, bounds, E)
+    out = moe.wgrad(at, bt, bounds, E, tile_rows)
     assert {out.data_ptr()} == ptr and out.shape == (E, M, N) and out.dtype == DT[dtype]
     ref, rss = np.zeros((E, M, N)), np.zeros((E, M, N))
+    start = 0   # tile_rows > 0: the rounded counts of the experts before e
     for e in range(E):
-        r0 = min(max(rows[e], 0), R)
-        r1 = min(max(rows[e + 1], r0), R)
+        if tile_rows:
+            span = -(-max(int(rows[e + 1]) - int(rows[e]), 0) // tile_rows) * tile_rows
+            r0 = min(start, R)
+            r1, start = min(r0 + span, R), start + span
+        else:
+            r0 = min(max(rows[e], 0), R)
+            r1 = min(max(rows[e + 1], r0), R)
         ref[e] = a64[r0:r1].T @ b64[r0:r1]
         rss[e] = np.sqrt(a64[r0:r1].T ** 2 @ b64[r0:r1] ** 2)
     T.assert_close(out, ref, dtype, scale=rss)
@@ -282,6 +290,8 @@ def test_kernels_refuse_bad_input():
         moe.wgrad(a, a.bfloat16(), rows, 2)
     with pytest.raises(ShapeError, match="not contiguous"):
         moe.wgrad(a.t(), a.t(), rows, 2)
+    with pytest.raises(ShapeError, match="tile_rows must be >= 0"):
+        moe.wgrad(a, a, rows, 2, -64)
     ids = torch.zeros(64, 1, dtype=torch.int32, device="cuda")
     route = moe.route_tensors(ids, 2, 64)
     gf = torch.ones(64, device="cuda")

@@ -366,13 +366,13 @@ def _register(torch: Any) -> None:  # noqa: C901 - one place declares every op
                 x.new_empty(rows, dtype=f32), x.new_empty(rows, dtype=i32),
                 x.new_empty(rows, dtype=i32))
 
-    @op("moe_wgrad", "(Tensor a, Tensor b, Tensor rows, int experts) -> Tensor")
-    def moe_wgrad(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
-                  experts: int) -> torch.Tensor:
-        return moe.wgrad(a, b, rows, experts)
+    @op("moe_wgrad", "(Tensor a, Tensor b, Tensor rows, int experts, int tile_rows) -> Tensor")
+    def moe_wgrad(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, experts: int,
+                  tile_rows: int) -> torch.Tensor:
+        return moe.wgrad(a, b, rows, experts, tile_rows)
 
     @moe_wgrad.register_fake
-    def _(a, b, rows, experts):
+    def _(a, b, rows, experts, tile_rows):
         return a.new_empty(experts, a.shape[1], b.shape[1])
 
     # -- sparse-channel convolution ----------------------------------------------------------------

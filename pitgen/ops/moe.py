@@ -59,7 +59,7 @@ WGRAD = "W[h,f] += X[r,h] * D[r,f]"
 MOE_BACKWARD = OpSpec(
     "moe backward", "moe_backward.cu.j2",
     {"moe_rows_nn": "P" * 6 + "i" * 6, "moe_rows_nt": "P" * 6 + "i" * 6,
-     "moe_rows_act": "P" * 11 + "i" * 7, "moe_wgrad": "PPPPiii", "moe_gather": "P" * 17 + "i" * 6},
+     "moe_rows_act": "P" * 11 + "i" * 7, "moe_wgrad": "PPPPiiii", "moe_gather": "P" * 17 + "i" * 6},
     permutes=(
         # each tile's rows times their expert's weight, where it lies (SRead of the rows) ...
         Permutation("tile rows", GEMM1, "spatial", "X"),
@@ -523,13 +523,16 @@ def expert_rows_act(dy: Tensor, w: Tensor, h: Tensor, gate: Tensor, tile_e: Tens
 
 
 @on_operand_device
-def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
+def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int, tile_rows: int = 0) -> Tensor:
     """W [experts, M, N] in the operands' dtype with ``W[e] = a[r0:r1]ᵀ b[r0:r1]``,
     ``r0, r1 = rows[e], rows[e + 1]`` (clamped to [0, R]): the weight gradients of experts
     whose routed rows lie in consecutive ranges of ``a`` [R, M] and ``b`` [R, N] (float16 or
-    bfloat16, one dtype, contiguous, M and N multiples of 8; ``rows`` int32 [>= experts + 1]). One GEMM per expert
-    over its rows (``moe_wgrad``): no partials, no atomics; an expert without rows gets zeros.
-    The body of ``pitgen::moe_wgrad``."""
+    bfloat16, one dtype, contiguous, M and N multiples of 8; ``rows`` int32 [>= experts + 1]).
+    With ``tile_rows`` > 0, ``rows`` are the routing's pair offsets and expert e's range is its
+    pair count rounded up to whole tiles, after the rounded counts of the experts before it:
+    the tile list's rows, so the backward passes its offsets and no torch ops build the bounds.
+    One GEMM per expert over its rows (``moe_wgrad``): no partials, no atomics; an expert
+    without rows gets zeros. The body of ``pitgen::moe_wgrad``."""
     check_tensor("a", a, ("float16", "bfloat16"), ndim=2)
     dt = _name(a)
     check_tensor("b", b, (dt,), ndim=2, shape=(a.shape[0], None))
@@ -541,13 +544,16 @@ def wgrad(a: Tensor, b: Tensor, rows: Tensor, experts: int) -> Tensor:
     if not 0 <= experts < 65536 or rows.shape[0] < experts + 1:
         raise ShapeError(f"moe_wgrad: {experts} experts need rows of at least {experts + 1} "
                          f"entries (got {rows.shape[0]}) and fewer than 65536 experts")
+    if tile_rows < 0:
+        raise ShapeError(f"moe_wgrad: tile_rows must be >= 0 (0: rows as given), got {tile_rows}")
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         raise ShapeError("moe_wgrad: a and b must start at 16-byte aligned addresses")
     w = a.new_empty(experts, M, N)   # fp32 accumulators, rounded once: the weights' dtype
     if w.numel():
         run = _backward_launch("moe_wgrad", dt, M, N, experts)
         with TorchLaunch() as launch:
-            run(launch.stream, a.data_ptr(), b.data_ptr(), w.data_ptr(), rows.data_ptr(), R, M, N)
+            run(launch.stream, a.data_ptr(), b.data_ptr(), w.data_ptr(), rows.data_ptr(), R, M, N,
+                tile_rows)
     return w
 
 
@@ -932,12 +938,10 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             dw1.index_add_(0, e, _bmm32(xg.transpose(1, 2), dhc))
             dx.index_add_(0, tok.reshape(-1), _bmm32(dhc, w1c.transpose(1, 2)).reshape(-1, H))
         if grouped:
-            # expert e's tiles are ceil(count / BM) consecutive ones, in expert order
-            counts = (offsets[1:] - offsets[:-1]).clamp(min=0)
-            first = torch.zeros(E + 1, dtype=torch.int32, device=dev)
-            first[1:] = torch.cumsum(-(-counts // bm) * bm, 0)
-            dw1 = k.moe_wgrad(rows_x, rows_dh, first, E)
-            dw2 = k.moe_wgrad(rows_a, rows_do, first, E)
+            # expert e's tiles are ceil(count / BM) consecutive ones, in expert order: its
+            # rows' range follows from the offsets (the kernel rounds and sums them)
+            dw1 = k.moe_wgrad(rows_x, rows_dh, offsets, E, bm)
+            dw2 = k.moe_wgrad(rows_a, rows_do, offsets, E, bm)
     if dw1 is None:   # no pair: nothing routed
         dw1 = torch.zeros(E, H, F, dtype=f32, device=dev)
         dw2 = torch.zeros(E, F, H, dtype=f32, device=dev)
