@@ -744,17 +744,12 @@ def _eager_function() -> type:
         @staticmethod
         def forward(ctx: Any, x: Any, ids: Any, gates: Any, w1: Any, w2: Any, b1: Any, b2: Any,
                     activation: str) -> Any:
-            ctx.save_for_backward(x, ids, gates, w1, w2, b1, b2)
-            ctx.activation = activation
+            _save(ctx, (x, ids, gates, w1, w2, b1, b2, activation))
             return launch(x, ids, gates, w1, w2, b1, b2, activation)
 
         @staticmethod
         def backward(ctx: Any, dy: Any) -> tuple:
-            x, ids, gates, w1, w2, b1, b2 = ctx.saved_tensors
-            dx, dg, dw1, dw2, db1, db2 = moe_backward(x, ids, gates, w1, w2, b1, b2,
-                                                      ctx.activation, dy, route_tensors,
-                                                      _KERNEL_BODIES)
-            return dx, None, dg, dw1, dw2, db1, db2, None
+            return _grads(ctx, dy, route_tensors, _KERNEL_BODIES)
 
     return MoEFunction
 
@@ -950,20 +945,26 @@ def moe_backward(x: Tensor, expert_ids: Tensor, gates: Tensor, w1: Tensor, w2: T
             None if b2 is None else db2.to(b2.dtype))
 
 
+def _save(ctx: Any, inputs: tuple) -> None:
+    """What the backward needs of ``moe_ffn``'s inputs (x, ids, gates, w1, w2, b1, b2,
+    activation): the op's setup and the eager function's forward."""
+    *tensors, activation = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.activation = activation
+
+
+def _grads(ctx: Any, dy: Any, route: Any = None, kernels: Any = None) -> tuple:
+    """``moe_ffn``'s input gradients (none for the ids and the activation) from what
+    :func:`_save` kept; ``route`` and ``kernels`` as :func:`moe_backward` takes them."""
+    x, ids, gates, w1, w2, b1, b2 = ctx.saved_tensors
+    dx, dg, dw1, dw2, db1, db2 = moe_backward(x, ids, gates, w1, w2, b1, b2, ctx.activation, dy,
+                                              route, kernels)
+    return dx, None, dg, dw1, dw2, db1, db2, None
+
+
 def register_backward(op: Any) -> None:
     """Register :func:`moe_backward` as ``pitgen::moe_ffn``'s autograd formula."""
-    def setup(ctx: Any, inputs: tuple, output: Any) -> None:
-        x, ids, gates, w1, w2, b1, b2, activation = inputs
-        ctx.save_for_backward(x, ids, gates, w1, w2, b1, b2)
-        ctx.activation = activation
-
-    def backward(ctx: Any, dy: Any) -> tuple:
-        x, ids, gates, w1, w2, b1, b2 = ctx.saved_tensors
-        dx, dg, dw1, dw2, db1, db2 = moe_backward(x, ids, gates, w1, w2, b1, b2, ctx.activation,
-                                                  dy)
-        return dx, None, dg, dw1, dw2, db1, db2, None
-
-    op.register_autograd(backward, setup_context=setup)
+    op.register_autograd(_grads, setup_context=lambda ctx, inputs, output: _save(ctx, inputs))
 
 
 # -- torch module (built lazily: importing pitgen.ops.moe needs no torch) ---------------------------
